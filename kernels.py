@@ -1,0 +1,165 @@
+"""Kernels of the Gated DeltaNet layer, each fast form next to a naive twin that is its spec.
+
+Glossary (code name -> symbol in the Gated DeltaNet paper / ../shared/qwen35-spec.md section 4):
+    q, k        q̂_t, k̂_t  L2-normalised query and key (q already scaled by dk**-0.5)
+    v           v_t        value
+    g           g_t        log decay, g <= 0; the state is multiplied by alpha_t = exp(g_t)
+    beta        β_t        write strength in (0, 1)
+    state       S          [dk, dv] per value head, always float32 (or float64 in float64 runs)
+    Hk, Hv      key heads and value heads; value head h reads key head h // (Hv // Hk)
+
+Shapes at every boundary:
+    q, k   [B, T, Hk, dk]      v [B, T, Hv, dv]      g, beta [B, T, Hv]
+    state  [B, Hv, dk, dv]     o [B, T, Hv, dv]      states  [B, T, Hv, dk, dv]
+
+The delta rule per token (spec 4.6): S' = alpha S; e = beta (v - S'^T k); S = S' + k e^T; o = S^T q.
+The output reads the UPDATED state, so the current token sees itself.
+
+Why two fast forms: the chunked form (many tokens, few sequential steps) runs prefill; the recurrent form
+runs decode and verify and keeps the state after EVERY token, which is what makes rollback after a partial
+acceptance exact: commit = pick the slot of the last committed token (see model.TargetCache.commit).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _state_dtype(x: torch.Tensor) -> torch.dtype:
+    """The recurrent state runs in float32, or float64 when the whole model runs in float64."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _expand_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key heads shared by groups of value heads: value head h uses key head h // group
+    (repeat_interleave, not tile; spec 4.5)."""
+    group = hv // q.shape[2]
+    if group > 1:
+        q = q.repeat_interleave(group, dim=2)
+        k = k.repeat_interleave(group, dim=2)
+    return q, k
+
+
+# --------------------------------------------------------------------------------------------------
+# Recurrent form: one token at a time, every intermediate state kept.
+# --------------------------------------------------------------------------------------------------
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Vectorised over batch and heads, sequential over T.
+
+    q, k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]
+    -> o [B,T,Hv,dv] (state dtype), states [B,T,Hv,dk,dv] (the state after each token)."""
+    sd = _state_dtype(v)
+    q, k = _expand_heads(q, k, v.shape[2])
+    q, k, v, g, beta = (x.to(sd) for x in (q, k, v, g, beta))
+    s = state.to(sd)
+    outs, states = [], []
+    for t in range(v.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]                        # S' = alpha S
+        kv = torch.einsum("bhkv,bhk->bhv", s, k[:, t])                # S'^T k
+        e = (v[:, t] - kv) * beta[:, t, :, None]                      # e = beta (v - S'^T k)
+        s = s + k[:, t, :, :, None] * e[:, :, None, :]                # S = S' + k e^T
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))        # o = S^T q
+        states.append(s)
+    return torch.stack(outs, 1), torch.stack(states, 1)
+
+
+def naive_gated_delta_rule(q, k, v, g, beta, state):
+    """Twin of `recurrent_gated_delta_rule`: loops over batch, head and token, written in the
+    matrix form S_t = alpha_t (I - beta_t k k^T) S_{t-1} + beta_t k v^T. Same signature and result."""
+    sd = _state_dtype(v)
+    B, T, Hv, dv = v.shape
+    dk = q.shape[-1]
+    group = Hv // q.shape[2]
+    o = torch.zeros(B, T, Hv, dv, dtype=sd, device=v.device)
+    states = torch.zeros(B, T, Hv, dk, dv, dtype=sd, device=v.device)
+    eye = torch.eye(dk, dtype=sd, device=v.device)
+    for b in range(B):
+        for h in range(Hv):
+            s = state[b, h].to(sd)
+            for t in range(T):
+                kt = k[b, t, h // group].to(sd)
+                qt = q[b, t, h // group].to(sd)
+                vt = v[b, t, h].to(sd)
+                alpha = torch.exp(g[b, t, h].to(sd))
+                bt = beta[b, t, h].to(sd)
+                s = alpha * (eye - bt * torch.outer(kt, kt)) @ s + bt * torch.outer(kt, vt)
+                o[b, t, h] = s.T @ qt
+                states[b, t, h] = s
+    return o, states
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked form: the same maths, C tokens per sequential step (spec 4, "Chunked form").
+# --------------------------------------------------------------------------------------------------
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """q, k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]
+    -> o [B,T,Hv,dv] (state dtype), final state [B,Hv,dk,dv].
+
+    Per chunk, with gamma = cumsum(g) and D_ij = exp(gamma_i - gamma_j) for j <= i:
+        A  = strict_lower((beta K K^T) * D)          T = (I + A)^-1 (unit lower-triangular solve)
+        U  = T (beta V)                              W = T (beta e^gamma K)
+        V' = U - W S                                 O = (e^gamma Q) S + ((Q K^T) * D) V'
+        S <- e^gamma_last S + (e^(gamma_last - gamma) K)^T V'
+    The tail is padded with g = 0, beta = 0, k = v = 0: such a token neither decays nor writes."""
+    sd = _state_dtype(v)
+    B, T, Hv, dv = v.shape
+    q, k = _expand_heads(q, k, Hv)
+    dk = q.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    # [B, H, T, d] in the state dtype, padded to a multiple of C, then split into N chunks of C.
+    q, k, v = (F.pad(x.to(sd).transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.to(sd).transpose(1, 2), (0, pad)) for x in (g, beta))
+    N = (T + pad) // C
+    q, k, v = (x.reshape(B, Hv, N, C, -1) for x in (q, k, v))
+    g, beta = (x.reshape(B, Hv, N, C) for x in (g, beta))
+
+    gamma = g.cumsum(-1)                                             # [B,H,N,C]
+    lower = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    diff = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf"))
+    D = diff.exp()                                                   # [B,H,N,C,C], 0 above the diagonal
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * D                               # diagonal ignored by the unit solve
+    U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(A, kb * gamma.exp()[..., None], upper=False, unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)) * D
+    q_decayed = q * gamma.exp()[..., None]
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]             # [B,H,N,1,1]
+
+    s = state.to(sd)
+    outs = []
+    for n in range(N):
+        v_new = U[:, :, n] - W[:, :, n] @ s                          # V' = U - W S
+        outs.append(q_decayed[:, :, n] @ s + QK[:, :, n] @ v_new)
+        s = chunk_decay[:, :, n] * s + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, 2).reshape(B, Hv, N * C, dv)[:, :, :T].transpose(1, 2)
+    return o, s
+
+
+# --------------------------------------------------------------------------------------------------
+# Causal depthwise convolution with a carried window (spec 4.1).
+# --------------------------------------------------------------------------------------------------
+
+def causal_conv1d(x, weight, conv_state):
+    """u_t = silu(sum_i weight[:, i] * c_{t-K+1+i}); tap K-1 multiplies the current token.
+
+    x [B,T,C] pre-conv inputs c; weight [C,K]; conv_state [B,K-1,C] the K-1 previous inputs, oldest first
+    -> u [B,T,C], window [B,K-1+T,C] = cat(conv_state, x). Rows n..n+K-2 of the window are the conv
+    state after the first n tokens of x, which is how a partial acceptance is committed."""
+    T, K = x.shape[1], weight.shape[1]
+    window = torch.cat([conv_state.to(x.dtype), x], dim=1)
+    y = F.conv1d(window.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=weight.shape[0])
+    return F.silu(y[:, :, -T:]).transpose(1, 2), window
+
+
+def naive_causal_conv1d(x, weight, conv_state):
+    """Twin of `causal_conv1d`: an explicit sum over the K taps."""
+    T, K = x.shape[1], weight.shape[1]
+    window = torch.cat([conv_state.to(x.dtype), x], dim=1)
+    y = torch.zeros_like(x)
+    for i in range(K):
+        y = y + window[:, i:i + T] * weight[:, i].to(x.dtype)
+    return F.silu(y), window

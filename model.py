@@ -1,0 +1,827 @@
+"""Qwen3.5 (dense, hybrid Gated DeltaNet + gated attention) target and the DFlash block-diffusion drafter,
+in plain PyTorch, with static caches and loaders for the real Hugging Face checkpoint formats.
+
+Follows ../shared/qwen35-spec.md (sections cited as "spec N") and ../shared/dflash-notes.md ("notes N").
+
+Glossary (code name -> meaning; symbols of the DFlash paper in brackets):
+    cfg: TargetConfig / DraftConfig   checkpoint config.json read by explicit keys
+    H                      hidden size                          (d)
+    L                      number of target decoder layers
+    T                      tokens in this forward call; B (lower-case `bsz` in code) is the batch, always 1 in decoding
+    pos                    absolute positions of the T tokens, a LongTensor [T]
+    feature_layers         target layers whose OUTPUT the drafter reads (`target_layer_ids`; notes 1)
+    feats                  concatenated outputs of those layers, [B, T, n_feat * H]        (target context features)
+    ctx                    hidden_norm(fc(feats)): the drafter's injected context, [B, T, H]
+    block                  [last committed token, MASK x (block_size - 1)]                   (the noised block)
+    block_size             tokens per draft/verify step                                     (B in the paper, 16)
+    GDN                    Gated DeltaNet (linear attention) layer; its state is (conv state, recurrent state S)
+    capacity               positions the static KV caches hold (prompt + new tokens + one block of slack)
+
+Forward modes of the target (`Qwen35.forward(..., gdn=...)`):
+    "chunked"   prefill: GDN runs the chunked rule from the cached state and writes the final state at once
+    "recurrent" decode (T=1) and verify (T=block): GDN keeps the state after every token in `pending`;
+                nothing is final until `TargetCache.commit(n)` picks the slot of the n-th token. This is the
+                exact rollback (notes 3): per-step state slots were chosen over snapshot-and-replay because the
+                shapes stay static (no replay of a variable number of tokens), and the commit is one copy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or config that cannot be used; the message says what is wrong and what to do."""
+
+
+# ==================================================================================================
+# Configs
+# ==================================================================================================
+
+SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _need(d: dict, key: str, where: str):
+    if key not in d:
+        raise CheckpointError(f"{where} is missing the field '{key}'; re-export the checkpoint with its full config.json")
+    return d[key]
+
+
+@dataclass
+class TargetConfig:
+    """The text model of a dense Qwen3.5 checkpoint (every size differs only in these numbers; spec 1)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    layer_types: list
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: list = field(default_factory=lambda: [11, 11, 10])
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    eos_token_id: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise CheckpointError(f"config has {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers")
+        bad = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if bad:
+            raise CheckpointError(f"unknown layer types {sorted(bad)}; only linear_attention and full_attention exist in Qwen3.5")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise CheckpointError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise CheckpointError(f"partial_rotary_factor {self.partial_rotary_factor} gives an invalid rotary dim {self.rotary_dim}")
+        if sum(self.mrope_section) != self.rotary_dim // 2:
+            # The interleaved layout needs one section entry per frequency column; for 1-D text positions
+            # the sections do not matter, so fall back to all-T rather than refuse a valid checkpoint.
+            self.mrope_section = [self.rotary_dim // 2, 0, 0]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "TargetConfig":
+        mt = raw.get("model_type")
+        if mt in MOE_TYPES or "num_experts" in raw.get("text_config", raw):
+            raise CheckpointError(f"model_type '{mt}' is a mixture-of-experts model; dflash-fast supports the dense Qwen3.5 models only")
+        if mt == "qwen3_5":
+            tc = dict(_need(raw, "text_config", "config.json of a qwen3_5 model"))
+        elif mt == "qwen3_5_text":
+            tc = dict(raw)
+        else:
+            raise CheckpointError(f"unsupported target model_type '{mt}'; expected one of {SUPPORTED_TARGET_TYPES} (a Qwen3.5 checkpoint)")
+        where = "the target's text config"
+        n_layers = _need(tc, "num_hidden_layers", where)
+        layer_types = tc.get("layer_types")
+        if layer_types is None:  # HF default: full attention every `full_attention_interval` layers
+            every = tc.get("full_attention_interval", 4)
+            layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+        rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise CheckpointError(f"rope_type '{rope.get('rope_type')}' is not supported; only default (unscaled) RoPE is implemented")
+        theta = rope.get("rope_theta", tc.get("rope_theta"))
+        if theta is None:
+            raise CheckpointError(f"{where} has no rope_theta (in rope_parameters or at top level)")
+        eos = raw.get("eos_token_id", tc.get("eos_token_id"))
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=_need(tc, "vocab_size", where),
+            hidden_size=_need(tc, "hidden_size", where),
+            intermediate_size=_need(tc, "intermediate_size", where),
+            num_hidden_layers=n_layers,
+            num_attention_heads=_need(tc, "num_attention_heads", where),
+            num_key_value_heads=_need(tc, "num_key_value_heads", where),
+            head_dim=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"],
+            linear_num_key_heads=_need(tc, "linear_num_key_heads", where),
+            linear_num_value_heads=_need(tc, "linear_num_value_heads", where),
+            linear_key_head_dim=_need(tc, "linear_key_head_dim", where),
+            linear_value_head_dim=_need(tc, "linear_value_head_dim", where),
+            linear_conv_kernel_dim=_need(tc, "linear_conv_kernel_dim", where),
+            layer_types=list(layer_types),
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            partial_rotary_factor=rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25)),
+            mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
+            max_position_embeddings=tc.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+            eos_token_id=eos,
+        )
+
+
+# Keys a z-lab drafter may carry in `dflash_config` (or at top level). Anything else in `dflash_config`
+# changes the architecture (e.g. DFlash2's dynamic convolutions) and is refused instead of ignored.
+DRAFT_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
+              "output_multiplier", "final_logit_softcapping", "num_target_layers")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:
+    """Evenly spaced target layers between 1 and L-3 (notes 1); [L // 2] for a one-layer drafter."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig:
+    """A z-lab DFlash drafter: Qwen3 decoder layers with the target's features injected as K/V (notes 1)."""
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list
+    mask_token_id: int
+    block_size: int = 16
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise CheckpointError(f"drafter block_size {self.block_size} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError("drafter num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.target_layer_ids:
+            raise CheckpointError("drafter target_layer_ids is empty")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DraftConfig":
+        arch = raw.get("architectures") or []
+        if any("DFlash2" in a for a in arch):
+            raise CheckpointError(f"architecture {arch} (DFlash2) is not supported; dflash-fast serves DFlashDraftModel checkpoints")
+        if raw.get("model_type") not in ("qwen3", None):
+            raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
+        dc = raw.get("dflash_config") or {}
+        unknown = sorted(set(dc) - set(DRAFT_KEYS))
+        if unknown:
+            raise CheckpointError(f"unknown dflash_config keys {unknown}; this drafter variant is not supported (known: {', '.join(DRAFT_KEYS)})")
+
+        def draft_value(key, default=None):
+            return dc.get(key, raw.get(key, default))
+
+        where = "the drafter's config.json"
+        n_layers = _need(raw, "num_hidden_layers", where)
+        n_target = draft_value("num_target_layers")
+        layer_ids = draft_value("target_layer_ids")
+        if layer_ids is None:
+            if n_target is None:
+                raise CheckpointError("the drafter config has neither target_layer_ids nor num_target_layers; add one of them")
+            layer_ids = default_target_layer_ids(n_target, n_layers)
+        mask = draft_value("mask_token_id")
+        if mask is None:
+            raise CheckpointError("the drafter config has no mask_token_id (in dflash_config or at top level)")
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise CheckpointError(f"drafter rope_type '{rope.get('rope_type')}' is not supported; only default RoPE")
+        softcap = draft_value("final_logit_softcapping")
+        return cls(
+            hidden_size=_need(raw, "hidden_size", where),
+            intermediate_size=_need(raw, "intermediate_size", where),
+            num_hidden_layers=n_layers,
+            num_attention_heads=_need(raw, "num_attention_heads", where),
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+            vocab_size=_need(raw, "vocab_size", where),
+            target_layer_ids=[int(i) for i in layer_ids],
+            mask_token_id=int(mask),
+            block_size=int(draft_value("block_size", 16)),
+            num_target_layers=n_target,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1000000.0))),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+            output_multiplier=float(draft_value("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+        )
+
+    def check_fits(self, target: TargetConfig) -> None:
+        """A drafter built for another target fails here, before it can propose nonsense."""
+        fix = "use the drafter trained for this target"
+        if self.hidden_size != target.hidden_size:
+            raise CheckpointError(f"drafter hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}; {fix}")
+        if self.vocab_size != target.vocab_size:
+            raise CheckpointError(f"drafter vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}; {fix}")
+        if self.num_target_layers is not None and self.num_target_layers != target.num_hidden_layers:
+            raise CheckpointError(f"drafter was built for a {self.num_target_layers}-layer target, this one has {target.num_hidden_layers}; {fix}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise CheckpointError(f"drafter target_layer_ids {bad} do not exist in a {target.num_hidden_layers}-layer target; {fix}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise CheckpointError(f"drafter mask_token_id {self.mask_token_id} is outside the target vocab (0..{target.vocab_size - 1}); {fix}")
+
+
+# ==================================================================================================
+# Building blocks
+# ==================================================================================================
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5 RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32, cast back at the end (spec 2).
+    The stored weight is an offset (initialised to 0)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(xf.dtype))).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Ordinary (Qwen3) RMSNorm used by the drafter: y = w * cast(x * rsqrt(mean(x^2) + eps))."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm (spec 2): normalise one value head, cast, multiply by w (used directly, no 1+),
+    then by silu(z) in float32, cast back. One [dv] weight shared by all value heads."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, z):
+        xf = x.float() if x.dtype != torch.float64 else x
+        n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        n = self.weight * n
+        return (n * F.silu(z.to(xf.dtype))).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x):
+    """NeoX rotation: [a, b] -> [-b, a] over the last dim."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, heads, T, D]; cos, sin [T, R] with R <= D: rotate the first R dims, pass the rest (partial RoPE)."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
+
+
+def inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    """theta^(-2i/R) for i < R/2, computed in float32 as HF does (so the angles round the same)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
+def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
+    """Stream (0=T, 1=H, 2=W) that each frequency column takes its angle from, interleaved layout
+    THWTHW... (spec 3.5): H where i % 3 == 1 and i < 3*sec[1], W where i % 3 == 2 and i < 3*sec[2]."""
+    cols = torch.zeros(n_freq, dtype=torch.long)
+    for stream in (1, 2):
+        idx = torch.arange(stream, min(3 * mrope_section[stream], n_freq), 3)
+        cols[idx] = stream
+    return cols
+
+
+def attention(q, k, v, mask):
+    """q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask [Tq,Tk] bool (True = visible) -> [B,Tq,Hq*D].
+    Query head h reads kv head h // (Hq // Hkv). Softmax scale D**-0.5."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    b, h, t, d = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+# ==================================================================================================
+# Target: Qwen3.5 hybrid
+# ==================================================================================================
+
+class GatedAttention(nn.Module):
+    """Full-attention layer (spec 3): q_proj gives query and output gate interleaved per head,
+    q/k zero-centred norm before partial RoPE, causal GQA, output * sigmoid(gate), o_proj."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd * 2, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, pos, cache):
+        """x [B,T,H]; cos, sin [T,R]; pos [T]; cache: AttnCache or None (then causal over x alone)."""
+        bsz, T, _ = x.shape
+        qg = self.q_proj(x).view(bsz, T, self.nh, 2 * self.hd)
+        q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(bsz, T, self.nh * self.hd)
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)                         # [B,nh,T,hd]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(bsz, T, self.nkv, self.hd).transpose(1, 2)
+        if cache is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        else:
+            # Write at the absolute positions; a query at position p sees keys at positions <= p. Entries
+            # beyond the committed length (a rejected draft's K/V) are hidden by the same rule and
+            # overwritten before anyone can see them: rollback of attention is free.
+            cache.k.index_copy_(2, pos, k.to(cache.k.dtype))
+            cache.v.index_copy_(2, pos, v.to(cache.v.dtype))
+            k, v = cache.k, cache.v
+            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None]
+        o = attention(q, k, v, mask)
+        return self.o_proj(o * torch.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention layer (spec 4): depthwise causal conv + SiLU on [q|k|v], L2-normed q/k, the gated
+    delta rule with an fp32 state, gated RMSNorm by z, out_proj."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel))   # checkpoint: conv1d.weight [C,1,K]
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cache, gdn: str):
+        """x [B,T,H]; cache: GDNCache or None (then from a zero state, chunked, nothing kept)."""
+        bsz, T, _ = x.shape
+        sd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        c = self.in_proj_qkv(x)                                                          # [B,T,conv_dim]
+        z = self.in_proj_z(x).view(bsz, T, self.hv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x)).to(sd)                                   # [B,T,Hv]
+        g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
+        conv_state = cache.conv if cache is not None else x.new_zeros(bsz, self.kernel - 1, self.conv_dim)
+        u, window = kernels.causal_conv1d(c, self.conv_weight, conv_state)
+        q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = _l2norm(q.view(bsz, T, self.hk, self.dk).to(sd)) * self.dk ** -0.5
+        k = _l2norm(k.view(bsz, T, self.hk, self.dk).to(sd))
+        v = v.reshape(bsz, T, self.hv, self.dv)
+        state = cache.rec if cache is not None else torch.zeros(bsz, self.hv, self.dk, self.dv, dtype=sd, device=x.device)
+        if gdn == "chunked":
+            o, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, state)
+            if cache is not None:
+                cache.rec.copy_(final)
+                cache.conv.copy_(window[:, window.shape[1] - (self.kernel - 1):])
+        elif gdn == "recurrent":
+            o, states = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+            if cache is not None:
+                cache.pending = (states, window)          # final only after TargetCache.commit(n)
+        else:
+            raise ValueError(f"gdn must be 'chunked' or 'recurrent', not {gdn!r}")
+        y = self.norm(o.to(x.dtype), z)
+        return self.out_proj(y.reshape(bsz, T, self.value_dim))
+
+
+def _l2norm(x, eps: float = 1e-6):
+    """x * rsqrt(sum(x^2) + eps) over the last dim (eps inside the sum, as FLA and HF do)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x += mixer(norm(x)); x += mlp(norm(x)). The mixer is GDN or gated attention."""
+
+    def __init__(self, cfg: TargetConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, pos, cache, gdn):
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            x = x + self.linear_attn(h, cache, gdn)
+        else:
+            x = x + self.self_attn(h, cos, sin, pos, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class AttnCache:
+    k: torch.Tensor          # [B, Hkv, capacity, hd], post-norm, post-RoPE
+    v: torch.Tensor          # [B, Hkv, capacity, hd]
+
+
+@dataclass
+class GDNCache:
+    conv: torch.Tensor       # [B, K-1, conv_dim]: the last K-1 pre-conv inputs, oldest first
+    rec: torch.Tensor        # [B, Hv, dk, dv] float32 (float64 in float64 runs): S after the last committed token
+    pending: tuple | None = None   # (states [B,T,Hv,dk,dv], window [B,K-1+T,conv_dim]) of the last recurrent call
+
+
+class TargetCache:
+    """Static caches for one sequence, allocated once for `capacity` positions and written in place."""
+
+    def __init__(self, cfg: TargetConfig, capacity: int, dtype, device, batch: int = 1):
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        self.capacity = capacity
+        self.layers = []
+        for t in cfg.layer_types:
+            if t == "full_attention":
+                shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+                self.layers.append(AttnCache(torch.zeros(shape, dtype=dtype, device=device),
+                                             torch.zeros(shape, dtype=dtype, device=device)))
+            else:
+                conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+                self.layers.append(GDNCache(
+                    torch.zeros(batch, cfg.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device),
+                    torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                dtype=sd, device=device)))
+
+    def commit(self, n) -> None:
+        """After a recurrent forward over T tokens, keep the first n (1 <= n <= T) of them: the GDN states
+        become the ones after token n-1 (slot n-1) and the conv window rows n .. n+K-2. `n` may be an int or
+        a 0-d device tensor (no host sync). Attention needs nothing: its stale entries are masked."""
+        for layer in self.layers:
+            if isinstance(layer, GDNCache):
+                states, window = layer.pending
+                idx = torch.as_tensor(n, device=states.device).reshape(1)
+                layer.rec.copy_(states.index_select(1, idx - 1).squeeze(1))
+                k1 = layer.conv.shape[1]
+                layer.conv.copy_(window.index_select(1, idx + torch.arange(k1, device=window.device)))
+                layer.pending = None
+
+
+class Qwen35(nn.Module):
+    """The Qwen3.5 text model with its lm_head. `forward` also returns the drafter's context features."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, t) for t in cfg.layer_types])
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+        self.register_buffer("mrope_cols", mrope_columns(cfg.mrope_section, cfg.rotary_dim // 2), persistent=False)
+
+    def rope(self, pos, dtype):
+        """pos [T] (text) or [3,T] (t,h,w streams) -> cos, sin [T, rotary_dim] in `dtype`.
+        Angles are computed in float32 (as HF does); with equal streams this is plain partial RoPE."""
+        pos3 = pos.expand(3, -1) if pos.dim() == 1 else pos
+        ang = pos3.float()[:, :, None] * self.inv_freq                             # [3,T,R/2]
+        ang = ang.gather(0, self.mrope_cols.view(1, 1, -1).expand(1, ang.shape[1], -1)).squeeze(0)
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward(self, ids, pos, cache: TargetCache | None = None, gdn: str = "chunked",
+                feature_layers=(), last_logits_only: bool = False):
+        """ids [B,T] token ids at absolute positions pos [T] (or [3,T]).
+        cache None: a plain causal forward over ids alone (training, reference); else the caches are used
+        and updated as `gdn` says (see the module docstring).
+        -> logits [B,T,V] (or [B,1,V] with last_logits_only), feats [B,T,len(feature_layers)*H] or None."""
+        x = self.embed_tokens(ids)
+        return self.forward_embeds(x, pos, cache, gdn, feature_layers, last_logits_only)
+
+    def forward_embeds(self, x, pos, cache=None, gdn="chunked", feature_layers=(), last_logits_only=False):
+        cos, sin = self.rope(pos.view(-1) if pos.dim() == 1 else pos, x.dtype)
+        want = {l: i for i, l in enumerate(feature_layers)}
+        feats = [None] * len(feature_layers)
+        text_pos = pos if pos.dim() == 1 else pos[0]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, text_pos, None if cache is None else cache.layers[i], gdn)
+            if i in want:
+                feats[want[i]] = x                   # the OUTPUT of layer i (HF hidden_states[i + 1]; notes 1)
+        h = self.norm(x[:, -1:] if last_logits_only else x)
+        return self.lm_head(h), (torch.cat(feats, dim=-1) if feats else None)
+
+
+# ==================================================================================================
+# Drafter: DFlash block diffusion
+# ==================================================================================================
+
+class DraftAttention(nn.Module):
+    """Qwen3 attention with KV injection (notes 1): Q from the block only; K, V from [context ; block];
+    k_norm on both; ordinary 1-D RoPE over the full head dim; NON-causal."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def kv(self, x, cos, sin):
+        """x [B,T,H] -> k, v [B,Hkv,T,hd] (k normed and rotated)."""
+        bsz, T, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
+        return k, self.v_proj(x).view(bsz, T, self.nkv, self.hd).transpose(1, 2)
+
+    def forward(self, x, ctx, cos_q, sin_q, cos_c, sin_c, mask, cache: AttnCache | None, ctx_pos, block_start):
+        """x [B,Tq,H] block hidden; ctx [B,Tc,H] new context (after fc + hidden_norm); cos_q/sin_q [Tq,hd],
+        cos_c/sin_c [Tc,hd]. Without a cache, keys are [ctx ; x] and `mask` [Tq, Tc+Tq] says who sees what
+        (training). With a cache, the ctx K/V are written at ctx_pos, and the block sees cached positions
+        < block_start plus the whole block both ways."""
+        bsz, Tq, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(bsz, Tq, self.nh, self.hd)).transpose(1, 2), cos_q, sin_q)
+        kb, vb = self.kv(x, cos_q, sin_q)
+        kc, vc = self.kv(ctx, cos_c, sin_c)
+        if cache is not None:
+            cache.k.index_copy_(2, ctx_pos, kc.to(cache.k.dtype))
+            cache.v.index_copy_(2, ctx_pos, vc.to(cache.v.dtype))
+            kc, vc = cache.k, cache.v
+            seen = torch.arange(kc.shape[2], device=x.device) < block_start
+            mask = torch.cat([seen[None, :].expand(Tq, -1), torch.ones(Tq, Tq, dtype=torch.bool, device=x.device)], 1)
+        o = attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+        return self.o_proj(o)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, mask, cache, ctx_pos, block_start):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *rope, mask, cache, ctx_pos, block_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm over the concatenated target features, Qwen3 layers, final norm. It has no
+    embedding or lm_head: the target's are passed in (shared and frozen; notes 1)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    def rope(self, pos, dtype):
+        ang = pos.float()[:, None] * self.inv_freq
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward(self, block_embeds, feats, block_pos, ctx_pos, cache: "DraftCache | None" = None, mask=None):
+        """block_embeds [B,Tq,H] (target embedding of the block, times input_embedding_scale);
+        feats [B,Tc,n_feat*H] target features at positions ctx_pos [Tc]; block_pos [Tq].
+        With a cache: the context is appended to it (positions ctx_pos must continue it) and the block
+        attends to all cached context before block_pos[0]. Without: `mask` [Tq, Tc+Tq] (training).
+        -> hidden [B,Tq,H] after the final norm; logits come from the target's lm_head (`draft_logits`)."""
+        ctx = self.hidden_norm(self.fc(feats))
+        rope = (*self.rope(block_pos, block_embeds.dtype), *self.rope(ctx_pos, block_embeds.dtype))
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos[0])
+        return self.norm(x)
+
+    def draft_logits(self, hidden, lm_head: nn.Linear):
+        """Logits of the drafter through the target's lm_head, with the optional z-lab output scaling."""
+        logits = lm_head(hidden)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        if self.cfg.final_logit_softcapping:
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class DraftCache:
+    """The drafter's context K/V per layer, for `capacity` positions. Only context K/V are kept: the block's
+    K/V are recomputed every step and thrown away (notes 1, z-lab issue #15)."""
+
+    def __init__(self, cfg: DraftConfig, capacity: int, dtype, device, batch: int = 1):
+        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.layers = [AttnCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(cfg.num_hidden_layers)]
+
+
+# ==================================================================================================
+# Loading checkpoints
+# ==================================================================================================
+
+HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+
+
+def resolve_dir(name: str) -> str:
+    """A local folder, or a Hugging Face repo id fetched with huggingface_hub (only the files we read)."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise CheckpointError(f"{name} is a file; pass the checkpoint folder that holds config.json")
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise CheckpointError(f"{name} is not a folder here and not a Hugging Face repo id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(name, allow_patterns=HUB_PATTERNS)
+    except Exception as e:  # offline, unknown repo, gated repo: one line that says which
+        raise CheckpointError(f"could not fetch {name} from the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              "download it first and pass the local folder") from None
+
+
+def read_config(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    if not os.path.exists(f):
+        raise CheckpointError(f"{path} has no config.json; point at a checkpoint folder")
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+
+
+def read_safetensors(path: str) -> dict:
+    """All tensors of a checkpoint folder: one model.safetensors, or the shards named by
+    model.safetensors.index.json. Missing or truncated files fail with the file's name."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        f = os.path.join(path, name)
+        if not os.path.exists(f):
+            raise CheckpointError(f"shard {name} named in the index is missing from {path}; re-download the checkpoint")
+        try:
+            with safe_open(f, framework="pt") as fh:
+                for key in fh.keys():
+                    tensors[key] = fh.get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{f} is truncated or corrupt ({type(e).__name__}); re-download it") from None
+    return tensors
+
+
+def _target_key(name: str) -> str | None:
+    """Checkpoint name -> our parameter name; None for tensors text-only decoding does not use."""
+    if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
+
+
+def _load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
+    """Copy checkpoint tensors into `module`, converting dtype; every parameter must be present with its shape."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{what} checkpoint lacks {', '.join(missing[:3])}{more}; it does not match its config.json")
+    unexpected = sorted(set(tensors) - set(params))
+    if unexpected:
+        raise CheckpointError(f"{what} checkpoint has tensors this architecture does not use: {', '.join(unexpected[:3])}")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = tensors[name]
+            if name.endswith("conv_weight") and t.dim() == 3:
+                t = t[:, 0, :]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
+            p.data = t.to(torch.float64 if dtype == torch.float64 else torch.float32) if name.endswith(keep_fp32) else t.to(dtype)
+
+
+def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
+    path = resolve_dir(path)
+    cfg = TargetConfig.from_dict(read_config(path))
+    with torch.device("meta"):
+        model = Qwen35(cfg)
+    model.to_empty(device="cpu")
+    tensors = {}
+    for name, t in read_safetensors(path).items():
+        key = _target_key(name)
+        if key is not None:
+            tensors[key] = t
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (spec 10).
+    _load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
+    model.inv_freq = inv_freq(cfg.rotary_dim, cfg.rope_theta)
+    model.mrope_cols = mrope_columns(cfg.mrope_section, cfg.rotary_dim // 2)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.path = path
+    return model.to(device).eval()
+
+
+def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> DFlashDrafter:
+    path = resolve_dir(path)
+    cfg = DraftConfig.from_dict(read_config(path))
+    cfg.check_fits(target_cfg)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model.to_empty(device="cpu")
+    tensors = {(k[len("model."):] if k.startswith("model.") else k): t for k, t in read_safetensors(path).items()}
+    _load_into(model, tensors, dtype, "drafter")
+    model.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta)
+    model.path = path
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer.json via `tokenizers`, or None when the folder has none."""
+    f = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(f):
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(f)
+
+
+def stop_token_ids(path: str, cfg: TargetConfig) -> list:
+    """Stop ids from generation_config.json when present, else config.json's eos_token_id (spec 9)."""
+    f = os.path.join(path, "generation_config.json")
+    if os.path.exists(f):
+        with open(f) as fh:
+            eos = json.load(fh).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return list(cfg.eos_token_id)
