@@ -200,6 +200,9 @@ class DraftConfig:
             raise CheckpointError(f"architecture {arch} (DFlash2) is not supported; dflash-fast serves DFlashDraftModel checkpoints")
         if raw.get("model_type") not in ("qwen3", None):
             raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
+        kinds = set(raw.get("layer_types") or ["full_attention"])
+        if kinds != {"full_attention"} or raw.get("use_sliding_window"):
+            raise CheckpointError(f"drafter layer types {sorted(kinds)} (sliding window) are not supported; DFlash drafters use full non-causal attention")
         dc = raw.get("dflash_config") or {}
         unknown = sorted(set(dc) - set(DRAFT_KEYS))
         if unknown:
@@ -344,8 +347,9 @@ def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
     THWTHW... (spec 3.5): H where i % 3 == 1 and i < 3*sec[1], W where i % 3 == 2 and i < 3*sec[2]."""
     cols = torch.zeros(n_freq, dtype=torch.long)
     for stream in (1, 2):
-        idx = torch.arange(stream, min(3 * mrope_section[stream], n_freq), 3)
-        cols[idx] = stream
+        end = min(3 * mrope_section[stream], n_freq)
+        if end > stream:
+            cols[torch.arange(stream, end, 3)] = stream
     return cols
 
 

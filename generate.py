@@ -1,0 +1,137 @@
+"""Command line: greedy DFlash speculative decoding (or plain AR with --draft none) on a Qwen3.5 target.
+
+    python generate.py --prompt "def fibonacci(n):"                       # embedded tiny pair, offline
+    python generate.py --target Qwen/Qwen3.5-9B --draft z-lab/Qwen3.5-9B-DFlash --prompt "..." --device cuda
+
+This is also the oracle interface other engines compare against: with --json the last stdout line is one
+JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import dflash
+import model as M
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
+DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
+    p.add_argument("--draft", default=None, help="DFlash drafter folder or repo id, or 'none' for plain AR (default: the embedded drafter with the embedded target)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: just enough for the request)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line instead of streaming text")
+    args = p.parse_args(argv)
+    if args.draft is None:
+        args.draft = DEFAULT_DRAFT if args.target == DEFAULT_TARGET else "none"
+    return args
+
+
+def parse_ids(text: str) -> list:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise dflash.GenerationError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+class TextStream:
+    """Prints committed tokens as text, holding back an incomplete UTF-8 sequence at a token boundary."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def push(self, ids: list) -> None:
+        self.ids += ids
+        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd"):      # a multi-byte character split across tokens: wait for the rest
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+    def close(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        self.out.write(text[self.shown:] + "\n")
+        self.out.flush()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+
+    t0 = time.perf_counter()
+    target = M.load_target(args.target, dtype, device)
+    tokenizer = M.load_tokenizer(target.path)
+    proposer = None
+    if args.draft.lower() != "none":
+        proposer = dflash.DrafterProposer(M.load_drafter(args.draft, target.cfg, dtype, device), target)
+    load_seconds = time.perf_counter() - t0
+
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise dflash.GenerationError(f"{target.path} has no tokenizer.json; pass --prompt-ids instead of --prompt")
+        prompt_ids = tokenizer.encode(args.prompt).ids
+    else:
+        prompt_ids = parse_ids(args.prompt_ids)
+    block_size = args.block_size or (proposer.max_block_size if proposer else 1)
+    stops = M.stop_token_ids(target.path, target.cfg)
+
+    stream = TextStream(tokenizer) if (tokenizer is not None and not args.json) else None
+    if stream is None and not args.json:
+        print("(no tokenizer.json: printing token ids)")
+    on_step = (lambda s: stream.push(s.tokens)) if stream else (None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True)))
+    res = dflash.run(target, prompt_ids, args.max_new_tokens, stops, proposer, block_size, args.cache_len, on_step)
+    if stream:
+        stream.close()
+    elif not args.json:
+        print()
+
+    n_decode = len(res.output_ids) - 1
+    tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
+            "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids,
+            "mean_acceptance_length": res.mean_acceptance_length,
+            "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
+            "decode_tokens_per_s": tps, "load_seconds": load_seconds, "block_size": block_size if proposer else 1,
+            "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
+        }))
+    else:
+        stats = f"[{len(res.output_ids)} tokens, {tps:.1f} tok/s after the first"
+        if proposer:
+            stats += (f", mean acceptance length {res.mean_acceptance_length:.2f}, "
+                      f"histogram (1..{block_size} tokens/step) {res.histogram(block_size)}")
+        print(stats + "]")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (M.CheckpointError, dflash.GenerationError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except torch.cuda.OutOfMemoryError:
+        print("error: the GPU ran out of memory; use --dtype bfloat16, a smaller --cache-len / --max-new-tokens, or a larger GPU", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,177 @@
+"""Tiny random models and stand-in proposers shared by the tests."""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import random
+
+import torch
+
+import model as M
+
+
+def tiny_target_config(**kw) -> M.TargetConfig:
+    base = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
+    base.update(kw)
+    return M.TargetConfig(**base)
+
+
+def tiny_draft_config(target: M.TargetConfig, **kw) -> M.DraftConfig:
+    base = dict(hidden_size=target.hidden_size, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
+                target_layer_ids=M.default_target_layer_ids(target.num_hidden_layers, 2),
+                mask_token_id=target.vocab_size - 1, block_size=16, num_target_layers=target.num_hidden_layers,
+                rope_theta=10000.0)
+    base.update(kw)
+    return M.DraftConfig(**base)
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights with every norm weight randomised too, so a (1 + w) slip changes the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
+                centre = 0.0 if isinstance(module, M.Qwen35) and "linear_attn.norm" not in name else 1.0
+                p.copy_(centre + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("conv_weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # linear layers: unit-variance outputs
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return module
+
+
+def random_target(cfg: M.TargetConfig, seed=0, dtype=torch.float64) -> M.Qwen35:
+    return randomize_(M.Qwen35(cfg), seed).to(dtype).eval()
+
+
+def random_drafter(cfg: M.DraftConfig, seed=0, dtype=torch.float64) -> M.DFlashDrafter:
+    return randomize_(M.DFlashDrafter(cfg), seed).to(dtype).eval()
+
+
+class OracleProposer:
+    """Stand-in drafter: offers the true continuation (known from an AR run) with one corruption at a chosen
+    index, so a verify step accepts exactly that many proposals. The acceptance length of step i cycles
+    through a seeded permutation of 0..n (n = full acceptance), so every length occurs."""
+
+    feature_layers = ()
+
+    def __init__(self, prompt_len: int, continuation: list, vocab: int, seed: int = 0, max_block_size: int = 16):
+        self.T0, self.cont, self.V = prompt_len, list(continuation), vocab
+        self.rng = random.Random(seed)
+        self.max_block_size = max_block_size
+        self.plan, self.asked = [], []
+
+    def reset(self, capacity):
+        self.plan = []
+
+    def propose(self, last, start, feats, feat_pos, n):
+        if not self.plan:
+            self.plan = list(range(n + 1))
+            self.rng.shuffle(self.plan)
+        a = self.plan.pop()
+        i = start - self.T0 + 1                      # index in the continuation of the token after `last`
+        out = (self.cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
+        if a < n:
+            out[a] = (out[a] + 1 + self.rng.randrange(self.V - 1)) % self.V   # anything but the true token
+        self.asked.append(a)
+        return torch.tensor(out, dtype=torch.long)
+
+
+def zlab_module():
+    """The z-lab `dflash` package's model.py, loaded under another name: our dflash.py shadows the package."""
+    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hf_text_config(**kw):
+    from transformers import Qwen3_5TextConfig
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1]})
+    base.update(kw)
+    return Qwen3_5TextConfig(**base)
+
+
+def randomize_hf_norms_(hf_model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "norm" in name and "visual" not in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return hf_model
+
+
+def save_hf_causal_lm(path, seed=0, **kw):
+    """A tiny transformers Qwen3_5ForCausalLM with random weights (norms randomised) saved in fp32."""
+    from transformers import Qwen3_5ForCausalLM
+    torch.manual_seed(seed)
+    hf = randomize_hf_norms_(Qwen3_5ForCausalLM(hf_text_config(**kw)).float().eval(), seed)
+    hf.save_pretrained(path)
+    return hf
+
+
+def save_hf_conditional(path, seed=0, **kw):
+    """The multimodal layout (model.language_model.*, model.visual.*) of Qwen3_5ForConditionalGeneration."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    torch.manual_seed(seed)
+    tc = hf_text_config(**kw)
+    vc = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=tc.hidden_size,
+              num_position_embeddings=16)
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=tc.to_dict(), vision_config=vc)).float().eval()
+    randomize_hf_norms_(hf, seed)
+    hf.save_pretrained(path)
+    return hf
+
+
+def save_zlab_drafter(path, target_layers: int, vocab: int, hidden: int, seed=0, n_layers=2, block_size=8,
+                      mask_token_id=None, layer_ids=None, **kw):
+    """A z-lab DFlashDraftModel with random weights (norms randomised), saved with save_pretrained."""
+    from transformers import Qwen3Config
+    zm = zlab_module()
+    dcfg = {"mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id, "block_size": block_size}
+    if layer_ids is not None:
+        dcfg["target_layer_ids"] = layer_ids
+    base = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=80, num_hidden_layers=n_layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                num_target_layers=target_layers, dflash_config=dcfg)
+    base.update(kw)
+    cfg = Qwen3Config(**base)
+    cfg.architectures = ["DFlashDraftModel"]
+    torch.manual_seed(seed)
+    d = zm.DFlashDraftModel(cfg).float().eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    d.save_pretrained(path)
+    return d
+
+
+def edit_json(path, fn):
+    with open(path) as fh:
+        d = json.load(fh)
+    fn(d)
+    with open(path, "w") as fh:
+        json.dump(d, fh)

@@ -1,0 +1,117 @@
+"""The central property: DFlash greedy output == plain AR greedy output, token for token."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import dflash
+import model as M
+from helpers import OracleProposer, random_drafter, random_target, tiny_draft_config, tiny_target_config
+
+
+@st.composite
+def target_configs(draw):
+    n_layers = draw(st.integers(1, 5))
+    layer_types = draw(st.lists(st.sampled_from(["linear_attention", "full_attention"]), min_size=n_layers, max_size=n_layers))
+    nkv = draw(st.sampled_from([1, 2]))
+    head_dim = draw(st.sampled_from([8, 16]))
+    hk = draw(st.sampled_from([1, 2]))
+    return tiny_target_config(
+        vocab_size=draw(st.integers(20, 90)), hidden_size=draw(st.sampled_from([16, 32])), intermediate_size=24,
+        num_hidden_layers=n_layers, layer_types=layer_types,
+        num_key_value_heads=nkv, num_attention_heads=nkv * draw(st.sampled_from([1, 2, 3])), head_dim=head_dim,
+        partial_rotary_factor=draw(st.sampled_from([0.25, 0.5, 1.0])),
+        linear_num_key_heads=hk, linear_num_value_heads=hk * draw(st.sampled_from([1, 2, 3])),
+        linear_key_head_dim=draw(st.sampled_from([4, 8])), linear_value_head_dim=draw(st.sampled_from([4, 8, 12])),
+        linear_conv_kernel_dim=draw(st.sampled_from([2, 3, 4])))
+
+
+def first_divergence_is_near_tie(target, prompt, ar_out, other_out, tol):
+    """float32: where two correct runs differ, the reference must be at a near-tie there (notes 2).
+    Teacher-forced float64 re-run of the same weights over prompt + the AR tokens before the divergence."""
+    i = next(k for k, (a, b) in enumerate(zip(ar_out, other_out)) if a != b)
+    t64 = M.Qwen35(target.cfg)
+    t64.load_state_dict(target.state_dict())
+    t64 = t64.double().eval()
+    ids = torch.tensor([prompt + ar_out[:i]])
+    with torch.no_grad():
+        logits, _ = t64(ids, torch.arange(ids.shape[1]))
+    top2 = logits[0, -1].topk(2).values
+    return float(top2[0] - top2[1]) < tol
+
+
+def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continuation, dtype):
+    V = target.cfg.vocab_size
+    ar = dflash.run(target, prompt, max_new)
+    stops = ()
+    if stop_from_continuation is not None and len(ar.output_ids) > 1:
+        stop = ar.output_ids[stop_from_continuation % len(ar.output_ids)]
+        stops = (stop,)
+        ar = dflash.run(target, prompt, max_new, stops)
+        assert ar.output_ids[-1] == stop and ar.output_ids.count(stop) == 1
+    oracle = OracleProposer(len(prompt), ar.output_ids, V, seed)
+    sp = dflash.run(target, prompt, max_new, stops, oracle, block)
+    drafter = random_drafter(tiny_draft_config(target.cfg, target_layer_ids=[seed % target.cfg.num_hidden_layers],
+                                               num_target_layers=None, hidden_size=target.cfg.hidden_size), seed, dtype)
+    real = dflash.run(target, prompt, max_new, stops, dflash.DrafterProposer(drafter, target), block)
+    for other in (sp, real):
+        if dtype == torch.float64:
+            assert other.output_ids == ar.output_ids
+        elif other.output_ids != ar.output_ids:
+            assert first_divergence_is_near_tie(target, prompt, ar.output_ids, other.output_ids, 1e-4)
+        assert sum(other.acceptance_lengths) + 1 == len(other.output_ids)
+        assert all(1 <= a <= block for a in other.acceptance_lengths)
+    # every step accepted exactly what the oracle planned (its corruption index), except where cut short
+    # (the oracle's continuation is known only up to the AR output, so the last step may differ)
+    for step, planned in zip([s for s in sp.steps if s.kind == "verify" and not s.stop], oracle.asked):
+        assert step.accepted == planned and len(step.tokens) == planned + 1
+    return sp
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@settings(max_examples=25)
+@given(cfg=target_configs(), seed=st.integers(0, 10**6), prompt_len=st.integers(1, 140),
+       max_new=st.integers(1, 48), block=st.integers(1, 16), stop=st.one_of(st.none(), st.integers(0, 100)))
+def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop):
+    target = random_target(cfg, seed, dtype)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
+    check_spec_equals_ar(target, prompt, max_new, block, seed, stop, dtype)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_every_acceptance_length_occurs(block):
+    """With no stop token and room to spare, the oracle plan covers 0..block-1 accepted (block-1 = all)."""
+    cfg = tiny_target_config(vocab_size=50)
+    target = random_target(cfg, 3)
+    prompt = [i % 50 for i in range(1, 80)]
+    sp = check_spec_equals_ar(target, prompt, 3 * block * block, block, 7, None, torch.float64)
+    seen = {s.accepted for s in sp.steps if s.kind == "verify" and not s.stop}
+    assert seen == set(range(block))
+
+
+def test_stop_token_inside_an_accepted_run():
+    cfg = tiny_target_config(vocab_size=50)
+    target = random_target(cfg, 5)
+    prompt = list(range(3, 40))
+    ar = dflash.run(target, prompt, 40)
+    stop = ar.output_ids[9]
+    j = ar.output_ids.index(stop)
+    oracle = OracleProposer(len(prompt), ar.output_ids, 50, 0)
+    oracle.plan = [15] * 10                      # always offer the true continuation: the stop lands mid-block
+    sp = dflash.run(target, prompt, 40, [stop], oracle, 16)
+    assert sp.output_ids == ar.output_ids[:j + 1]
+    assert sp.steps[-1].stop and sp.steps[-1].tokens[-1] == stop
+
+
+def test_max_new_tokens_cuts_a_block():
+    cfg = tiny_target_config(vocab_size=50)
+    target = random_target(cfg, 6)
+    prompt = list(range(2, 30))
+    for max_new in (1, 2, 5, 16, 17, 20):
+        ar = dflash.run(target, prompt, max_new)
+        oracle = OracleProposer(len(prompt), ar.output_ids, 50, 0)
+        oracle.plan = [15] * 10
+        sp = dflash.run(target, prompt, max_new, (), oracle, 16)
+        assert sp.output_ids == ar.output_ids and len(sp.output_ids) == max_new
