@@ -1,0 +1,90 @@
+"""Our target == transformers' Qwen3.5 on the same random weights saved with save_pretrained (fp32)."""
+import pytest
+import torch
+
+import dflash
+import model as M
+from helpers import save_hf_causal_lm, save_hf_conditional
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_causal")
+    return path, save_hf_causal_lm(path, seed=1)
+
+
+@pytest.fixture(scope="module")
+def conditional(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_cond")
+    return path, save_hf_conditional(path, seed=2)
+
+
+def prompt(n, vocab, seed=0):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def cached_logits(ours, ids, split):
+    """Prefill `split` tokens (chunked), then one token at a time (recurrent) through the static caches."""
+    T = ids.shape[1]
+    cache = M.TargetCache(ours.cfg, T, torch.float32, "cpu")
+    out, _ = ours(ids[:, :split], torch.arange(split), cache, "chunked")
+    outs = [out]
+    for t in range(split, T):
+        l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "recurrent")
+        cache.commit(1)
+        outs.append(l)
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("which", ["causal", "conditional"])
+def test_logits_match_transformers(which, request):
+    path, hf = request.getfixturevalue(which)
+    ours = M.load_target(str(path), torch.float32)
+    ids = prompt(150, ours.cfg.vocab_size)          # crosses the 64-token chunk boundary twice
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        full, _ = ours(ids, torch.arange(150))
+        cached = cached_logits(ours, ids, 100)
+    assert (full - ref).abs().max() < TOL
+    assert (cached - ref).abs().max() < TOL
+    assert ref.abs().max() > 0.1                    # the comparison is not between two near-zero tensors
+
+
+def test_features_are_layer_outputs(causal):
+    """feats of layer l == HF hidden_states[l + 1] (the output of decoder layer l; notes 1, vLLM PR #40727)."""
+    path, hf = causal
+    ours = M.load_target(str(path), torch.float32)
+    ids = prompt(40, ours.cfg.vocab_size, 3)
+    with torch.no_grad():
+        hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
+        _, feats = ours(ids, torch.arange(40), feature_layers=(0, 2))
+    H = ours.cfg.hidden_size
+    assert (feats[..., :H] - hs[1]).abs().max() < TOL
+    assert (feats[..., H:] - hs[3]).abs().max() < TOL
+
+
+def test_a_norm_slip_would_show(causal):
+    """Sanity of the comparison itself: treating zero-centred norm weights as plain weights moves the logits."""
+    path, hf = causal
+    ours = M.load_target(str(path), torch.float32)
+    ids = prompt(20, ours.cfg.vocab_size)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        ours.norm.weight.sub_(1.0)          # (1 + w) -> w
+        wrong, _ = ours(ids, torch.arange(20))
+    assert (wrong - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("which", ["causal", "conditional"])
+def test_greedy_equals_transformers_generate(which, request):
+    path, hf = request.getfixturevalue(which)
+    ours = M.load_target(str(path), torch.float32)
+    ids = prompt(70, ours.cfg.vocab_size, 5)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    ref = out[0, 70:].tolist()
+    res = dflash.run(ours, ids[0].tolist(), 30)
+    assert res.output_ids == ref

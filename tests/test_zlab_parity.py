@@ -1,0 +1,66 @@
+"""Our drafter == the z-lab `dflash` package's DFlashDraftModel on the same weights and target features."""
+import pytest
+import torch
+
+import model as M
+from helpers import save_hf_causal_lm, save_zlab_drafter, zlab_module
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    hf = save_hf_causal_lm(path, seed=3, num_hidden_layers=8)
+    return M.load_target(str(path), torch.float32), hf
+
+
+@pytest.mark.parametrize("n_layers,layer_ids", [(3, None), (1, None), (2, [0, 5])])
+def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
+    ours_t, hf = target
+    V, H = ours_t.cfg.vocab_size, ours_t.cfg.hidden_size
+    zm = zlab_module()
+    ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=V, hidden=H, n_layers=n_layers, block_size=8,
+                            layer_ids=layer_ids)
+    ours = M.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    # default spacing (notes 1) is the same rule as the package's
+    assert ours.cfg.target_layer_ids == list(ref.target_layer_ids)
+    if layer_ids is None:
+        assert ours.cfg.target_layer_ids == zm.build_target_layer_ids(8, n_layers)
+
+    T0, B = 37, 8
+    ids = torch.randint(0, V, (1, T0 + 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # target features: the package reads HF hidden_states with its own offset; ours come from our forward
+        hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
+        ref_feats = zm.extract_context_feature(hs, ref.target_layer_ids)
+        _, feats = ours_t(ids, torch.arange(ids.shape[1]), feature_layers=tuple(ours.cfg.target_layer_ids))
+        assert (feats - ref_feats).abs().max() < TOL
+
+        mask_id = ours.cfg.mask_token_id
+        cache = M.DraftCache(ours.cfg, 64, torch.float32, "cpu")
+        ref_cache = zm._make_cache(ref.config)
+        # two consecutive draft steps, the second one appending 5 new context positions to both caches
+        for ctx_lo, start in ((0, T0), (T0, T0 + 5)):
+            block = torch.full((1, B), mask_id)
+            block[0, 0] = ids[0, start] if start < ids.shape[1] else 1
+            emb = ours_t.embed_tokens(block)
+            ctx = feats[:, ctx_lo:start]
+            h = ours(emb, ctx, torch.arange(start, start + B), torch.arange(ctx_lo, start), cache)
+            ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=emb,
+                        position_ids=torch.arange(ctx_lo, start + B)[None], past_key_values=ref_cache, use_cache=True)
+            zm._crop_to(ref_cache, start)        # as the package's own loop does
+            assert (h - ref_h).abs().max() < TOL
+            ours_tok = ours.draft_logits(h[0, 1:], ours_t.lm_head).argmax(-1)
+            ref_tok = ref.compute_logits(ref_h[0, 1:], ours_t.lm_head).argmax(-1)
+            assert torch.equal(ours_tok, ref_tok)
+
+
+def test_off_by_one_layer_would_show(tmp_path, target):
+    """The features of layer l and l+1 differ, so the test above would catch an off-by-one (vLLM PR #40727)."""
+    ours_t, _ = target
+    ids = torch.randint(0, ours_t.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, f = ours_t(ids, torch.arange(20), feature_layers=(2, 3))
+    H = ours_t.cfg.hidden_size
+    assert (f[..., :H] - f[..., H:]).abs().max() > 1e-2
