@@ -139,6 +139,31 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     return o, s
 
 
+def block_gated_delta_rule(q, k, v, g, beta, state):
+    """The verify kernel: the chunked maths for ONE chunk of T tokens (T = the verify block, <= 64), which
+    also returns every per-token state, like `recurrent_gated_delta_rule` (same signature and result):
+        S_t = e^gamma_t S_0 + sum_{j <= t} e^(gamma_t - gamma_j) k_j v'_j^T
+    A handful of batched matmuls instead of T sequential steps: on a GPU or a CPU running small models,
+    the sequential loop is what makes a verify step cost more than a decode step."""
+    sd = _state_dtype(v)
+    B, T, Hv, dv = v.shape
+    q, k = _expand_heads(q, k, Hv)
+    q, k, v = (x.to(sd).transpose(1, 2) for x in (q, k, v))          # [B,H,T,d]
+    g, beta = (x.to(sd).transpose(1, 2) for x in (g, beta))          # [B,H,T]
+    s0 = state.to(sd)
+    gamma = g.cumsum(-1)
+    lower = torch.ones(T, T, dtype=torch.bool, device=v.device).tril()
+    D = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # [B,H,T,T]
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * D
+    U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(A, kb * gamma.exp()[..., None], upper=False, unitriangular=True)
+    v_new = U - W @ s0                                               # V' [B,H,T,dv]
+    o = (q * gamma.exp()[..., None]) @ s0 + ((q @ k.transpose(-1, -2)) * D) @ v_new
+    states = gamma.exp()[..., None, None] * s0[:, :, None] + torch.einsum("bhts,bhsk,bhsv->bhtkv", D, k, v_new)
+    return o.transpose(1, 2), states.transpose(1, 2)
+
+
 # --------------------------------------------------------------------------------------------------
 # Causal depthwise convolution with a carried window (spec 4.1).
 # --------------------------------------------------------------------------------------------------

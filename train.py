@@ -1,0 +1,500 @@
+"""Train the embedded default pair: a tiny Qwen3.5-architecture target and its DFlash drafter.
+
+    python train.py target --out checkpoints/tiny-qwen35 --minutes 25
+    python train.py draft  --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-dflash --minutes 25
+
+`target`: a byte-level BPE tokenizer (`tokenizers`) and a small hybrid model (Gated DeltaNet + gated attention)
+trained on the Python standard library's own source, which every machine with Python has; files are split
+into train / held-out by a hash of their name. Saved in the real checkpoint format (config.json with
+model_type qwen3_5_text, model.safetensors with HF names, tokenizer.json), so transformers loads it too.
+
+`draft`: the DFlash recipe of ../shared/dflash-notes.md section 5:
+  - data: prompts from the training split with responses REGENERATED greedily by the target (the drafter
+    learns the target's own distribution, which is what it is asked to predict at inference);
+  - anchors: random positions inside each response; anchor a opens the block [tok[a], MASK x (B-1)] at
+    positions a .. a+B-1, and block position k (1 <= k < B) predicts tok[a+k];
+  - attention: one mask for the whole packed batch (`dflash_mask_mod`): a block sees the target features
+    strictly before its anchor and its own block both ways, never other blocks;
+  - loss: cross-entropy through the frozen target lm_head, weighted exp(-(k-1)/gamma);
+  - the target's embedding and lm_head are shared and frozen; only the drafter trains.
+Saved in the z-lab checkpoint format (config.json with dflash_config, model.safetensors), so the z-lab
+`dflash` package loads it too.
+
+Both jobs print periodic loss lines, checkpoint to <out>/train_state.pt, resume with --resume, use fixed
+seeds, and stop at --minutes (or --steps).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+
+import model as M
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+
+
+# ==================================================================================================
+# Data: the standard library's source
+# ==================================================================================================
+
+def stdlib_files(split: str) -> list:
+    """Sorted .py files of this Python's standard library; 1 in 20 (by a hash of the relative path) is held out."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(f, root)
+        if "site-packages" in rel or rel.startswith(("test", "idlelib", "lib2to3", "turtledemo")):
+            continue
+        held = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
+        if held == (split == "heldout"):
+            files.append(f)
+    return files
+
+
+def read_text(f: str) -> str:
+    try:
+        with open(f, encoding="utf-8") as fh:
+            return fh.read()
+    except (UnicodeDecodeError, OSError):
+        return ""
+
+
+def heldout_prompts(tokenizer, n: int, min_len: int = 30, max_len: int = 60, seed: int = 0) -> list:
+    """n prompts of min_len..max_len tokens cut at line starts from held-out files (the bars' prompts)."""
+    rng = random.Random(seed)
+    files = stdlib_files("heldout")
+    rng.shuffle(files)
+    prompts = []
+    for f in files:
+        lines = read_text(f).splitlines(keepends=True)
+        if len(lines) < 40:
+            continue
+        i = rng.randrange(len(lines) - 30)
+        ids = tokenizer.encode("".join(lines[i:i + 30])).ids
+        if len(ids) >= min_len:
+            prompts.append(ids[:rng.randint(min_len, max_len)])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def train_tokenizer(vocab_size: int, out: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((read_text(f) for f in stdlib_files("train")), trainer)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    return tok
+
+
+def token_stream(tokenizer, split: str) -> torch.Tensor:
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    ids = []
+    for f in stdlib_files(split):
+        text = read_text(f)
+        if text:
+            ids += tokenizer.encode(text).ids + [eot]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ==================================================================================================
+# Saving in the real formats
+# ==================================================================================================
+
+def save_target(model: M.Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
+    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text)."""
+    from safetensors.torch import save_file
+    cfg = model.cfg
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = p.detach().to(dtype).contiguous()
+        if name.endswith("conv_weight"):
+            name, t = name.replace("conv_weight", "conv1d.weight"), t[:, None, :].contiguous()
+        tensors[name if name.startswith("lm_head") else "model." + name] = t
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "layer_types": cfg.layer_types,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor,
+                            "mrope_section": cfg.mrope_section, "mrope_interleaved": True},
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "eos_token_id": eos, "dtype": str(dtype).replace("torch.", ""),
+    }
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+
+
+def save_drafter(drafter: M.DFlashDrafter, out: str, dtype=torch.bfloat16) -> None:
+    """The z-lab DFlashDraftModel layout: a Qwen3 config plus dflash_config; tensor names without prefix."""
+    from safetensors.torch import save_file
+    cfg = drafter.cfg
+    tensors = {n: p.detach().to(dtype).contiguous() for n, p in drafter.state_dict().items()}
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": 32768, "tie_word_embeddings": False,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id,
+                          "block_size": cfg.block_size},
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+
+
+# ==================================================================================================
+# Shared training machinery
+# ==================================================================================================
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine to 10% of peak over the budget (progress in 0..1: steps or minutes used)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Budget:
+    """Stops training at --steps or --minutes, whichever comes first."""
+
+    def __init__(self, minutes: float, steps: int):
+        self.start, self.deadline = time.time(), time.time() + 60 * minutes
+        self.steps = steps
+
+    def progress(self, step: int) -> float:
+        return max(step / self.steps, (time.time() - self.start) / (self.deadline - self.start))
+
+    def done(self, step: int) -> bool:
+        return step >= self.steps or time.time() >= self.deadline
+
+
+def save_state(path, module, opt, step, extra=None):
+    torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step,
+                "rng": torch.get_rng_state(), "extra": extra or {}}, path)
+
+
+def load_state(path, module, opt):
+    st = torch.load(path, weights_only=False)
+    module.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    torch.set_rng_state(st["rng"])
+    return st["step"], st["extra"]
+
+
+# ==================================================================================================
+# Job 1: the target
+# ==================================================================================================
+
+def tiny_target_config(vocab_size: int) -> M.TargetConfig:
+    """Both layer types, GQA in attention, 2 key heads shared by 4 value heads in GDN, partial RoPE."""
+    return M.TargetConfig(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[3, 3, 2], max_position_embeddings=4096)
+
+
+def init_weights_(model: torch.nn.Module, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty(p.shape).uniform_(math.log(0.001), math.log(0.1), generator=g).exp().expm1().log())
+            elif "norm" in name:
+                p.fill_(0.0 if isinstance(model, M.Qwen35) and "linear_attn.norm" not in name else 1.0)
+            elif name.endswith("conv_weight"):
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                    p.mul_(1 / math.sqrt(2 * 6))
+
+
+def batches(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([stream[s:s + seq + 1] for s in starts])
+        yield x[:, :-1], x[:, 1:]
+
+
+@torch.no_grad()
+def eval_loss(model, stream, seq=256, n=16) -> float:
+    model.eval()
+    losses = []
+    for i in range(n):
+        s = (len(stream) - seq - 1) * i // n
+        x = stream[s:s + seq + 1][None]
+        logits, _ = model(x[:, :-1], torch.arange(seq))
+        losses.append(F.cross_entropy(logits[0], x[0, 1:]).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_target(args):
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    if args.resume and os.path.exists(tok_path):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(tok_path)
+    else:
+        tok = train_tokenizer(args.vocab_size, args.out)
+    train_ids, held_ids = token_stream(tok, "train"), token_stream(tok, "heldout")
+    print(f"tokens: train {len(train_ids):,}  held-out {len(held_ids):,}  vocab {tok.get_vocab_size()}", flush=True)
+    cfg = tiny_target_config(tok.get_vocab_size())
+    model = M.Qwen35(cfg)
+    init_weights_(model, args.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    state_path = os.path.join(args.out, "train_state.pt")
+    step = 0
+    if args.resume and os.path.exists(state_path):
+        step, _ = load_state(state_path, model, opt)
+        print(f"resumed at step {step}", flush=True)
+    gen = torch.Generator().manual_seed(args.seed + step)
+    data = batches(train_ids, args.batch, args.seq, gen)
+    budget = Budget(args.minutes, args.steps)
+    model.train()
+    t0, ema = time.time(), None
+    while not budget.done(step):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
+        x, y = next(data)
+        logits, _ = model(x, torch.arange(args.seq))
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % args.log_every == 0:
+            tps = step * args.batch * args.seq / (time.time() - t0) if step else 0
+            print(f"step {step}  loss {loss.item():.3f}  ema {ema:.3f}  lr {opt.param_groups[0]['lr']:.2e}  "
+                  f"{tps:,.0f} tok/s  {(time.time() - t0) / 60:.1f} min", flush=True)
+        if step % args.save_every == 0:
+            save_state(state_path, model, opt, step)
+            save_target(model, args.out)
+    save_state(state_path, model, opt, step)
+    save_target(model, args.out)
+    held = eval_loss(model, held_ids)
+    summary = {"job": "target", "steps": step, "minutes": (time.time() - t0) / 60, "final_train_loss_ema": ema,
+               "heldout_loss": held, "params": sum(p.numel() for p in model.parameters())}
+    with open(os.path.join(args.out, "training.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    print(json.dumps(summary), flush=True)
+
+
+# ==================================================================================================
+# Job 2: the drafter
+# ==================================================================================================
+
+def dflash_mask_mod(anchors: torch.Tensor, block_size: int, ctx_len: int):
+    """The training mask as a FlexAttention-style mask_mod over (query q, key kv):
+    queries are the packed blocks (block i = rows i*B .. i*B+B-1, anchored at anchors[i]); keys are the
+    ctx_len context positions followed by the same packed blocks.
+    Visible: a context key strictly before the query's anchor, or a key in the query's own block."""
+    def mask_mod(b, h, q, kv):
+        blk = q // block_size
+        is_ctx = kv < ctx_len
+        ctx_ok = is_ctx & (kv < anchors[blk])
+        own = (~is_ctx) & ((kv - ctx_len) // block_size == blk)
+        return ctx_ok | own
+    return mask_mod
+
+
+def dense_mask(mask_mod, n_q: int, n_kv: int) -> torch.Tensor:
+    """Materialise a mask_mod as a dense bool [n_q, n_kv] (SDPA path; FlexAttention builds a BlockMask)."""
+    q = torch.arange(n_q)[:, None]
+    kv = torch.arange(n_kv)[None, :]
+    return mask_mod(0, 0, q, kv)
+
+
+@torch.no_grad()
+def regenerate(target: M.Qwen35, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuations of a batch of equal-length prompts [N, P] -> [N, new_tokens] through the static caches."""
+    N, P = prompts.shape
+    cache = M.TargetCache(target.cfg, P + new_tokens, torch.float32, "cpu", batch=N)
+    logits, _ = target(prompts, torch.arange(P), cache, "chunked", last_logits_only=True)
+    nxt = logits[:, -1].argmax(-1)
+    out = [nxt]
+    for t in range(P, P + new_tokens - 1):
+        logits, _ = target(nxt[:, None], torch.tensor([t]), cache, "recurrent")
+        cache.commit(1)
+        nxt = logits[:, -1].argmax(-1)
+        out.append(nxt)
+    return torch.stack(out, 1)
+
+
+def build_draft_data(target, tok, n_seq: int, prompt_len: int, resp_len: int, seed: int, batch: int = 64):
+    """Sequences prompt + target's greedy response: prompts are random windows of the training split."""
+    stream = token_stream(tok, "train")
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    t0 = time.time()
+    for i in range(0, n_seq, batch):
+        starts = torch.randint(0, len(stream) - prompt_len, (min(batch, n_seq - i),), generator=g)
+        prompts = torch.stack([stream[s:s + prompt_len] for s in starts])
+        seqs.append(torch.cat([prompts, regenerate(target, prompts, resp_len)], 1))
+        print(f"regenerated {i + len(starts)}/{n_seq} sequences  {time.time() - t0:.0f}s", flush=True)
+    return torch.cat(seqs)
+
+
+def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, gen):
+    """One packed batch: for each sequence, n_anchors random anchors in the response; weighted CE."""
+    cfg = drafter.cfg
+    N, S = seqs.shape
+    B = block_size
+    total, weight_sum = 0.0, 0.0
+    k = torch.arange(1, B)
+    w = torch.exp(-(k - 1).float() / gamma)                         # exp(-(k-1)/gamma), k = 1..B-1
+    with torch.no_grad():
+        _, feats = target(seqs, torch.arange(S), feature_layers=tuple(cfg.target_layer_ids))
+    losses = []
+    for i in range(N):
+        anchors = prompt_len + torch.randperm(S - prompt_len - B, generator=gen)[:n_anchors]   # block fits in S
+        blocks = torch.full((len(anchors), B), cfg.mask_token_id)
+        blocks[:, 0] = seqs[i, anchors]
+        labels = seqs[i, anchors[:, None] + k[None, :]]             # [nA, B-1]
+        emb = target.embed_tokens(blocks.flatten())[None]           # frozen, shared
+        bpos = (anchors[:, None] + torch.arange(B)[None]).flatten()
+        mask = dense_mask(dflash_mask_mod(anchors, B, S), len(bpos), S + len(bpos))
+        h = drafter(emb, feats[i:i + 1], bpos, torch.arange(S), None, mask)          # [1, nA*B, H]
+        h = h.view(len(anchors), B, -1)[:, 1:]
+        logits = drafter.draft_logits(h, target.lm_head)             # frozen lm_head
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(len(anchors), B - 1)
+        losses.append((ce * w).sum() / (w.sum() * len(anchors)))
+        with torch.no_grad():
+            acc = (logits.argmax(-1) == labels).int().cumprod(-1).sum(-1).float().mean() + 1
+    return torch.stack(losses).mean(), float(acc)
+
+
+def train_draft(args):
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    target = M.load_target(args.target, torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
+    data_path = os.path.join(args.out, "regenerated.pt")
+    if os.path.exists(data_path):
+        seqs = torch.load(data_path)
+    else:
+        seqs = build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
+        torch.save(seqs, data_path)
+    L = target.cfg.num_hidden_layers
+    cfg = M.DraftConfig(
+        hidden_size=target.cfg.hidden_size, intermediate_size=args.draft_intermediate, num_hidden_layers=args.draft_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=target.cfg.vocab_size,
+        target_layer_ids=M.default_target_layer_ids(L, args.draft_layers) if args.draft_layers > 1 else [L // 2],
+        mask_token_id=tok.token_to_id("<|mask|>"), block_size=args.block_size, num_target_layers=L,
+        rope_theta=10000.0)
+    drafter = M.DFlashDrafter(cfg)
+    init_weights_(drafter, args.seed)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    state_path = os.path.join(args.out, "train_state.pt")
+    step = 0
+    if args.resume and os.path.exists(state_path):
+        step, _ = load_state(state_path, drafter, opt)
+        print(f"resumed at step {step}", flush=True)
+    gen = torch.Generator().manual_seed(args.seed + step)
+    budget = Budget(args.minutes, args.steps)
+    t0, ema = time.time(), None
+    drafter.train()
+    while not budget.done(step):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
+        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
+        loss, acc = draft_loss(drafter, target, seqs[idx], args.prompt_len, args.anchors, args.block_size, args.gamma, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % args.log_every == 0:
+            print(f"step {step}  loss {loss.item():.3f}  ema {ema:.3f}  train acceptance {acc:.2f}  "
+                  f"lr {opt.param_groups[0]['lr']:.2e}  {(time.time() - t0) / 60:.1f} min", flush=True)
+        if step % args.save_every == 0:
+            save_state(state_path, drafter, opt, step)
+            save_drafter(drafter, args.out)
+    save_state(state_path, drafter, opt, step)
+    save_drafter(drafter, args.out)
+    summary = {"job": "draft", "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
+               "params": sum(p.numel() for p in drafter.parameters())}
+    with open(os.path.join(args.out, "training.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    print(json.dumps(summary), flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="job", required=True)
+    for job in ("target", "draft"):
+        s = sub.add_parser(job)
+        s.add_argument("--out", required=True)
+        s.add_argument("--minutes", type=float, default=20.0)
+        s.add_argument("--steps", type=int, default=100000)
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--resume", action="store_true")
+        s.add_argument("--log-every", type=int, default=10)
+        s.add_argument("--save-every", type=int, default=100)
+        s.add_argument("--threads", type=int, default=2)
+    t = sub.choices["target"]
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--seq", type=int, default=128)
+    t.add_argument("--lr", type=float, default=3e-3)
+    d = sub.choices["draft"]
+    d.add_argument("--target", required=True)
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--gamma", type=float, default=7.0, help="loss decay: 7 for block 16, 5 for 10, 4 for 8 (notes 5)")
+    d.add_argument("--draft-layers", type=int, default=1)
+    d.add_argument("--draft-intermediate", type=int, default=768)
+    d.add_argument("--n-seq", type=int, default=1024)
+    d.add_argument("--prompt-len", type=int, default=48)
+    d.add_argument("--resp-len", type=int, default=160)
+    d.add_argument("--anchors", type=int, default=32)
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--lr", type=float, default=2e-3)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    (train_target if args.job == "target" else train_draft)(args)
+
+
+if __name__ == "__main__":
+    main()
