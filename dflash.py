@@ -41,6 +41,8 @@ class Step:
     draft_ids: list = field(default_factory=list)   # proposals offered (verify only)
     accepted: int = 0                           # leading proposals the target agreed with (verify only)
     stop: bool = False                          # generation ends after this step
+    draft_seconds: float = 0.0                  # wall time of the draft forward (verify steps)
+    verify_seconds: float = 0.0                 # wall time of the target forward + accept + commit
 
 
 @dataclass
@@ -132,10 +134,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _clock(device, profile: bool) -> float:
+    """Wall clock for per-step timings; on CUDA it syncs only when profiling (a sync per step costs speed)."""
+    if profile:
+        _sync(device)
+    return time.perf_counter()
+
+
 @torch.inference_mode()
 def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None,
-             block_size: int = 16, capacity: int | None = None) -> Iterator[Step]:
-    """Greedy generation as a stream of Steps. proposer None = plain AR decoding ("decode" steps)."""
+             block_size: int = 16, capacity: int | None = None, profile: bool = False) -> Iterator[Step]:
+    """Greedy generation as a stream of Steps. proposer None = plain AR decoding ("decode" steps).
+    profile: synchronise the device around each phase so Step's timings are exact (CUDA)."""
     if proposer is None:
         block_size = 1
     capacity = check_inputs(target, prompt_ids, max_new_tokens, block_size, capacity, proposer)
@@ -163,10 +173,12 @@ def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(),
 
     while not stop:
         remaining = max_new_tokens - n_out
+        t0 = _clock(device, profile)
         if use_draft and block_size > 1:
             proposals = proposer.propose(last.view(1), start, feats, feat_pos, block_size - 1).to(device)   # [B-1]
         else:
             proposals = torch.zeros(0, dtype=torch.long, device=device)
+        t1 = _clock(device, profile)
         block = torch.cat([last.view(1), proposals])[None]                                        # [1,B]
         bpos = torch.arange(start, start + block.shape[1], device=device)
         logits, vfeats = target(block, bpos, cache, "recurrent", feature_layers if use_draft else ())
@@ -183,24 +195,25 @@ def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(),
         cache.commit(n)
         n_out += n
         stop = new[-1] in stops or n_out >= max_new_tokens
+        t2 = _clock(device, profile)
         if use_draft:
-            yield Step("verify", start, new, proposals.tolist(), accepted, stop)
+            yield Step("verify", start, new, proposals.tolist(), accepted, stop, t1 - t0, t2 - t1)
             feats, feat_pos = (vfeats[:, :n] if vfeats is not None else None), bpos[:n]
         else:
-            yield Step("decode", start, new, stop=stop)
+            yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
         start += n
         last = torch.tensor(new[-1], device=device)
 
 
 def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None, block_size: int = 16,
-        capacity: int | None = None, on_step=None) -> Result:
+        capacity: int | None = None, on_step=None, profile: bool = False) -> Result:
     """Run `generate` to the end and collect ids, acceptance statistics and timings."""
     device = target.embed_tokens.weight.device
     res = Result(list(prompt_ids), [], [], [], [])
     _sync(device)
     t0 = time.perf_counter()
     t_first = None
-    for step in generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity):
+    for step in generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile):
         if step.kind == "prefill":
             _sync(device)
             t_first = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -45,8 +46,10 @@ def parse_args(argv=None):
 
 
 def parse_ids(text: str) -> list:
+    """'1,2,3' (spaces allowed around or instead of the commas) -> [1, 2, 3]. Spaces are separators, never
+    dropped: '1 2' is [1, 2], not [12]."""
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+        return [int(t) for t in re.split(r"[,\s]+", text.strip()) if t != ""]
     except ValueError:
         raise dflash.GenerationError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
@@ -54,8 +57,9 @@ def parse_ids(text: str) -> list:
 class TextStream:
     """Prints committed tokens as text, holding back an incomplete UTF-8 sequence at a token boundary."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None):
+        # sys.stdout looked up now, not at import: a caller (or a test) may have replaced it since
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
 
     def push(self, ids: list) -> None:
         self.ids += ids
@@ -74,6 +78,8 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:   # 0 must not fall back to the default
+        raise dflash.GenerationError(f"--block-size must be >= 1, got {args.block_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = parse_ids(args.prompt_ids)
-    block_size = args.block_size or (proposer.max_block_size if proposer else 1)
+    block_size = args.block_size if args.block_size is not None else (proposer.max_block_size if proposer else 1)
     stops = M.stop_token_ids(target.path, target.cfg)
 
     stream = TextStream(tokenizer) if (tokenizer is not None and not args.json) else None

@@ -119,12 +119,15 @@ class TargetConfig:
             every = tc.get("full_attention_interval", 4)
             layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
         rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CheckpointError(f"rope_type '{rope.get('rope_type')}' is not supported; only default (unscaled) RoPE is implemented")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))   # legacy rope_scaling spells it "type"
+        if rope_type != "default":
+            raise CheckpointError(f"rope_type '{rope_type}' is not supported; only default (unscaled) RoPE is implemented")
         theta = rope.get("rope_theta", tc.get("rope_theta"))
         if theta is None:
             raise CheckpointError(f"{where} has no rope_theta (in rope_parameters or at top level)")
-        eos = raw.get("eos_token_id", tc.get("eos_token_id"))
+        eos = raw.get("eos_token_id")
+        if eos is None:  # a composite config may write a null top-level eos next to the text config's real one
+            eos = tc.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
             vocab_size=_need(tc, "vocab_size", where),
@@ -223,8 +226,9 @@ class DraftConfig:
         if mask is None:
             raise CheckpointError("the drafter config has no mask_token_id (in dflash_config or at top level)")
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CheckpointError(f"drafter rope_type '{rope.get('rope_type')}' is not supported; only default RoPE")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"drafter rope_type '{rope_type}' is not supported; only default RoPE")
         softcap = draft_value("final_logit_softcapping")
         return cls(
             hidden_size=_need(raw, "hidden_size", where),
@@ -354,9 +358,14 @@ def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
 
 
 def attention(q, k, v, mask):
-    """q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask [Tq,Tk] bool (True = visible) -> [B,Tq,Hq*D].
-    Query head h reads kv head h // (Hq // Hkv). Softmax scale D**-0.5."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    """q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask: bool [Tq,Tk] or [B,1,Tq,Tk] (True = visible), or a FlexAttention
+    BlockMask (training on GPU) -> [B,Tq,Hq*D]. Query head h reads kv head h // (Hq // Hkv). Scale D**-0.5."""
+    gqa = k.shape[1] != q.shape[1]
+    if type(mask).__name__ == "BlockMask":
+        from torch.nn.attention.flex_attention import flex_attention
+        out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
 
@@ -561,13 +570,13 @@ class Qwen35(nn.Module):
 
     def forward_embeds(self, x, pos, cache=None, gdn="chunked", feature_layers=(), last_logits_only=False):
         cos, sin = self.rope(pos.view(-1) if pos.dim() == 1 else pos, x.dtype)
-        want = {l: i for i, l in enumerate(feature_layers)}
         feats = [None] * len(feature_layers)
         text_pos = pos if pos.dim() == 1 else pos[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, text_pos, None if cache is None else cache.layers[i], gdn)
-            if i in want:
-                feats[want[i]] = x                   # the OUTPUT of layer i (HF hidden_states[i + 1]; notes 1)
+            for j, l in enumerate(feature_layers):    # (a layer may be listed twice: default spacing on small targets)
+                if l == i:
+                    feats[j] = x                     # the OUTPUT of layer i (HF hidden_states[i + 1]; notes 1)
         h = self.norm(x[:, -1:] if last_logits_only else x)
         return self.lm_head(h), (torch.cat(feats, dim=-1) if feats else None)
 
@@ -643,21 +652,25 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def rope(self, pos, dtype):
-        ang = pos.float()[:, None] * self.inv_freq
+        """pos [T] -> cos, sin [T, hd]; pos [B, T] (training, anchors differ per row) -> [B, 1, T, hd]."""
+        ang = pos.float()[..., None] * self.inv_freq
         ang = torch.cat([ang, ang], dim=-1)
+        if pos.dim() == 2:
+            ang = ang[:, None]
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, block_embeds, feats, block_pos, ctx_pos, cache: "DraftCache | None" = None, mask=None):
         """block_embeds [B,Tq,H] (target embedding of the block, times input_embedding_scale);
         feats [B,Tc,n_feat*H] target features at positions ctx_pos [Tc]; block_pos [Tq].
         With a cache: the context is appended to it (positions ctx_pos must continue it) and the block
-        attends to all cached context before block_pos[0]. Without: `mask` [Tq, Tc+Tq] (training).
+        attends to all cached context before block_pos[0]. Without (training): keys are [context ; blocks],
+        `mask` says who sees what ([B,1,Tq,Tc+Tq] bool or a BlockMask), block_pos may be [B, Tq].
         -> hidden [B,Tq,H] after the final norm; logits come from the target's lm_head (`draft_logits`)."""
         ctx = self.hidden_norm(self.fc(feats))
         rope = (*self.rope(block_pos, block_embeds.dtype), *self.rope(ctx_pos, block_embeds.dtype))
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos[0])
+            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos.view(-1)[0])
         return self.norm(x)
 
     def draft_logits(self, hidden, lm_head: nn.Linear):
@@ -705,15 +718,23 @@ def resolve_dir(name: str) -> str:
                               "download it first and pass the local folder") from None
 
 
+def _read_json(f: str) -> dict:
+    """A JSON object from file f; anything else (bad JSON, bad encoding, a list) is a one-line CheckpointError."""
+    try:
+        with open(f, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f} holds a JSON {type(d).__name__}, not an object; re-download the checkpoint")
+    return d
+
+
 def read_config(path: str) -> dict:
     f = os.path.join(path, "config.json")
     if not os.path.exists(f):
         raise CheckpointError(f"{path} has no config.json; point at a checkpoint folder")
-    try:
-        with open(f) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+    return _read_json(f)
 
 
 def read_safetensors(path: str) -> dict:
@@ -722,8 +743,9 @@ def read_safetensors(path: str) -> dict:
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as fh:
-            weight_map = json.load(fh).get("weight_map", {})
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map naming the shards; re-download the checkpoint")
         files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
@@ -780,6 +802,8 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     with torch.device("meta"):
         model = Qwen35(cfg)
     model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
     tensors = {}
     for name, t in read_safetensors(path).items():
         key = _target_key(name)
@@ -817,15 +841,18 @@ def load_tokenizer(path: str):
     if not os.path.exists(f):
         return None
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(f)
+    try:
+        return Tokenizer.from_file(f)
+    except Exception as e:  # tokenizers raises a bare Exception with serde's message
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{f} cannot be read ({msg}); re-download it or pass --prompt-ids") from None
 
 
 def stop_token_ids(path: str, cfg: TargetConfig) -> list:
     """Stop ids from generation_config.json when present, else config.json's eos_token_id (spec 9)."""
     f = os.path.join(path, "generation_config.json")
     if os.path.exists(f):
-        with open(f) as fh:
-            eos = json.load(fh).get("eos_token_id")
+        eos = _read_json(f).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return list(cfg.eos_token_id)

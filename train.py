@@ -323,24 +323,37 @@ def train_target(args):
 # ==================================================================================================
 
 def dflash_mask_mod(anchors: torch.Tensor, block_size: int, ctx_len: int):
-    """The training mask as a FlexAttention-style mask_mod over (query q, key kv):
-    queries are the packed blocks (block i = rows i*B .. i*B+B-1, anchored at anchors[i]); keys are the
-    ctx_len context positions followed by the same packed blocks.
-    Visible: a context key strictly before the query's anchor, or a key in the query's own block."""
+    """The training mask as a FlexAttention mask_mod over (batch b, head h, query q, key kv).
+    anchors [N, nA]: row b packs nA blocks; block i = queries i*B .. i*B+B-1, anchored at anchors[b, i].
+    Keys are the ctx_len context positions of row b followed by the same packed blocks.
+    Visible: a context key strictly before the query's anchor (its features exist at inference time), or a
+    key in the query's own block (both ways). Never another block."""
     def mask_mod(b, h, q, kv):
         blk = q // block_size
         is_ctx = kv < ctx_len
-        ctx_ok = is_ctx & (kv < anchors[blk])
+        ctx_ok = is_ctx & (kv < anchors[b, blk])
         own = (~is_ctx) & ((kv - ctx_len) // block_size == blk)
         return ctx_ok | own
     return mask_mod
 
 
-def dense_mask(mask_mod, n_q: int, n_kv: int) -> torch.Tensor:
-    """Materialise a mask_mod as a dense bool [n_q, n_kv] (SDPA path; FlexAttention builds a BlockMask)."""
-    q = torch.arange(n_q)[:, None]
-    kv = torch.arange(n_kv)[None, :]
-    return mask_mod(0, 0, q, kv)
+def dense_mask(mask_mod, n_batch: int, n_q: int, n_kv: int) -> torch.Tensor:
+    """Materialise a mask_mod as a dense bool [N, 1, n_q, n_kv] for SDPA (CPU: FlexAttention has no CPU backward)."""
+    b = torch.arange(n_batch)[:, None, None, None]
+    q = torch.arange(n_q)[None, None, :, None]
+    kv = torch.arange(n_kv)[None, None, None, :]
+    return mask_mod(b, 0, q, kv)
+
+
+def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int, device):
+    """One mask for the whole packed batch: a FlexAttention BlockMask on CUDA, the same mask dense elsewhere."""
+    N, nA = anchors.shape
+    mm = dflash_mask_mod(anchors, block_size, ctx_len)
+    n_q = nA * block_size
+    if torch.device(device).type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+        return create_block_mask(mm, N, None, n_q, ctx_len + n_q, device=device)
+    return dense_mask(mm, N, n_q, ctx_len + n_q)
 
 
 @torch.no_grad()
@@ -374,32 +387,33 @@ def build_draft_data(target, tok, n_seq: int, prompt_len: int, resp_len: int, se
 
 
 def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, gen):
-    """One packed batch: for each sequence, n_anchors random anchors in the response; weighted CE."""
+    """One packed batch: each row of seqs [N, S] gets n_anchors random anchors inside its response; all
+    N * n_anchors blocks go through the drafter in one forward with one mask. -> (weighted CE, acceptance)."""
     cfg = drafter.cfg
     N, S = seqs.shape
     B = block_size
-    total, weight_sum = 0.0, 0.0
     k = torch.arange(1, B)
-    w = torch.exp(-(k - 1).float() / gamma)                         # exp(-(k-1)/gamma), k = 1..B-1
-    with torch.no_grad():
+    w = torch.exp(-(k - 1).float() / gamma)                                  # exp(-(k-1)/gamma), k = 1..B-1
+    with torch.no_grad():                                                    # the target is frozen
         _, feats = target(seqs, torch.arange(S), feature_layers=tuple(cfg.target_layer_ids))
-    losses = []
-    for i in range(N):
-        anchors = prompt_len + torch.randperm(S - prompt_len - B, generator=gen)[:n_anchors]   # block fits in S
-        blocks = torch.full((len(anchors), B), cfg.mask_token_id)
-        blocks[:, 0] = seqs[i, anchors]
-        labels = seqs[i, anchors[:, None] + k[None, :]]             # [nA, B-1]
-        emb = target.embed_tokens(blocks.flatten())[None]           # frozen, shared
-        bpos = (anchors[:, None] + torch.arange(B)[None]).flatten()
-        mask = dense_mask(dflash_mask_mod(anchors, B, S), len(bpos), S + len(bpos))
-        h = drafter(emb, feats[i:i + 1], bpos, torch.arange(S), None, mask)          # [1, nA*B, H]
-        h = h.view(len(anchors), B, -1)[:, 1:]
-        logits = drafter.draft_logits(h, target.lm_head)             # frozen lm_head
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(len(anchors), B - 1)
-        losses.append((ce * w).sum() / (w.sum() * len(anchors)))
-        with torch.no_grad():
-            acc = (logits.argmax(-1) == labels).int().cumprod(-1).sum(-1).float().mean() + 1
-    return torch.stack(losses).mean(), float(acc)
+    # anchors inside the response, with room for the whole block: [N, nA]
+    anchors = torch.stack([prompt_len + torch.randperm(S - prompt_len - B + 1, generator=gen)[:n_anchors]
+                           for _ in range(N)])
+    blocks = torch.full((N, n_anchors, B), cfg.mask_token_id)
+    blocks[:, :, 0] = seqs.gather(1, anchors)
+    labels = seqs.gather(1, (anchors[:, :, None] + k).flatten(1)).view(N, n_anchors, B - 1)
+    with torch.no_grad():
+        emb = target.embed_tokens(blocks.flatten(1)) * cfg.input_embedding_scale   # shared, frozen
+    bpos = (anchors[:, :, None] + torch.arange(B)).flatten(1)              # [N, nA*B]
+    mask = training_mask(anchors, B, S, seqs.device)
+    h = drafter(emb, feats, bpos, torch.arange(S), None, mask)              # [N, nA*B, H]
+    h = h.view(N, n_anchors, B, -1)[:, :, 1:]                               # position 0 is not trained
+    logits = drafter.draft_logits(h, target.lm_head)                        # through the frozen lm_head
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(N, n_anchors, B - 1)
+    loss = (ce * w).sum() / (w.sum() * N * n_anchors)
+    with torch.no_grad():                                                   # tokens a verify would commit
+        acc = (logits.argmax(-1) == labels).int().cumprod(-1).sum(-1).float().mean() + 1
+    return loss, float(acc)
 
 
 def train_draft(args):

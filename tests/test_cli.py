@@ -1,0 +1,263 @@
+"""generate.py end to end, as a user runs it: its output equals transformers' own greedy generate, the
+--json line is the oracle interface, text streams through the checkpoint's tokenizer, and every bad
+input exits with code 2 and one 'error:' line.
+
+Every `python generate.py` process is started at once by the `runs` fixture (they are independent, and
+most of each one's time is importing torch), then each test checks its own run. Variants that need no
+process of their own call generate.main in-process."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import dflash
+import generate
+import model as M
+from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = [5, 17, 42, 8, 91, 23, 60, 3]
+MAX_NEW = 20
+BLOCK = 8                                       # the drafter's block_size
+JSON_KEYS = {"prompt_ids", "output_ids", "acceptance_lengths", "draft_ids", "decode_seconds"}
+# One thread per process: the models are tiny, and OpenMP threads fighting other work for 2 cores turn a
+# 3-second run into a 30-second one.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Done:
+    rc: int
+    out: str
+    err: str
+
+    def __str__(self):
+        return f"rc {self.rc}\nstdout:\n{self.out}\nstderr:\n{self.err}"
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def hf_greedy(hf, prompt, max_new):
+    """transformers' own greedy decoding; the tiny config has no eos, so it runs the full length."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """In-process work on one thread too (restored after), for the reason ENV gives."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints and the runs
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A 6-layer transformers Qwen3.5 target and a z-lab drafter for it (default layer ids [1, 3]), the
+    transformers greedy reference, and a drafter built for another (4-layer) target."""
+    root = tmp_path_factory.mktemp("cli")
+    hf = save_hf_causal_lm(root / "target", seed=11, num_hidden_layers=6)
+    save_zlab_drafter(root / "draft", target_layers=6, vocab=97, hidden=64, seed=12, block_size=BLOCK)
+    save_zlab_drafter(root / "other_draft", target_layers=4, vocab=97, hidden=64, layer_ids=[0, 2])
+    ref = hf_greedy(hf, PROMPT, MAX_NEW)
+    assert len(ref) == MAX_NEW
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "other_draft": str(root / "other_draft"),
+            "root": str(root), "ref": ref}
+
+
+@pytest.fixture(scope="module")
+def tok_ckpt(tmp_path_factory):
+    """A byte-level BPE tokenizer trained on a few sentences, and a target + drafter with its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["hello world", "hello there, how are you?", "the quick brown fox jumps over the lazy dog",
+                             "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"], trainer)
+    V = tok.get_vocab_size()
+    root = tmp_path_factory.mktemp("tok")
+    save_hf_causal_lm(root / "target", seed=21, vocab_size=V)
+    save_zlab_drafter(root / "draft", target_layers=4, vocab=V, hidden=64, seed=22, layer_ids=[0, 2])
+    tok.save(str(root / "target" / "tokenizer.json"))
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "tok": tok}
+
+
+IDS_ARG = ",".join(map(str, PROMPT))
+
+# name -> generate.py arguments ({...} filled from ckpt / tok_ckpt); --target T --draft D come first unless overridden
+GOOD = {
+    "json-dflash": ["--prompt-ids", IDS_ARG, "--max-new-tokens", MAX_NEW, "--json", "--dtype", "float32"],
+    "json-ar": ["--draft", "none", "--prompt-ids", IDS_ARG, "--max-new-tokens", MAX_NEW, "--json", "--dtype", "float32"],
+    "tok-text": ["--target", "{tok_target}", "--draft", "{tok_draft}", "--prompt", "hello", "--max-new-tokens", 12],
+}
+# name -> (arguments, what the error line must say)
+BAD = {
+    "empty-prompt-ids": (["--prompt-ids", ""], "the prompt is empty"),
+    "block-size-0": (["--prompt-ids", "1,2", "--block-size", "0"], "--block-size must be >= 1"),
+    "block-size-over-drafter": (["--prompt-ids", "1,2", "--block-size", BLOCK + 1], f"exceeds the drafter's block_size {BLOCK}"),
+    "cache-len-too-small": (["--prompt-ids", "1,2,3", "--max-new-tokens", 10, "--cache-len", 19], "exceeds the cache length 19"),
+    "missing-target": (["--prompt-ids", "1,2", "--target", "{root}/no-such-target"], "no-such-target is not a folder"),
+    "prompt-without-tokenizer": (["--prompt", "hello"], "has no tokenizer.json"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt, tok_ckpt):
+    fill = dict(ckpt, tok_target=tok_ckpt["target"], tok_draft=tok_ckpt["draft"])
+    cmds = {**GOOD, **{name: args for name, (args, _) in BAD.items()}}
+    procs = {}
+    for name, args in cmds.items():
+        argv = ["--target", ckpt["target"], "--draft", ckpt["draft"], *[str(a).format(**fill) for a in args]]
+        procs[name] = subprocess.Popen([sys.executable, "generate.py", *argv], cwd=ROOT, env=ENV,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    done = {}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=300)
+            done[name] = Done(p.returncode, out.decode("utf-8"), err.decode("utf-8"))
+    finally:
+        for p in procs.values():          # a hung run must not outlive the session
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
+def main_json(capsys, *args) -> dict:
+    capsys.readouterr()
+    assert generate.main([str(a) for a in args]) == 0
+    return last_json(capsys.readouterr().out)
+
+
+# --------------------------------------------------------------------------------------------------
+# the "done when" check: python generate.py == transformers greedy
+# --------------------------------------------------------------------------------------------------
+
+def test_dflash_json_equals_transformers_greedy(ckpt, runs):
+    r = runs["json-dflash"]
+    assert r.rc == 0, r
+    res = last_json(r.out)
+    assert JSON_KEYS <= set(res)
+    assert res["prompt_ids"] == PROMPT
+    assert res["output_ids"] == ckpt["ref"]
+    assert res["mode"] == "dflash" and res["block_size"] == BLOCK and res["decode_seconds"] > 0
+    assert sum(res["acceptance_lengths"]) + 1 == len(res["output_ids"])
+    assert len(res["draft_ids"]) == len(res["acceptance_lengths"])
+    assert all(len(d) == BLOCK - 1 for d in res["draft_ids"])
+    assert all(1 <= a <= BLOCK for a in res["acceptance_lengths"])
+
+
+def test_ar_json_equals_transformers_greedy(ckpt, runs):
+    r = runs["json-ar"]
+    assert r.rc == 0, r
+    res = last_json(r.out)
+    assert JSON_KEYS <= set(res)
+    assert res["prompt_ids"] == PROMPT and res["output_ids"] == ckpt["ref"]
+    assert res["mode"] == "ar" and res["acceptance_lengths"] == [] and res["draft_ids"] == []
+
+
+def test_prompt_text_streams_through_the_tokenizer(tok_ckpt, runs, capsys):
+    rt = runs["tok-text"]
+    assert rt.rc == 0, rt
+    res = main_json(capsys, "--target", tok_ckpt["target"], "--draft", tok_ckpt["draft"], "--prompt", "hello",
+                    "--max-new-tokens", 12, "--json")
+    assert res["prompt_ids"] == tok_ckpt["tok"].encode("hello").ids
+    text = tok_ckpt["tok"].decode(res["output_ids"], skip_special_tokens=False)
+    assert text and not rt.out.startswith("(no tokenizer")
+    assert rt.out.startswith(text + "\n"), (rt.out, text)          # the streamed pieces add up to the decoded text
+    stats = rt.out[len(text) + 1:].splitlines()
+    assert len(stats) == 1 and "tok/s" in stats[0] and "mean acceptance length" in stats[0]
+    assert f"[{len(res['output_ids'])} tokens" in stats[0] and rt.err.strip() == ""
+    # in-process, the text goes to the sys.stdout of the moment (here capsys's), not the one at import
+    assert generate.main(["--target", tok_ckpt["target"], "--draft", tok_ckpt["draft"], "--prompt", "hello",
+                          "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.startswith(text + "\n")
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_one_error_line(runs, name):
+    r = runs[name]
+    assert r.rc == 2, r
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r
+    assert BAD[name][1] in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# in-process variants of the same command line
+# --------------------------------------------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_smaller_block_size_same_output(ckpt, capsys, block):
+    res = main_json(capsys, "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
+                    "--max-new-tokens", MAX_NEW, "--json", "--block-size", block)
+    assert res["output_ids"] == ckpt["ref"] and res["block_size"] == block
+    assert all(len(d) == block - 1 for d in res["draft_ids"])
+    assert sum(res["acceptance_lengths"]) + 1 == MAX_NEW
+
+
+def test_stop_token_from_generation_config(ckpt, capsys, tmp_path):
+    target = shutil.copytree(ckpt["target"], tmp_path / "t")
+    ref = ckpt["ref"]
+    stop = ref[6]
+    edit_json(target / "generation_config.json", lambda c: c.update(eos_token_id=[stop, 96]))
+    res = main_json(capsys, "--target", target, "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
+                    "--max-new-tokens", MAX_NEW, "--json")
+    cut = min(i for i, t in enumerate(ref) if t in (stop, 96))
+    assert res["output_ids"] == ref[:cut + 1]
+
+
+def test_text_mode_without_tokenizer_prints_ids_and_stats(ckpt, capsys):
+    assert generate.main(["--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", " ".join(map(str, PROMPT)),
+                          "--max-new-tokens", str(MAX_NEW)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("(no tokenizer.json")
+    assert [int(t) for t in lines[1].split()] == ckpt["ref"]       # spaces separate --prompt-ids too
+    assert "tok/s" in lines[-1] and "mean acceptance length" in lines[-1] and f"[{MAX_NEW} tokens" in lines[-1]
+    assert f"histogram (1..{BLOCK} tokens/step)" in lines[-1]
+
+
+@pytest.mark.parametrize("text, ids", [("1,2,3", [1, 2, 3]), (" 1, 2 ,3 ", [1, 2, 3]), ("1 2", [1, 2]),
+                                       ("7,", [7]), ("", []), (" , ", [])])
+def test_parse_ids(text, ids):
+    assert generate.parse_ids(text) == ids
+
+
+@pytest.mark.parametrize("args, exc, words", [
+    (["--prompt-ids", "1,two"], dflash.GenerationError, "comma-separated integers"),
+    (["--prompt-ids", " , "], dflash.GenerationError, "the prompt is empty"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], dflash.GenerationError, "max_new_tokens must be >= 1"),
+    (["--prompt-ids", "1", "--draft", "none", "--block-size", "0"], dflash.GenerationError, "--block-size must be >= 1"),
+    (["--prompt-ids", "1", "--draft", "{root}/no-such-draft"], M.CheckpointError, "no-such-draft is not a folder"),
+    (["--prompt-ids", "1", "--draft", "{target}"], M.CheckpointError, "drafter model_type"),
+    (["--prompt-ids", "1", "--device", "cuda"], dflash.GenerationError, "CUDA"),
+    (["--prompt-ids=1,97"], dflash.GenerationError, "outside the vocabulary 0..96"),
+    (["--prompt-ids", "1", "--draft", "{other_draft}"], M.CheckpointError, "built for a 4-layer target"),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "10", "--cache-len", "19"], dflash.GenerationError, "+ block slack (7) = 20"),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "10", "--cache-len", "12", "--draft", "none"], dflash.GenerationError,
+     "= 13 exceeds the cache length 12"),
+])
+def test_more_bad_inputs(ckpt, args, exc, words):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = ["--target", ckpt["target"], "--draft", ckpt["draft"], *[a.format(**ckpt) for a in args]]
+    with pytest.raises(exc) as e:
+        generate.main(argv)
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,106 @@
+"""train.py: the training mask, that training lowers the loss, and that the saved formats load elsewhere."""
+import os
+
+import pytest
+import torch
+
+import model as M
+import train
+from helpers import random_target, tiny_target_config, tiny_draft_config, zlab_module
+
+
+def reference_mask(anchors, B, S):
+    """Built by hand, one block at a time: block i of row b sees context j < anchors[b, i] and its own block."""
+    N, nA = anchors.shape
+    m = torch.zeros(N, 1, nA * B, S + nA * B, dtype=torch.bool)
+    for b in range(N):
+        for i in range(nA):
+            rows = slice(i * B, (i + 1) * B)
+            m[b, 0, rows, :int(anchors[b, i])] = True
+            m[b, 0, rows, S + i * B:S + (i + 1) * B] = True
+    return m
+
+
+def test_block_mask_equals_hand_built():
+    anchors = torch.tensor([[40, 7, 63], [12, 50, 30]])
+    B, S = 4, 70
+    ref = reference_mask(anchors, B, S)
+    assert torch.equal(train.training_mask(anchors, B, S, "cpu"), ref)
+    # FlexAttention's own materialisation of the same mask_mod, and its BlockMask in a forward pass
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+    mm = train.dflash_mask_mod(anchors, B, S)
+    assert torch.equal(create_mask(mm, 2, None, 12, S + 12, device="cpu"), ref)
+    bm = create_block_mask(mm, 2, None, 12, S + 12, device="cpu", BLOCK_SIZE=16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g) for n in (12, S + 12, S + 12))
+    out = flex_attention(q, k, v, block_mask=bm)
+    ref_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ref)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+
+
+def test_training_lowers_the_loss_on_a_fixed_batch():
+    torch.manual_seed(0)
+    tcfg = tiny_target_config(vocab_size=40)
+    target = random_target(tcfg, 1, torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    drafter = M.DFlashDrafter(tiny_draft_config(tcfg, block_size=8))
+    train.init_weights_(drafter, 0)
+    seqs = torch.randint(0, 39, (2, 60), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for step in range(25):
+        gen = torch.Generator().manual_seed(0)                   # the same anchors each step: a fixed batch
+        loss, _ = train.draft_loss(drafter, target, seqs, 10, 6, 8, 4.0, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+    model = M.Qwen35(tcfg)
+    train.init_weights_(model, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = seqs[:, :40]
+    losses = []
+    for step in range(15):
+        logits, _ = model(x[:, :-1], torch.arange(39))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_saved_formats_load_in_transformers_and_zlab(tmp_path):
+    tcfg = tiny_target_config(vocab_size=40, hidden_size=32)
+    target = random_target(tcfg, 2, torch.float32)
+    tdir, ddir = tmp_path / "t", tmp_path / "d"
+    os.makedirs(tdir), os.makedirs(ddir)
+    train.save_target(target, str(tdir), torch.float32)
+    drafter = M.DFlashDrafter(tiny_draft_config(tcfg, block_size=8, head_dim=8))
+    train.init_weights_(drafter, 3)
+    train.save_drafter(drafter, str(ddir), torch.float32)
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32).eval()
+    ids = torch.randint(0, 40, (1, 30), generator=torch.Generator().manual_seed(0))
+    ours = M.load_target(str(tdir), torch.float32)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        got, feats = ours(ids, torch.arange(30), feature_layers=tuple(drafter.cfg.target_layer_ids))
+    assert (ref - got).abs().max() < 1e-4
+
+    zm = zlab_module()
+    zd = zm.DFlashDraftModel.from_pretrained(str(ddir), dtype=torch.float32).eval()
+    assert list(zd.target_layer_ids) == drafter.cfg.target_layer_ids and zd.mask_token_id == drafter.cfg.mask_token_id
+    ours_d = M.load_drafter(str(ddir), ours.cfg, torch.float32)
+    block = torch.full((1, 8), drafter.cfg.mask_token_id)
+    block[0, 0] = 5
+    emb = ours.embed_tokens(block)
+    with torch.no_grad():
+        ref_h = zd(target_hidden=feats[:, :22], noise_embedding=emb, position_ids=torch.arange(30)[None])
+        cache = M.DraftCache(ours_d.cfg, 40, torch.float32, "cpu")
+        h = ours_d(emb, feats[:, :22], torch.arange(22, 30), torch.arange(22), cache)
+    assert (ref_h - h).abs().max() < 1e-4
