@@ -143,16 +143,18 @@ def _clock(device, profile: bool) -> float:
 
 @torch.inference_mode()
 def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None,
-             block_size: int = 16, capacity: int | None = None, profile: bool = False) -> Iterator[Step]:
+             block_size: int = 16, capacity: int | None = None, profile: bool = False,
+             verify_gdn: str = "block") -> Iterator[Step]:
     """Greedy generation as a stream of Steps. proposer None = plain AR decoding ("decode" steps).
-    profile: synchronise the device around each phase so Step's timings are exact (CUDA)."""
+    profile: synchronise the device around each phase so Step's timings are exact (CUDA).
+    verify_gdn: "block" (closed-form per-token states, fast) or "recurrent" (token by token, the reference)."""
     if proposer is None:
         block_size = 1
     capacity = check_inputs(target, prompt_ids, max_new_tokens, block_size, capacity, proposer)
     device = target.embed_tokens.weight.device
     dtype = target.embed_tokens.weight.dtype
     stops = set(stop_ids)
-    cache = TargetCache(target.cfg, capacity, dtype, device)
+    cache = TargetCache(target.cfg, capacity, dtype, device, max_block=block_size)
     use_draft = proposer is not None          # block_size 1 with a drafter: verify steps without proposals
     if use_draft:
         proposer.reset(capacity)
@@ -181,7 +183,7 @@ def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(),
         t1 = _clock(device, profile)
         block = torch.cat([last.view(1), proposals])[None]                                        # [1,B]
         bpos = torch.arange(start, start + block.shape[1], device=device)
-        logits, vfeats = target(block, bpos, cache, "recurrent", feature_layers if use_draft else ())
+        logits, vfeats = target(block, bpos, cache, verify_gdn, feature_layers if use_draft else ())
         posterior = logits[0].argmax(-1)                                                          # [B]
         accepted = int((proposals == posterior[:-1]).int().cumprod(0).sum())       # the one host sync per round
         new = proposals[:accepted].tolist() + [int(posterior[accepted])]
@@ -198,7 +200,9 @@ def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(),
         t2 = _clock(device, profile)
         if use_draft:
             yield Step("verify", start, new, proposals.tolist(), accepted, stop, t1 - t0, t2 - t1)
-            feats, feat_pos = (vfeats[:, :n] if vfeats is not None else None), bpos[:n]
+            # All B rows go to the drafter (static shape): rows >= n are rejected tokens' features at
+            # positions >= the next start, hidden from the next block and overwritten by the next append.
+            feats, feat_pos = vfeats, bpos
         else:
             yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
         start += n
@@ -206,14 +210,14 @@ def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(),
 
 
 def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None, block_size: int = 16,
-        capacity: int | None = None, on_step=None, profile: bool = False) -> Result:
+        capacity: int | None = None, on_step=None, profile: bool = False, verify_gdn: str = "block") -> Result:
     """Run `generate` to the end and collect ids, acceptance statistics and timings."""
     device = target.embed_tokens.weight.device
     res = Result(list(prompt_ids), [], [], [], [])
     _sync(device)
     t0 = time.perf_counter()
     t_first = None
-    for step in generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile):
+    for step in generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile, verify_gdn):
         if step.kind == "prefill":
             _sync(device)
             t_first = time.perf_counter()

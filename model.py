@@ -19,10 +19,14 @@ Glossary (code name -> meaning; symbols of the DFlash paper in brackets):
 
 Forward modes of the target (`Qwen35.forward(..., gdn=...)`):
     "chunked"   prefill: GDN runs the chunked rule from the cached state and writes the final state at once
-    "recurrent" decode (T=1) and verify (T=block): GDN keeps the state after every token in `pending`;
+    "recurrent" decode (T=1) and verify (T=block): GDN keeps the state after every token in `steps`;
                 nothing is final until `TargetCache.commit(n)` picks the slot of the n-th token. This is the
                 exact rollback (notes 3): per-step state slots were chosen over snapshot-and-replay because the
                 shapes stay static (no replay of a variable number of tokens), and the commit is one copy.
+    "block"     as "recurrent", but the per-token states of a multi-token call come from the closed form of
+                one chunk (kernels.block_gated_delta_rule): a few matmuls instead of T sequential steps.
+                Same maths; in floats it rounds differently from the step-by-step rule, like any two matmul
+                shapes do (a [16, H] and a [1, H] projection already differ in the last bit).
 """
 from __future__ import annotations
 
@@ -451,12 +455,16 @@ class GatedDeltaNet(nn.Module):
             if cache is not None:
                 cache.rec.copy_(final)
                 cache.conv.copy_(window[:, window.shape[1] - (self.kernel - 1):])
-        elif gdn == "recurrent":
-            o, states = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        elif gdn in ("recurrent", "block"):
+            rule = kernels.recurrent_gated_delta_rule if gdn == "recurrent" or T == 1 else kernels.block_gated_delta_rule
+            o, states = rule(q, k, v, g, beta, state)
             if cache is not None:
-                cache.pending = (states, window)          # final only after TargetCache.commit(n)
+                if T > cache.steps.shape[1]:
+                    raise ValueError(f"a {T}-token recurrent call exceeds the cache's max_block {cache.steps.shape[1]}")
+                cache.steps[:, :T].copy_(states)            # final only after TargetCache.commit(n)
+                cache.window[:, :window.shape[1]].copy_(window)
         else:
-            raise ValueError(f"gdn must be 'chunked' or 'recurrent', not {gdn!r}")
+            raise ValueError(f"gdn must be 'chunked', 'recurrent' or 'block', not {gdn!r}")
         y = self.norm(o.to(x.dtype), z)
         return self.out_proj(y.reshape(bsz, T, self.value_dim))
 
@@ -499,13 +507,16 @@ class AttnCache:
 class GDNCache:
     conv: torch.Tensor       # [B, K-1, conv_dim]: the last K-1 pre-conv inputs, oldest first
     rec: torch.Tensor        # [B, Hv, dk, dv] float32 (float64 in float64 runs): S after the last committed token
-    pending: tuple | None = None   # (states [B,T,Hv,dk,dv], window [B,K-1+T,conv_dim]) of the last recurrent call
+    steps: torch.Tensor      # [B, max_block, Hv, dk, dv]: the state after each token of the last recurrent call
+    window: torch.Tensor     # [B, K-1+max_block, conv_dim]: conv state + that call's pre-conv inputs
 
 
 class TargetCache:
     """Static caches for one sequence, allocated once for `capacity` positions and written in place."""
 
-    def __init__(self, cfg: TargetConfig, capacity: int, dtype, device, batch: int = 1):
+    def __init__(self, cfg: TargetConfig, capacity: int, dtype, device, batch: int = 1, max_block: int = 16):
+        """max_block: the widest recurrent (decode/verify) call; its per-token states are kept in `steps`.
+        At 9B and max_block 16 that is 16 x 48 MiB of fp32 slots (notes 3)."""
         sd = torch.float64 if dtype == torch.float64 else torch.float32
         self.capacity = capacity
         self.layers = []
@@ -516,10 +527,13 @@ class TargetCache:
                                              torch.zeros(shape, dtype=dtype, device=device)))
             else:
                 conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+                state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+                k1 = cfg.linear_conv_kernel_dim - 1
                 self.layers.append(GDNCache(
-                    torch.zeros(batch, cfg.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device),
-                    torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                dtype=sd, device=device)))
+                    conv=torch.zeros(batch, k1, conv_dim, dtype=dtype, device=device),
+                    rec=torch.zeros(batch, *state, dtype=sd, device=device),
+                    steps=torch.zeros(batch, max_block, *state, dtype=sd, device=device),
+                    window=torch.zeros(batch, k1 + max_block, conv_dim, dtype=dtype, device=device)))
 
     def commit(self, n) -> None:
         """After a recurrent forward over T tokens, keep the first n (1 <= n <= T) of them: the GDN states
@@ -527,12 +541,10 @@ class TargetCache:
         a 0-d device tensor (no host sync). Attention needs nothing: its stale entries are masked."""
         for layer in self.layers:
             if isinstance(layer, GDNCache):
-                states, window = layer.pending
-                idx = torch.as_tensor(n, device=states.device).reshape(1)
-                layer.rec.copy_(states.index_select(1, idx - 1).squeeze(1))
+                idx = torch.as_tensor(n, device=layer.steps.device).reshape(1)
+                layer.rec.copy_(layer.steps.index_select(1, idx - 1).squeeze(1))
                 k1 = layer.conv.shape[1]
-                layer.conv.copy_(window.index_select(1, idx + torch.arange(k1, device=window.device)))
-                layer.pending = None
+                layer.conv.copy_(layer.window.index_select(1, idx + torch.arange(k1, device=layer.window.device)))
 
 
 class Qwen35(nn.Module):
@@ -606,6 +618,12 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
         return k, self.v_proj(x).view(bsz, T, self.nkv, self.hd).transpose(1, 2)
 
+    def append(self, ctx, cos, sin, pos, cache: AttnCache) -> None:
+        """Write the context's K/V at positions pos [Tc] of the cache."""
+        kc, vc = self.kv(ctx, cos, sin)
+        cache.k.index_copy_(2, pos, kc.to(cache.k.dtype))
+        cache.v.index_copy_(2, pos, vc.to(cache.v.dtype))
+
     def forward(self, x, ctx, cos_q, sin_q, cos_c, sin_c, mask, cache: AttnCache | None, ctx_pos, block_start):
         """x [B,Tq,H] block hidden; ctx [B,Tc,H] new context (after fc + hidden_norm); cos_q/sin_q [Tq,hd],
         cos_c/sin_c [Tc,hd]. Without a cache, keys are [ctx ; x] and `mask` [Tq, Tc+Tq] says who sees what
@@ -614,11 +632,14 @@ class DraftAttention(nn.Module):
         bsz, Tq, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(bsz, Tq, self.nh, self.hd)).transpose(1, 2), cos_q, sin_q)
         kb, vb = self.kv(x, cos_q, sin_q)
-        kc, vc = self.kv(ctx, cos_c, sin_c)
-        if cache is not None:
-            cache.k.index_copy_(2, ctx_pos, kc.to(cache.k.dtype))
-            cache.v.index_copy_(2, ctx_pos, vc.to(cache.v.dtype))
+        if cache is None:
+            kc, vc = self.kv(ctx, cos_c, sin_c)
+        else:
+            if ctx is not None:
+                self.append(ctx, cos_c, sin_c, ctx_pos, cache)
             kc, vc = cache.k, cache.v
+            # Only positions < block_start hold committed context. Entries at >= block_start (features of
+            # rejected tokens appended with a whole verify block) are hidden and overwritten next step.
             seen = torch.arange(kc.shape[2], device=x.device) < block_start
             mask = torch.cat([seen[None, :].expand(Tq, -1), torch.ones(Tq, Tq, dtype=torch.bool, device=x.device)], 1)
         o = attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
@@ -666,12 +687,23 @@ class DFlashDrafter(nn.Module):
         attends to all cached context before block_pos[0]. Without (training): keys are [context ; blocks],
         `mask` says who sees what ([B,1,Tq,Tc+Tq] bool or a BlockMask), block_pos may be [B, Tq].
         -> hidden [B,Tq,H] after the final norm; logits come from the target's lm_head (`draft_logits`)."""
-        ctx = self.hidden_norm(self.fc(feats))
-        rope = (*self.rope(block_pos, block_embeds.dtype), *self.rope(ctx_pos, block_embeds.dtype))
+        if feats is None:                       # context already appended (append_context)
+            ctx, rope_c = None, (None, None)
+        else:
+            ctx, rope_c = self.hidden_norm(self.fc(feats)), self.rope(ctx_pos, block_embeds.dtype)
+        rope = (*self.rope(block_pos, block_embeds.dtype), *rope_c)
         x = block_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos.view(-1)[0])
         return self.norm(x)
+
+    def append_context(self, feats, ctx_pos, cache: "DraftCache") -> None:
+        """feats [B,Tc,n_feat*H] at positions ctx_pos [Tc] -> every layer's context K/V in the cache.
+        The context K/V do not depend on the block, so they can be written ahead of (or apart from) a draft."""
+        ctx = self.hidden_norm(self.fc(feats))
+        cos, sin = self.rope(ctx_pos, ctx.dtype)
+        for layer, lc in zip(self.layers, cache.layers):
+            layer.self_attn.append(ctx, cos, sin, ctx_pos, lc)
 
     def draft_logits(self, hidden, lm_head: nn.Linear):
         """Logits of the drafter through the target's lm_head, with the optional z-lab output scaling."""

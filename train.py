@@ -434,7 +434,7 @@ def train_draft(args):
     cfg = M.DraftConfig(
         hidden_size=target.cfg.hidden_size, intermediate_size=args.draft_intermediate, num_hidden_layers=args.draft_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=target.cfg.vocab_size,
-        target_layer_ids=M.default_target_layer_ids(L, args.draft_layers) if args.draft_layers > 1 else [L // 2],
+        target_layer_ids=args.target_layers or M.default_target_layer_ids(L, args.draft_layers),
         mask_token_id=tok.token_to_id("<|mask|>"), block_size=args.block_size, num_target_layers=L,
         rope_theta=10000.0)
     drafter = M.DFlashDrafter(cfg)
@@ -499,6 +499,8 @@ def main(argv=None):
     d.add_argument("--gamma", type=float, default=7.0, help="loss decay: 7 for block 16, 5 for 10, 4 for 8 (notes 5)")
     d.add_argument("--draft-layers", type=int, default=1)
     d.add_argument("--draft-intermediate", type=int, default=768)
+    d.add_argument("--target-layers", type=lambda x: [int(i) for i in x.split(",")], default=None,
+                   help="target layers whose outputs the drafter reads, e.g. 1,3,5 (default: the z-lab spacing)")
     d.add_argument("--n-seq", type=int, default=1024)
     d.add_argument("--prompt-len", type=int, default=48)
     d.add_argument("--resp-len", type=int, default=160)

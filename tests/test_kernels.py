@@ -28,13 +28,16 @@ shapes = st.tuples(st.integers(1, 2), st.integers(1, 150), st.sampled_from([1, 2
 
 @settings(max_examples=30)
 @given(shape=shapes, seed=st.integers(0, 1000), chunk=st.sampled_from([8, 16, 64]))
-def test_chunked_equals_recurrent_equals_naive(shape, seed, chunk):
+def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
     B, T, Hk, grp, dk, dv = shape
     T = min(T, 40) if B * Hk * grp > 4 else T          # the naive twin loops in Python: keep it small
     q, k, v, g, beta, s0 = gdn_inputs(seed, B, T, Hk, Hk * grp, dk, dv)
     o_r, states = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     o_n, states_n = kernels.naive_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
+    o_b, states_b = kernels.block_gated_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], s0)
+    torch.testing.assert_close(o_b, o_r[:, :64], rtol=0, atol=1e-10)
+    torch.testing.assert_close(states_b, states[:, :64], rtol=0, atol=1e-10)
     torch.testing.assert_close(o_r, o_n, rtol=0, atol=1e-12)
     torch.testing.assert_close(states, states_n, rtol=0, atol=1e-12)
     torch.testing.assert_close(o_c, o_r, rtol=0, atol=1e-10)

@@ -52,10 +52,12 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
         assert ar.output_ids[-1] == stop and ar.output_ids.count(stop) == 1
     oracle = OracleProposer(len(prompt), ar.output_ids, V, seed)
     sp = dflash.run(target, prompt, max_new, stops, oracle, block)
+    sp_rec = dflash.run(target, prompt, max_new, stops, OracleProposer(len(prompt), ar.output_ids, V, seed), block,
+                        verify_gdn="recurrent")
     drafter = random_drafter(tiny_draft_config(target.cfg, target_layer_ids=[seed % target.cfg.num_hidden_layers],
                                                num_target_layers=None, hidden_size=target.cfg.hidden_size), seed, dtype)
     real = dflash.run(target, prompt, max_new, stops, dflash.DrafterProposer(drafter, target), block)
-    for other in (sp, real):
+    for other in (sp, sp_rec, real):
         if dtype == torch.float64:
             assert other.output_ids == ar.output_ids
         elif other.output_ids != ar.output_ids:
