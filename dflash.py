@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from model import DFlashDrafter, DraftCache, Qwen35, TargetCache
+from model import DFlashDrafter, DraftCache, GDNCache, Qwen35, TargetCache
 
 
 class GenerationError(ValueError):
@@ -84,19 +84,24 @@ class DrafterProposer:
         return tuple(self.drafter.cfg.target_layer_ids)
 
     def reset(self, capacity: int) -> None:
-        w = self.drafter.fc.weight
-        self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device)
+        if self.cache is None or self.cache.layers[0].k.shape[2] != capacity:
+            w = self.drafter.fc.weight
+            self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device)
 
-    def propose(self, last: torch.Tensor, start: int, feats: torch.Tensor, feat_pos: torch.Tensor, n: int) -> torch.Tensor:
-        """last [1] token at `start`; feats [1,Tc,F] target features at feat_pos [Tc] (the positions just before
-        start not seen yet) -> [n] greedy proposals for positions start+1 .. start+n."""
+    def prefill(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        """The prompt's features [1,T0,F] at positions pos [T0] into the context cache (once per generation)."""
+        self.drafter.append_context(feats, pos, self.cache)
+
+    def propose(self, last: torch.Tensor, start: torch.Tensor, feats: torch.Tensor, feat_pos: torch.Tensor, n: int) -> torch.Tensor:
+        """last [1] token at position start [1]; feats [1,Tc,F] target features at feat_pos [Tc] not seen yet
+        (rows at positions >= start are ignored) -> [n] greedy proposals for positions start+1 .. start+n.
+        All shapes are fixed for a given block size, so this compiles to one graph."""
         cfg = self.drafter.cfg
-        block = torch.full((1, n + 1), cfg.mask_token_id, dtype=torch.long, device=last.device)
-        block[0, 0] = last
+        block = torch.cat([last.view(1), torch.full((n,), cfg.mask_token_id, dtype=torch.long, device=last.device)])[None]
         emb = self.target.embed_tokens(block)
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
-        pos = torch.arange(start, start + n + 1, device=last.device)
+        pos = start.view(1) + torch.arange(n + 1, device=last.device)
         hidden = self.drafter(emb, feats, pos, feat_pos, self.cache)
         return self.drafter.draft_logits(hidden[0, 1:], self.target.lm_head).argmax(-1)
 
@@ -141,83 +146,153 @@ def _clock(device, profile: bool) -> float:
     return time.perf_counter()
 
 
-@torch.inference_mode()
+class Engine:
+    """One target (and optionally a proposer) with caches allocated once for `capacity` positions and the
+    fixed-shape step functions, eager or compiled with torch.compile(fullgraph=True, dynamic=False):
+        decode_step  (tok [1,1], pos [1])              -> logits [V]               AR; commits its token
+        verify_step  (block [1,B], pos [B])            -> posterior [B], accepted [], feats [1,B,F]
+        draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B]) -> proposals [B-1]
+        commit       (n [])                            -> GDN states after the n-th block token
+    Everything that varies per step is a device tensor, so after warm-up nothing recompiles. Prefill (one
+    call per prompt, any length) stays eager."""
+
+    def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
+                 compile_mode: str | None = None, verify_gdn: str = "block"):
+        if proposer is None:
+            block_size = 1
+        if block_size < 1:
+            raise GenerationError(f"block size must be >= 1, got {block_size}")
+        if proposer is not None and block_size > proposer.max_block_size:
+            raise GenerationError(f"block size {block_size} exceeds the drafter's block_size {proposer.max_block_size}; "
+                                  f"use --block-size {proposer.max_block_size} or less")
+        self.target, self.proposer, self.block, self.capacity = target, proposer, block_size, capacity
+        self.verify_gdn, self.compiled = verify_gdn, compile_mode is not None
+        self.device = target.embed_tokens.weight.device
+        dtype = target.embed_tokens.weight.dtype
+        self.cache = TargetCache(target.cfg, capacity, dtype, self.device, max_block=block_size)
+        self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
+        if proposer is not None:
+            proposer.reset(capacity)
+        self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
+        self.draft_step = proposer.propose if proposer is not None else None
+        if compile_mode is not None:
+            opts = dict(mode=compile_mode, fullgraph=True, dynamic=False)
+            self.decode_step = torch.compile(self._decode, **opts)
+            self.verify_step = torch.compile(self._verify, **opts)
+            self.commit = torch.compile(self.cache.commit, **opts)
+            if isinstance(proposer, DrafterProposer):
+                self.draft_step = torch.compile(proposer.propose, **opts)
+
+    def _decode(self, tok, pos):
+        logits, _ = self.target(tok, pos, self.cache, "recurrent")
+        self.cache.commit(1)
+        return logits[0, -1]
+
+    def _verify(self, block, pos):
+        logits, feats = self.target(block, pos, self.cache, self.verify_gdn, self.feature_layers)
+        posterior = logits[0].argmax(-1)                                               # [B]
+        accepted = (block[0, 1:] == posterior[:-1]).int().cumprod(0).sum()            # leading matches
+        return posterior, accepted, feats
+
+    def reset(self) -> None:
+        """A new sequence: zero the GDN states (prefill starts from S = 0). Attention K/V and the drafter's
+        context need nothing: entries past the new prompt are masked until overwritten."""
+        for layer in self.cache.layers:
+            if isinstance(layer, GDNCache):
+                layer.conv.zero_()
+                layer.rec.zero_()
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), profile: bool = False) -> Iterator[Step]:
+        """Greedy generation as a stream of Steps ("prefill", then "verify" rounds or AR "decode" steps).
+        profile: synchronise the device around each phase so Step's timings are exact (CUDA)."""
+        check_inputs(self.target, prompt_ids, max_new_tokens, self.block, self.capacity, self.proposer)
+        device, B, stops = self.device, self.block, set(stop_ids)
+        use_draft = self.proposer is not None        # block_size 1 with a drafter: verify steps without proposals
+        self.reset()
+
+        # Prefill: the whole prompt, GDN chunked from a zero state; the first token is the argmax of the last logits.
+        T0 = len(prompt_ids)
+        pos = torch.arange(T0, device=device)
+        logits, feats = self.target(torch.tensor([prompt_ids], device=device), pos, self.cache, "chunked",
+                                    self.feature_layers, last_logits_only=True)
+        first = int(logits[0, -1].argmax())
+        n_out = 1
+        stop = first in stops or n_out >= max_new_tokens
+        yield Step("prefill", T0 - 1, [first], stop=stop)
+        start = T0                                                  # position of `last`, the last committed token
+        last = torch.tensor([first], device=device)
+        if use_draft:
+            self.proposer.prefill(feats, pos)
+            # placeholder context at positions >= start: never visible, overwritten by the first verify's features
+            if feats is not None:
+                feats = torch.zeros(1, B, feats.shape[-1], dtype=feats.dtype, device=device)
+
+        while not stop:
+            remaining = max_new_tokens - n_out
+            start_t = torch.tensor([start], device=device)
+            bpos = start_t + torch.arange(B, device=device)
+            t0 = _clock(device, profile)
+            if not use_draft:
+                logits = self.decode_step(last.view(1, 1), bpos)
+                t1 = t0
+                new = [int(logits.argmax())]                               # the one host sync per token
+            else:
+                if B > 1:
+                    proposals = self.draft_step(last, start_t, feats, bpos, B - 1)           # [B-1]
+                else:
+                    proposals = torch.zeros(0, dtype=torch.long, device=device)
+                t1 = _clock(device, profile)
+                posterior, accepted, vfeats = self.verify_step(torch.cat([last, proposals])[None], bpos)
+                vals = torch.cat([accepted.view(1), posterior, proposals]).tolist()    # the one host sync per round
+                a, post, props = vals[0], vals[1:B + 1], vals[B + 1:]
+                new = props[:a] + [post[a]]
+            new = new[:remaining]
+            for i, t in enumerate(new):
+                if t in stops:
+                    new = new[:i + 1]
+                    break
+            n = len(new)
+            if use_draft:
+                # The inputs of block[0 .. n-1] are committed; new[-1] is the last committed token, not yet processed.
+                self.commit(torch.tensor(n, device=device))
+            n_out += n
+            stop = new[-1] in stops or n_out >= max_new_tokens
+            t2 = _clock(device, profile)
+            if use_draft:
+                yield Step("verify", start, new, props, a, stop, t1 - t0, t2 - t1)
+                # All B rows go to the drafter (static shape): rows >= n are rejected tokens' features at
+                # positions >= the next start, hidden from the next block and overwritten by the next append.
+                feats = vfeats.clone() if self.compiled and vfeats is not None else vfeats   # CUDA graphs reuse outputs
+            else:
+                yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
+            start += n
+            last = torch.tensor([new[-1]], device=device)
+
+    def run(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), on_step=None, profile: bool = False) -> Result:
+        return collect(self.generate(prompt_ids, max_new_tokens, stop_ids, profile), prompt_ids, self.device, on_step)
+
+
 def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None,
              block_size: int = 16, capacity: int | None = None, profile: bool = False,
              verify_gdn: str = "block") -> Iterator[Step]:
-    """Greedy generation as a stream of Steps. proposer None = plain AR decoding ("decode" steps).
-    profile: synchronise the device around each phase so Step's timings are exact (CUDA).
-    verify_gdn: "block" (closed-form per-token states, fast) or "recurrent" (token by token, the reference)."""
+    """One generation with caches sized for this request (see Engine for reuse and compilation).
+    proposer None = plain AR decoding. verify_gdn: "block" (closed-form per-token states, fast) or
+    "recurrent" (token by token, the reference)."""
     if proposer is None:
         block_size = 1
     capacity = check_inputs(target, prompt_ids, max_new_tokens, block_size, capacity, proposer)
-    device = target.embed_tokens.weight.device
-    dtype = target.embed_tokens.weight.dtype
-    stops = set(stop_ids)
-    cache = TargetCache(target.cfg, capacity, dtype, device, max_block=block_size)
-    use_draft = proposer is not None          # block_size 1 with a drafter: verify steps without proposals
-    if use_draft:
-        proposer.reset(capacity)
-    feature_layers = tuple(proposer.feature_layers) if use_draft else ()
-
-    # Prefill: the whole prompt, GDN chunked from a zero state; the first token is the argmax of the last logits.
-    T0 = len(prompt_ids)
-    ids = torch.tensor([prompt_ids], device=device)
-    pos = torch.arange(T0, device=device)
-    logits, feats = target(ids, pos, cache, "chunked", feature_layers if use_draft else (), last_logits_only=True)
-    last = logits[0, -1].argmax()
-    first = int(last)
-    n_out = 1
-    stop = first in stops or n_out >= max_new_tokens
-    yield Step("prefill", T0 - 1, [first], stop=stop)
-    feat_pos = pos
-    start = T0                                                  # position of `last`
-
-    while not stop:
-        remaining = max_new_tokens - n_out
-        t0 = _clock(device, profile)
-        if use_draft and block_size > 1:
-            proposals = proposer.propose(last.view(1), start, feats, feat_pos, block_size - 1).to(device)   # [B-1]
-        else:
-            proposals = torch.zeros(0, dtype=torch.long, device=device)
-        t1 = _clock(device, profile)
-        block = torch.cat([last.view(1), proposals])[None]                                        # [1,B]
-        bpos = torch.arange(start, start + block.shape[1], device=device)
-        logits, vfeats = target(block, bpos, cache, verify_gdn, feature_layers if use_draft else ())
-        posterior = logits[0].argmax(-1)                                                          # [B]
-        accepted = int((proposals == posterior[:-1]).int().cumprod(0).sum())       # the one host sync per round
-        new = proposals[:accepted].tolist() + [int(posterior[accepted])]
-        new = new[:remaining]
-        for i, t in enumerate(new):
-            if t in stops:
-                new = new[:i + 1]
-                break
-        n = len(new)
-        # The inputs of block[0 .. n-1] are committed; the last committed token is new[-1], not yet processed.
-        cache.commit(n)
-        n_out += n
-        stop = new[-1] in stops or n_out >= max_new_tokens
-        t2 = _clock(device, profile)
-        if use_draft:
-            yield Step("verify", start, new, proposals.tolist(), accepted, stop, t1 - t0, t2 - t1)
-            # All B rows go to the drafter (static shape): rows >= n are rejected tokens' features at
-            # positions >= the next start, hidden from the next block and overwritten by the next append.
-            feats, feat_pos = vfeats, bpos
-        else:
-            yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
-        start += n
-        last = torch.tensor(new[-1], device=device)
+    engine = Engine(target, proposer, block_size, capacity, verify_gdn=verify_gdn)
+    return engine.generate(prompt_ids, max_new_tokens, stop_ids, profile)
 
 
-def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None, block_size: int = 16,
-        capacity: int | None = None, on_step=None, profile: bool = False, verify_gdn: str = "block") -> Result:
-    """Run `generate` to the end and collect ids, acceptance statistics and timings."""
-    device = target.embed_tokens.weight.device
+def collect(steps: Iterator[Step], prompt_ids: list, device, on_step=None) -> Result:
+    """Drain a stream of Steps into a Result (ids, acceptance statistics, timings)."""
     res = Result(list(prompt_ids), [], [], [], [])
     _sync(device)
     t0 = time.perf_counter()
     t_first = None
-    for step in generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile, verify_gdn):
+    for step in steps:
         if step.kind == "prefill":
             _sync(device)
             t_first = time.perf_counter()
@@ -232,3 +307,10 @@ def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), prop
     _sync(device)
     res.decode_seconds = time.perf_counter() - t_first
     return res
+
+
+def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None, block_size: int = 16,
+        capacity: int | None = None, on_step=None, profile: bool = False, verify_gdn: str = "block") -> Result:
+    """One generation to the end (caches sized for it), collected into a Result."""
+    steps = generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile, verify_gdn)
+    return collect(steps, prompt_ids, target.embed_tokens.weight.device, on_step)

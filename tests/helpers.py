@@ -78,12 +78,15 @@ class OracleProposer:
     def reset(self, capacity):
         self.plan = []
 
+    def prefill(self, feats, pos):
+        pass
+
     def propose(self, last, start, feats, feat_pos, n):
         if not self.plan:
             self.plan = list(range(n + 1))
             self.rng.shuffle(self.plan)
         a = self.plan.pop()
-        i = start - self.T0 + 1                      # index in the continuation of the token after `last`
+        i = int(start) - self.T0 + 1                 # index in the continuation of the token after `last`
         out = (self.cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
         if a < n:
             out[a] = (out[a] + 1 + self.rng.randrange(self.V - 1)) % self.V   # anything but the true token
