@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: just enough for the request)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line instead of streaming text")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
+    p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
     args = p.parse_args(argv)
     if args.draft is None:
         args.draft = DEFAULT_DRAFT if args.target == DEFAULT_TARGET else "none"
@@ -106,7 +108,14 @@ def main(argv=None) -> int:
     if stream is None and not args.json:
         print("(no tokenizer.json: printing token ids)")
     on_step = (lambda s: stream.push(s.tokens)) if stream else (None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True)))
-    res = dflash.run(target, prompt_ids, args.max_new_tokens, stops, proposer, block_size, args.cache_len, on_step)
+    capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
+    engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None)
+    compile_seconds = 0.0
+    if args.compile:        # compile on a throw-away run so the timed run measures decoding only
+        t0 = time.perf_counter()
+        engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops)
+        compile_seconds = time.perf_counter() - t0
+    res = engine.run(prompt_ids, args.max_new_tokens, stops, on_step)
     if stream:
         stream.close()
     elif not args.json:
@@ -120,7 +129,7 @@ def main(argv=None) -> int:
             "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids,
             "mean_acceptance_length": res.mean_acceptance_length,
             "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
-            "decode_tokens_per_s": tps, "load_seconds": load_seconds, "block_size": block_size if proposer else 1,
+            "decode_tokens_per_s": tps, "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
             "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
         }))
     else:
