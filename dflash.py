@@ -68,6 +68,72 @@ class Result:
         return counts
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy (the exact path above). Otherwise tokens are drawn from the target's
+    distribution at `temperature`, restricted to the top_k most likely tokens (0 = all) and to the smallest
+    set whose probability reaches top_p (1 = all)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [..., V] -> the distribution tokens are drawn from, float32 [..., V] (temperature, top-k, top-p)."""
+    x = logits.float() / s.temperature
+    V = x.shape[-1]
+    if 0 < s.top_k < V:
+        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if s.top_p < 1:
+        ps, order = p.sort(dim=-1, descending=True)
+        drop = (ps.cumsum(-1) - ps) >= s.top_p          # keep up to and including the token that reaches top_p
+        ps = ps.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter(-1, order, ps)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def draw(probs: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [..., V] given Exp(1) noise of the same shape: argmax(p / E) is distributed
+    as Categorical(p / sum(p)) (the exponential race; gpt-fast's sync-free sampling). Zero-probability tokens
+    can never win."""
+    return (probs / expo.clamp_min(1e-30)).argmax(-1)
+
+
+def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Tensor, expo: torch.Tensor):
+    """Speculative rejection sampling for a verify block, on the device, no host sync.
+
+    probs [B, V] target distributions at block positions 0..B-1 (row i judges proposals[i]);
+    proposals [B-1]; u [B-1] uniform(0,1) draws; expo [B, V] Exp(1) noise -> (accepted [], tokens [B]):
+    the committed tokens are proposals[:accepted] + [tokens[accepted]].
+
+    The greedy draft is treated as a one-hot proposal q (notes 4): proposal x is accepted with probability
+    min(1, p(x) / q(x)) = p(x); on rejection the token comes from normalize(max(p - q, 0)), which is p with x
+    removed; after a full acceptance the bonus comes from p at the last row. The output distribution equals
+    the target's exactly, the drafter needs no probabilities of its own, and acceptance is higher than with
+    independently sampled draft tokens (z-lab PR #169). `u < p(x)` is strict, so a zero-probability
+    proposal is never accepted, even when u is exactly 0 (an SGLang bug)."""
+    p_prop = probs[:-1].gather(1, proposals[:, None]).squeeze(1)                 # [B-1]
+    accepted = (u < p_prop).int().cumprod(0).sum()
+    resid = torch.cat([probs[:-1].scatter(1, proposals[:, None], 0.0), probs[-1:]])
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)          # p one-hot at x: never rejected
+    return accepted, draw(resid, expo)
+
+
 class DrafterProposer:
     """The real proposer: the DFlash drafter with its context cache, sharing the target's embedding and lm_head."""
 
@@ -173,13 +239,16 @@ class Engine:
         self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
         if proposer is not None:
             proposer.reset(capacity)
+        self.sampling = Sampling()
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
+        self.verify_sample_step = self._verify_sample
         self.draft_step = proposer.propose if proposer is not None else None
         if compile_mode is not None:
             opts = dict(mode=compile_mode, fullgraph=True, dynamic=False)
             self.decode_step = torch.compile(self._decode, **opts)
             self.verify_step = torch.compile(self._verify, **opts)
             self.commit = torch.compile(self.cache.commit, **opts)
+            self.verify_sample_step = torch.compile(self._verify_sample, **opts)
             if isinstance(proposer, DrafterProposer):
                 self.draft_step = torch.compile(proposer.propose, **opts)
 
@@ -194,6 +263,11 @@ class Engine:
         accepted = (block[0, 1:] == posterior[:-1]).int().cumprod(0).sum()            # leading matches
         return posterior, accepted, feats
 
+    def _verify_sample(self, block, pos, u, expo):
+        logits, feats = self.target(block, pos, self.cache, self.verify_gdn, self.feature_layers)
+        accepted, tokens = speculative_accept(sampling_probs(logits[0], self.sampling), block[0, 1:], u, expo)
+        return tokens, accepted, feats
+
     def reset(self) -> None:
         """A new sequence: zero the GDN states (prefill starts from S = 0). Attention K/V and the drafter's
         context need nothing: entries past the new prompt are masked until overwritten."""
@@ -203,11 +277,22 @@ class Engine:
                 layer.rec.zero_()
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), profile: bool = False) -> Iterator[Step]:
-        """Greedy generation as a stream of Steps ("prefill", then "verify" rounds or AR "decode" steps).
+    def generate(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), profile: bool = False,
+                 sampling: Sampling | None = None, generator: torch.Generator | None = None) -> Iterator[Step]:
+        """Generation as a stream of Steps ("prefill", then "verify" rounds or AR "decode" steps).
+        sampling None or temperature 0: greedy. Otherwise random draws come from `generator` (a torch.Generator
+        on the device; a fresh unseeded one if None).
         profile: synchronise the device around each phase so Step's timings are exact (CUDA)."""
         check_inputs(self.target, prompt_ids, max_new_tokens, self.block, self.capacity, self.proposer)
         device, B, stops = self.device, self.block, set(stop_ids)
+        s = sampling or Sampling()
+        if not s.greedy:
+            self.sampling = s                 # a constant of the compiled sampling step (a change recompiles)
+            gen = generator or torch.Generator(device=device)
+            V = self.target.cfg.vocab_size
+
+            def pick(logits):                 # one token from logits [V], on the device
+                return draw(sampling_probs(logits, s), torch.empty(V, device=device).exponential_(generator=gen))
         use_draft = self.proposer is not None        # block_size 1 with a drafter: verify steps without proposals
         self.reset()
 
@@ -216,7 +301,7 @@ class Engine:
         pos = torch.arange(T0, device=device)
         logits, feats = self.target(torch.tensor([prompt_ids], device=device), pos, self.cache, "chunked",
                                     self.feature_layers, last_logits_only=True)
-        first = int(logits[0, -1].argmax())
+        first = int(logits[0, -1].argmax() if s.greedy else pick(logits[0, -1]))
         n_out = 1
         stop = first in stops or n_out >= max_new_tokens
         yield Step("prefill", T0 - 1, [first], stop=stop)
@@ -227,6 +312,7 @@ class Engine:
             # placeholder context at positions >= start: never visible, overwritten by the first verify's features
             if feats is not None:
                 feats = torch.zeros(1, B, feats.shape[-1], dtype=feats.dtype, device=device)
+            feat_pos = start + torch.arange(B, device=device)
 
         while not stop:
             remaining = max_new_tokens - n_out
@@ -236,14 +322,20 @@ class Engine:
             if not use_draft:
                 logits = self.decode_step(last.view(1, 1), bpos)
                 t1 = t0
-                new = [int(logits.argmax())]                               # the one host sync per token
+                new = [int(logits.argmax() if s.greedy else pick(logits))]   # the one host sync per token
             else:
                 if B > 1:
-                    proposals = self.draft_step(last, start_t, feats, bpos, B - 1)           # [B-1]
+                    proposals = self.draft_step(last, start_t, feats, feat_pos, B - 1)       # [B-1]
                 else:
                     proposals = torch.zeros(0, dtype=torch.long, device=device)
                 t1 = _clock(device, profile)
-                posterior, accepted, vfeats = self.verify_step(torch.cat([last, proposals])[None], bpos)
+                block = torch.cat([last, proposals])[None]
+                if s.greedy:
+                    posterior, accepted, vfeats = self.verify_step(block, bpos)
+                else:
+                    u = torch.rand(B - 1, device=device, generator=gen)
+                    expo = torch.empty(B, V, device=device).exponential_(generator=gen)
+                    posterior, accepted, vfeats = self.verify_sample_step(block, bpos, u, expo)
                 vals = torch.cat([accepted.view(1), posterior, proposals]).tolist()    # the one host sync per round
                 a, post, props = vals[0], vals[1:B + 1], vals[B + 1:]
                 new = props[:a] + [post[a]]
@@ -264,18 +356,21 @@ class Engine:
                 # All B rows go to the drafter (static shape): rows >= n are rejected tokens' features at
                 # positions >= the next start, hidden from the next block and overwritten by the next append.
                 feats = vfeats.clone() if self.compiled and vfeats is not None else vfeats   # CUDA graphs reuse outputs
+                feat_pos = bpos                                     # the positions of this verify block
             else:
                 yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
             start += n
             last = torch.tensor([new[-1]], device=device)
 
-    def run(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), on_step=None, profile: bool = False) -> Result:
-        return collect(self.generate(prompt_ids, max_new_tokens, stop_ids, profile), prompt_ids, self.device, on_step)
+    def run(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), on_step=None, profile: bool = False,
+            sampling: Sampling | None = None, generator: torch.Generator | None = None) -> Result:
+        steps = self.generate(prompt_ids, max_new_tokens, stop_ids, profile, sampling, generator)
+        return collect(steps, prompt_ids, self.device, on_step)
 
 
 def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None,
              block_size: int = 16, capacity: int | None = None, profile: bool = False,
-             verify_gdn: str = "block") -> Iterator[Step]:
+             verify_gdn: str = "block", sampling: Sampling | None = None, generator=None) -> Iterator[Step]:
     """One generation with caches sized for this request (see Engine for reuse and compilation).
     proposer None = plain AR decoding. verify_gdn: "block" (closed-form per-token states, fast) or
     "recurrent" (token by token, the reference)."""
@@ -283,7 +378,7 @@ def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(),
         block_size = 1
     capacity = check_inputs(target, prompt_ids, max_new_tokens, block_size, capacity, proposer)
     engine = Engine(target, proposer, block_size, capacity, verify_gdn=verify_gdn)
-    return engine.generate(prompt_ids, max_new_tokens, stop_ids, profile)
+    return engine.generate(prompt_ids, max_new_tokens, stop_ids, profile, sampling, generator)
 
 
 def collect(steps: Iterator[Step], prompt_ids: list, device, on_step=None) -> Result:
@@ -310,7 +405,9 @@ def collect(steps: Iterator[Step], prompt_ids: list, device, on_step=None) -> Re
 
 
 def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None, block_size: int = 16,
-        capacity: int | None = None, on_step=None, profile: bool = False, verify_gdn: str = "block") -> Result:
+        capacity: int | None = None, on_step=None, profile: bool = False, verify_gdn: str = "block",
+        sampling: Sampling | None = None, generator=None) -> Result:
     """One generation to the end (caches sized for it), collected into a Result."""
-    steps = generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile, verify_gdn)
+    steps = generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile, verify_gdn,
+                     sampling, generator)
     return collect(steps, prompt_ids, target.embed_tokens.weight.device, on_step)

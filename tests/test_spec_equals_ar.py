@@ -117,3 +117,25 @@ def test_max_new_tokens_cuts_a_block():
         oracle.plan = [15] * 10
         sp = dflash.run(target, prompt, max_new, (), oracle, 16)
         assert sp.output_ids == ar.output_ids and len(sp.output_ids) == max_new
+
+
+@pytest.mark.parametrize("block,seed", [(4, 0), (8, 1), (16, 2)])
+def test_engine_drafts_equal_drafter_from_scratch(block, seed):
+    """Every proposal the engine made == the drafter run from scratch (no cache) on full-forward target features
+    of the committed prefix: the incremental context appends (whole verify blocks, stale rows hidden) are exact."""
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, seed)
+    dcfg = tiny_draft_config(cfg, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
+    drafter = random_drafter(dcfg, seed)
+    prompt = [random.Random(seed).randrange(40) for _ in range(23)]
+    res = dflash.run(target, prompt, 60, (), dflash.DrafterProposer(drafter, target), block)
+    seq = torch.tensor([prompt + res.output_ids])
+    with torch.no_grad():
+        _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
+        for step in [s for s in res.steps if s.kind == "verify"]:
+            start = step.start + 0
+            blk = torch.full((1, block), dcfg.mask_token_id)
+            blk[0, 0] = seq[0, start]
+            mask = torch.ones(block, start + block, dtype=torch.bool)
+            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), None, mask)
+            assert drafter.draft_logits(h[0, 1:], target.lm_head).argmax(-1).tolist() == step.draft_ids
