@@ -13,7 +13,8 @@ One round (notes 2), with `start` = position of the last committed token `last`:
     features the verify pass's features at the committed positions feed the next draft
 
 A proposer is anything with `max_block_size`, `feature_layers` (target layers whose outputs it reads),
-`reset(capacity)` and `propose(last, start, feats, feat_pos, n)`; the real one
+`reset(capacity)` (a new sequence begins), `prefill(feats, pos)` (the prompt's features) and
+`propose(last, start, feats, feat_pos, n)`; the real one
 wraps the DFlash drafter, and tests use stand-ins that offer known continuations with corruptions.
 """
 from __future__ import annotations
@@ -295,6 +296,8 @@ class Engine:
                 return draw(sampling_probs(logits, s), torch.empty(V, device=device).exponential_(generator=gen))
         use_draft = self.proposer is not None        # block_size 1 with a drafter: verify steps without proposals
         self.reset()
+        if use_draft:
+            self.proposer.reset(self.capacity)       # a new sequence begins (cheap: caches are kept when they fit)
 
         # Prefill: the whole prompt, GDN chunked from a zero state; the first token is the argmax of the last logits.
         T0 = len(prompt_ids)

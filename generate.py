@@ -39,6 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: just enough for the request)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line instead of streaming text")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same output)")
+    p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
     args = p.parse_args(argv)
@@ -115,11 +120,27 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops)
         compile_seconds = time.perf_counter() - t0
-    res = engine.run(prompt_ids, args.max_new_tokens, stops, on_step)
-    if stream:
-        stream.close()
-    elif not args.json:
-        print()
+    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
+    if args.num_samples < 1:
+        raise dflash.GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
+    gen = torch.Generator(device=device)
+    if args.seed is not None:
+        gen.manual_seed(args.seed)
+    else:
+        gen.seed()
+    samples = []
+    for i in range(args.num_samples):
+        if args.num_samples > 1 and not args.json:
+            print(f"--- sample {i + 1}/{args.num_samples}")
+        if stream:
+            stream = TextStream(tokenizer)
+        res = engine.run(prompt_ids, args.max_new_tokens, stops, on_step if stream is None else (lambda s, st=stream: st.push(s.tokens)),
+                         sampling=sampling, generator=gen)
+        samples.append(res)
+        if stream:
+            stream.close()
+        elif not args.json:
+            print()
 
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
@@ -131,6 +152,9 @@ def main(argv=None) -> int:
             "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
             "decode_tokens_per_s": tps, "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
             "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths} for r in samples]}
+               if args.num_samples > 1 else {}),
         }))
     else:
         stats = f"[{len(res.output_ids)} tokens, {tps:.1f} tok/s after the first"
