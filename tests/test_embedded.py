@@ -1,0 +1,49 @@
+"""The embedded default pair in checkpoints/: it loads through the real-checkpoint code path, DFlash output
+equals AR output on held-out prompts, and the drafter earns its keep (mean acceptance length above 2)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dflash
+import model as M
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
+DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = M.load_target(TARGET, torch.float32)
+    drafter = M.load_drafter(DRAFT, target.cfg, torch.float32)
+    return target, drafter, M.load_tokenizer(TARGET)
+
+
+def test_embedded_pair_is_lossless_and_accepts(pair):
+    target, drafter, tok = pair
+    assert {"linear_attention", "full_attention"} <= set(target.cfg.layer_types)
+    proposer = dflash.DrafterProposer(drafter, target)
+    engine_ar = dflash.Engine(target, None, 1, 256)
+    engine_sp = dflash.Engine(target, proposer, 16, 256)
+    taus = []
+    for p in train.heldout_prompts(tok, 4):
+        assert 30 <= len(p) <= 60
+        ar = engine_ar.run(p, 64)
+        sp = engine_sp.run(p, 64)
+        assert sp.output_ids == ar.output_ids
+        taus += sp.acceptance_lengths
+    assert sum(taus) / len(taus) > 2.0
+
+
+def test_default_command_runs_offline():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "generate.py", "--prompt", "def fibonacci(n):", "--max-new-tokens", "24"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text, stats = out.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.strip(), "no generated text before the stats line"
+    assert "tok/s" in stats and "mean acceptance length" in stats
