@@ -138,8 +138,11 @@ def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Te
 class DrafterProposer:
     """The real proposer: the DFlash drafter with its context cache, sharing the target's embedding and lm_head."""
 
-    def __init__(self, drafter: DFlashDrafter, target: Qwen35):
-        self.drafter, self.target = drafter, target
+    def __init__(self, drafter: DFlashDrafter, target: Qwen35, window: int | None = None):
+        """window: let each draft see only the last `window` committed positions (None = all)."""
+        if window is not None and window < 1:
+            raise GenerationError(f"--draft-window must be >= 1, got {window}")
+        self.drafter, self.target, self.window = drafter, target, window
         self.cache = None
 
     @property
@@ -169,7 +172,7 @@ class DrafterProposer:
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
         pos = start.view(1) + torch.arange(n + 1, device=last.device)
-        hidden = self.drafter(emb, feats, pos, feat_pos, self.cache)
+        hidden = self.drafter(emb, feats, pos, feat_pos, self.cache, window=self.window)
         return self.drafter.draft_logits(hidden[0, 1:], self.target.lm_head).argmax(-1)
 
 

@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same output)")
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling)")
+    p.add_argument("--draft-window", type=int, default=None, help="drafts see only the last W context positions (long prompts)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
     args = p.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     tokenizer = M.load_tokenizer(target.path)
     proposer = None
     if args.draft.lower() != "none":
-        proposer = dflash.DrafterProposer(M.load_drafter(args.draft, target.cfg, dtype, device), target)
+        proposer = dflash.DrafterProposer(M.load_drafter(args.draft, target.cfg, dtype, device), target, args.draft_window)
     load_seconds = time.perf_counter() - t0
 
     if args.prompt is not None:

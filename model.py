@@ -624,7 +624,8 @@ class DraftAttention(nn.Module):
         cache.k.index_copy_(2, pos, kc.to(cache.k.dtype))
         cache.v.index_copy_(2, pos, vc.to(cache.v.dtype))
 
-    def forward(self, x, ctx, cos_q, sin_q, cos_c, sin_c, mask, cache: AttnCache | None, ctx_pos, block_start):
+    def forward(self, x, ctx, cos_q, sin_q, cos_c, sin_c, mask, cache: AttnCache | None, ctx_pos, block_start,
+                window: int | None = None):
         """x [B,Tq,H] block hidden; ctx [B,Tc,H] new context (after fc + hidden_norm); cos_q/sin_q [Tq,hd],
         cos_c/sin_c [Tc,hd]. Without a cache, keys are [ctx ; x] and `mask` [Tq, Tc+Tq] says who sees what
         (training). With a cache, the ctx K/V are written at ctx_pos, and the block sees cached positions
@@ -640,7 +641,10 @@ class DraftAttention(nn.Module):
             kc, vc = cache.k, cache.v
             # Only positions < block_start hold committed context. Entries at >= block_start (features of
             # rejected tokens appended with a whole verify block) are hidden and overwritten next step.
-            seen = torch.arange(kc.shape[2], device=x.device) < block_start
+            kpos = torch.arange(kc.shape[2], device=x.device)
+            seen = kpos < block_start
+            if window is not None:          # --draft-window: only the last `window` context positions
+                seen = seen & (kpos >= block_start - window)
             mask = torch.cat([seen[None, :].expand(Tq, -1), torch.ones(Tq, Tq, dtype=torch.bool, device=x.device)], 1)
         o = attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
         return self.o_proj(o)
@@ -654,8 +658,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope, mask, cache, ctx_pos, block_start):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, *rope, mask, cache, ctx_pos, block_start)
+    def forward(self, x, ctx, rope, mask, cache, ctx_pos, block_start, window=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *rope, mask, cache, ctx_pos, block_start, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -680,12 +684,15 @@ class DFlashDrafter(nn.Module):
             ang = ang[:, None]
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
-    def forward(self, block_embeds, feats, block_pos, ctx_pos, cache: "DraftCache | None" = None, mask=None):
+    def forward(self, block_embeds, feats, block_pos, ctx_pos, cache: "DraftCache | None" = None, mask=None,
+                window: int | None = None):
         """block_embeds [B,Tq,H] (target embedding of the block, times input_embedding_scale);
         feats [B,Tc,n_feat*H] target features at positions ctx_pos [Tc]; block_pos [Tq].
         With a cache: the context is appended to it (positions ctx_pos must continue it) and the block
         attends to all cached context before block_pos[0]. Without (training): keys are [context ; blocks],
         `mask` says who sees what ([B,1,Tq,Tc+Tq] bool or a BlockMask), block_pos may be [B, Tq].
+        window (with a cache): the block sees only the last `window` context positions (SGLang's draft window,
+        for long prompts; z-lab issue #66).
         -> hidden [B,Tq,H] after the final norm; logits come from the target's lm_head (`draft_logits`)."""
         if feats is None:                       # context already appended (append_context)
             ctx, rope_c = None, (None, None)
@@ -694,7 +701,7 @@ class DFlashDrafter(nn.Module):
         rope = (*self.rope(block_pos, block_embeds.dtype), *rope_c)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos.view(-1)[0])
+            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos.view(-1)[0], window)
         return self.norm(x)
 
     def append_context(self, feats, ctx_pos, cache: "DraftCache") -> None:

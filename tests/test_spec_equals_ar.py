@@ -139,3 +139,20 @@ def test_engine_drafts_equal_drafter_from_scratch(block, seed):
             mask = torch.ones(block, start + block, dtype=torch.bool)
             h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), None, mask)
             assert drafter.draft_logits(h[0, 1:], target.lm_head).argmax(-1).tolist() == step.draft_ids
+
+
+def test_draft_window():
+    """A window as long as the context changes nothing; a short one changes the drafts, never the output."""
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 9)
+    dcfg = tiny_draft_config(cfg, block_size=8, target_layer_ids=[1, 3], num_target_layers=None)
+    drafter = random_drafter(dcfg, 9)
+    prompt = [random.Random(9).randrange(40) for _ in range(50)]
+    full = dflash.run(target, prompt, 40, (), dflash.DrafterProposer(drafter, target), 8)
+    wide = dflash.run(target, prompt, 40, (), dflash.DrafterProposer(drafter, target, window=200), 8)
+    short = dflash.run(target, prompt, 40, (), dflash.DrafterProposer(drafter, target, window=3), 8)
+    assert wide.draft_ids == full.draft_ids
+    assert short.draft_ids != full.draft_ids
+    assert short.output_ids == full.output_ids
+    with pytest.raises(dflash.GenerationError):
+        dflash.DrafterProposer(drafter, target, window=0)
