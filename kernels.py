@@ -106,7 +106,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     sd = _state_dtype(v)
     B, T, Hv, dv = v.shape
     q, k = _expand_heads(q, k, Hv)
-    dk = q.shape[-1]
     C = chunk_size
     pad = (-T) % C
     # [B, H, T, d] in the state dtype, padded to a multiple of C, then split into N chunks of C.
@@ -174,7 +173,7 @@ def causal_conv1d(x, weight, conv_state):
     x [B,T,C] pre-conv inputs c; weight [C,K]; conv_state [B,K-1,C] the K-1 previous inputs, oldest first
     -> u [B,T,C], window [B,K-1+T,C] = cat(conv_state, x). Rows n..n+K-2 of the window are the conv
     state after the first n tokens of x, which is how a partial acceptance is committed."""
-    T, K = x.shape[1], weight.shape[1]
+    T = x.shape[1]
     window = torch.cat([conv_state.to(x.dtype), x], dim=1)
     y = F.conv1d(window.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=weight.shape[0])
     return F.silu(y[:, :, -T:]).transpose(1, 2), window

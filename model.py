@@ -31,9 +31,8 @@ Forward modes of the target (`Qwen35.forward(..., gdn=...)`):
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import sys
 import sysconfig
 import time
 
@@ -195,6 +194,14 @@ class Budget:
         return step >= self.steps or time.time() >= self.deadline
 
 
+def optimizer_step(module, opt, loss) -> None:
+    """Backward, clip the gradient norm to 1, step: the same for the target and the drafter."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+
+
 def save_state(path, module, opt, step, extra=None):
     torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step,
                 "rng": torch.get_rng_state(), "extra": extra or {}}, path)
@@ -295,10 +302,7 @@ def train_target(args):
         x, y = next(data)
         logits, _ = model(x, torch.arange(args.seq))
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(model, opt, loss)
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % args.log_every == 0:
@@ -454,10 +458,7 @@ def train_draft(args):
             group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
         idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
         loss, acc = draft_loss(drafter, target, seqs[idx], args.prompt_len, args.anchors, args.block_size, args.gamma, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        optimizer_step(drafter, opt, loss)
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % args.log_every == 0:
