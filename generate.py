@@ -2,6 +2,10 @@
 
     python generate.py --prompt "def fibonacci(n):"                       # embedded tiny pair, offline
     python generate.py --target Qwen/Qwen3.5-9B --draft z-lab/Qwen3.5-9B-DFlash --prompt "..." --device cuda
+    python generate.py --target Qwen/Qwen3.5-9B --draft z-lab/Qwen3.5-9B-DFlash --system "Be brief." --prompt "..." --no-think
+
+With a checkpoint that ships a chat template (chat_template.jinja, or tokenizer_config.json's chat_template),
+--prompt is a user turn rendered by that template (--chat is then the default; --no-chat sends raw text).
 
 This is also the oracle interface other engines compare against: with --json the last stdout line is one
 JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timings.
@@ -30,9 +34,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
     p.add_argument("--draft", default=None, help="DFlash drafter folder or repo id, or 'none' for plain AR (default: the embedded drafter with the embedded target)")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
-    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json); with --chat, the user turn")
+    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (used as is, never templated)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="render --prompt with the checkpoint's chat template (default: on when the checkpoint ships one)")
+    p.add_argument("--system", help="system prompt (chat)")
+    p.add_argument("--messages", help="JSON file: a list of {role, content} messages before --prompt (chat, several turns)")
+    p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -65,23 +74,148 @@ def parse_ids(text: str) -> list:
 class TextStream:
     """Prints committed tokens as text, holding back an incomplete UTF-8 sequence at a token boundary."""
 
-    def __init__(self, tokenizer, out=None):
+    def __init__(self, tokenizer, out=None, hide=(), render=None):
         # sys.stdout looked up now, not at import: a caller (or a test) may have replaced it since
         self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
+        self.hide = set(hide)                  # ids never shown (chat: the stop token that ends the turn)
+        self.render = render or (lambda text: text)   # decoded text -> what is shown; must only ever grow
+
+    def text(self) -> str:
+        return self.tok.decode([i for i in self.ids if i not in self.hide], skip_special_tokens=False)
 
     def push(self, ids: list) -> None:
         self.ids += ids
-        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        text = self.text()
         if text.endswith("\ufffd"):      # a multi-byte character split across tokens: wait for the rest
             return
-        self.out.write(text[self.shown:])
+        shown = self.render(text)
+        self.out.write(shown[self.shown:])
         self.out.flush()
-        self.shown = len(text)
+        self.shown = len(shown)
 
     def close(self) -> None:
-        text = self.tok.decode(self.ids, skip_special_tokens=False)
-        self.out.write(text[self.shown:] + "\n")
+        self.out.write(self.render(self.text())[self.shown:] + "\n")
         self.out.flush()
+
+
+# --------------------------------------------------------------------------------------------------
+# chat: the checkpoint's own Jinja template, rendered the way transformers' apply_chat_template does
+# --------------------------------------------------------------------------------------------------
+# Qwen3.5's template gives, for one user turn with thinking on (the default):
+#     <|im_start|>system\n{system}<|im_end|>\n          (only with a system prompt)
+#     <|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n<think>\n
+# and with enable_thinking=False the prompt ends with an empty reasoning block: ...assistant\n<think>\n\n</think>\n\n
+# The model then writes its reasoning, "</think>", the answer, and <|im_end|>. We render the template itself
+# (jinja2 comes with torch) rather than a hand-written copy of it, so a fine-tune that edits its template is
+# served as its authors meant; tests/test_chat.py checks the result against transformers with Qwen3.5's template.
+THINK_END = "</think>"
+CHAT_STOPS = ("<|im_end|>", "<|endoftext|>")
+
+
+def load_chat_template(path: str):
+    """-> (template text, special tokens the template may name) from chat_template.jinja (preferred, as in
+    transformers 5) or tokenizer_config.json's chat_template; (None, {}) when the checkpoint ships none."""
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    cfg = M.read_json(cfg_file) if os.path.exists(cfg_file) else {}
+    specials = {k: (v["content"] if isinstance(v, dict) else v) for k, v in cfg.items()
+                if k in ("bos_token", "eos_token", "pad_token", "unk_token") and isinstance(v, (str, dict))}
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_file):
+        with open(jinja_file, encoding="utf-8") as fh:
+            return fh.read(), specials
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):      # named templates: [{"name": "default", "template": ...}, ...]
+        tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    if tpl is not None and not isinstance(tpl, str):
+        raise M.CheckpointError(f"{cfg_file}: chat_template is a {type(tpl).__name__}, not a string; re-download the checkpoint")
+    return tpl, specials
+
+
+def render_chat(template: str, messages: list, enable_thinking: bool = True, add_generation_prompt: bool = True,
+                special_tokens: dict | None = None) -> str:
+    """messages [{role, content}, ...] -> the prompt text, as transformers' apply_chat_template(tokenize=False)
+    renders it: a sandboxed environment with trim_blocks and lstrip_blocks, a tojson that leaves non-ASCII as is,
+    and raise_exception. A conversation the template refuses is a GenerationError carrying its message."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    try:
+        compiled = env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise M.CheckpointError(f"the checkpoint's chat template does not parse ({e.message}, line {e.lineno}); "
+                                "fix chat_template.jinja or pass --no-chat") from None
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               enable_thinking=enable_thinking, **(special_tokens or {}))
+    except jinja2.exceptions.TemplateError as e:
+        raise dflash.GenerationError(f"the chat template refused the conversation: {e.message}") from None
+
+
+def read_messages(f: str) -> list:
+    """--messages FILE: a JSON list of {"role": ..., "content": ...} objects."""
+    try:
+        with open(f, encoding="utf-8") as fh:
+            msgs = json.load(fh)
+    except OSError as e:
+        raise dflash.GenerationError(f"--messages {f} cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise dflash.GenerationError(f"--messages {f} is not valid JSON ({e})") from None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+        raise dflash.GenerationError(f"--messages {f} must hold a JSON list of objects with a 'role' string, "
+                                     'e.g. [{"role": "user", "content": "hi"}]')
+    return msgs
+
+
+def chat_prompt(args, template: str, specials: dict) -> str:
+    """The conversation from --messages, --system and --prompt, rendered."""
+    messages = read_messages(args.messages) if args.messages else []
+    if args.system is not None:
+        if messages and messages[0].get("role") == "system":
+            raise dflash.GenerationError("--system was given and --messages already starts with a system message; keep one")
+        messages = [{"role": "system", "content": args.system}] + messages
+    if args.prompt is not None:
+        messages.append({"role": "user", "content": args.prompt})
+    return render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials)
+
+
+def split_thinking(text: str, thinking: bool) -> tuple:
+    """Generated chat text -> (reasoning, answer). With thinking on, the prompt ended inside "<think>\n", so
+    everything before the first "</think>" is reasoning; an unfinished block is all reasoning, no answer."""
+    if not thinking:
+        return "", text
+    if THINK_END not in text:
+        return text.strip("\n"), ""
+    reasoning, answer = text.split(THINK_END, 1)
+    return reasoning.strip("\n"), answer.lstrip("\n")
+
+
+def chat_display(text: str) -> str:
+    """What the terminal shows for generated text when thinking is on: the reasoning under a [thinking] line,
+    the answer under an [answer] line. The display only ever grows as text grows (the stream prints its tail):
+    a text ending in a prefix of "</think>" is held back until the tag is complete or ruled out."""
+    if THINK_END in text:
+        reasoning, answer = text.split(THINK_END, 1)
+        return "[thinking]\n" + reasoning + "\n[answer]\n" + answer.lstrip("\n")
+    for k in range(len(THINK_END) - 1, 0, -1):
+        if text.endswith(THINK_END[:k]):
+            text = text[:-k]
+            break
+    return "[thinking]\n" + text
+
+
+def chat_fields(tokenizer, output_ids: list, stops: list, thinking: bool) -> dict:
+    """The --json fields of a chat turn: its text split into reasoning and answer (stop tokens left out)."""
+    text = tokenizer.decode([i for i in output_ids if i not in stops], skip_special_tokens=False)
+    reasoning, answer = split_thinking(text, thinking)
+    return {"chat": True, "thinking": thinking, "reasoning": reasoning, "content": answer}
 
 
 def main(argv=None) -> int:
@@ -101,7 +235,23 @@ def main(argv=None) -> int:
         proposer = dflash.DrafterProposer(M.load_drafter(args.draft, target.cfg, dtype, device), target, args.draft_window)
     load_seconds = time.perf_counter() - t0
 
-    if args.prompt is not None:
+    template, specials = load_chat_template(target.path)
+    chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
+    if not chat and (args.system is not None or args.messages or args.no_think):
+        raise dflash.GenerationError("--system, --messages and --no-think belong to chat mode; drop --no-chat "
+                                     "(or use a checkpoint that ships a chat template)")
+    if args.prompt is None and args.prompt_ids is None and not (chat and args.messages):
+        raise dflash.GenerationError("give a prompt: --prompt TEXT, --prompt-ids IDS, or (chat) --messages FILE")
+    if chat:
+        if args.prompt_ids is not None:
+            raise dflash.GenerationError("--prompt-ids are used as is and cannot be rendered as a chat; use --prompt or drop --chat")
+        if template is None:
+            raise dflash.GenerationError(f"{target.path} ships no chat template (chat_template.jinja or tokenizer_config.json's "
+                                         "chat_template); drop --chat")
+        if tokenizer is None:
+            raise dflash.GenerationError(f"{target.path} has no tokenizer.json, which chat mode needs")
+        prompt_ids = tokenizer.encode(chat_prompt(args, template, specials), add_special_tokens=False).ids
+    elif args.prompt is not None:
         if tokenizer is None:
             raise dflash.GenerationError(f"{target.path} has no tokenizer.json; pass --prompt-ids instead of --prompt")
         prompt_ids = tokenizer.encode(args.prompt).ids
@@ -109,8 +259,14 @@ def main(argv=None) -> int:
         prompt_ids = parse_ids(args.prompt_ids)
     block_size = args.block_size if args.block_size is not None else (proposer.max_block_size if proposer else 1)
     stops = M.stop_token_ids(target.path, target.cfg)
+    if chat:    # a turn ends at <|im_end|> even when the checkpoint's configs name only <|endoftext|>
+        stops += [i for i in map(tokenizer.token_to_id, CHAT_STOPS) if i is not None and i not in stops]
+    thinking = chat and not args.no_think
 
-    stream = TextStream(tokenizer) if (tokenizer is not None and not args.json) else None
+    def new_stream():
+        return TextStream(tokenizer, hide=stops if chat else (), render=chat_display if thinking else None)
+
+    stream = new_stream() if (tokenizer is not None and not args.json) else None
     if stream is None and not args.json:
         print("(no tokenizer.json: printing token ids)")
     on_step = (lambda s: stream.push(s.tokens)) if stream else (None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True)))
@@ -134,7 +290,7 @@ def main(argv=None) -> int:
         if args.num_samples > 1 and not args.json:
             print(f"--- sample {i + 1}/{args.num_samples}")
         if stream:
-            stream = TextStream(tokenizer)
+            stream = new_stream()
         res = engine.run(prompt_ids, args.max_new_tokens, stops, on_step if stream is None else (lambda s, st=stream: st.push(s.tokens)),
                          sampling=sampling, generator=gen)
         samples.append(res)
@@ -154,6 +310,7 @@ def main(argv=None) -> int:
             "decode_tokens_per_s": tps, "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
             "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            **(chat_fields(tokenizer, res.output_ids, stops, thinking) if chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths} for r in samples]}
                if args.num_samples > 1 else {}),
         }))

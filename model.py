@@ -756,7 +756,7 @@ def resolve_dir(name: str) -> str:
                               "download it first and pass the local folder") from None
 
 
-def _read_json(f: str) -> dict:
+def read_json(f: str) -> dict:
     """A JSON object from file f; anything else (bad JSON, bad encoding, a list) is a one-line CheckpointError."""
     try:
         with open(f, encoding="utf-8") as fh:
@@ -772,7 +772,7 @@ def read_config(path: str) -> dict:
     f = os.path.join(path, "config.json")
     if not os.path.exists(f):
         raise CheckpointError(f"{path} has no config.json; point at a checkpoint folder")
-    return _read_json(f)
+    return read_json(f)
 
 
 def read_safetensors(path: str) -> dict:
@@ -781,7 +781,7 @@ def read_safetensors(path: str) -> dict:
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no weight_map naming the shards; re-download the checkpoint")
         files = sorted(set(weight_map.values()))
@@ -890,7 +890,7 @@ def stop_token_ids(path: str, cfg: TargetConfig) -> list:
     """Stop ids from generation_config.json when present, else config.json's eos_token_id (spec 9)."""
     f = os.path.join(path, "generation_config.json")
     if os.path.exists(f):
-        eos = _read_json(f).get("eos_token_id")
+        eos = read_json(f).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return list(cfg.eos_token_id)

@@ -429,11 +429,16 @@ def train_draft(args):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
     data_path = os.path.join(args.out, "regenerated.pt")
-    if os.path.exists(data_path):
-        seqs = torch.load(data_path)
-    else:
-        seqs = build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
+    seqs = torch.load(data_path) if os.path.exists(data_path) else None
+    if seqs is not None and seqs.shape[1] != args.prompt_len + args.resp_len:
+        raise SystemExit(f"{data_path} holds sequences of {seqs.shape[1]} tokens, not --prompt-len + --resp-len = "
+                         f"{args.prompt_len + args.resp_len}; delete it or pass the lengths it was built with")
+    have = 0 if seqs is None else len(seqs)
+    if have < args.n_seq:   # build, or extend with fresh prompts (a seed of its own per extension)
+        more = build_draft_data(target, tok, args.n_seq - have, args.prompt_len, args.resp_len, args.seed + 7919 * have)
+        seqs = more if seqs is None else torch.cat([seqs, more])
         torch.save(seqs, data_path)
+    print(f"training on {len(seqs)} regenerated sequences", flush=True)
     L = target.cfg.num_hidden_layers
     cfg = M.DraftConfig(
         hidden_size=target.cfg.hidden_size, intermediate_size=args.draft_intermediate, num_hidden_layers=args.draft_layers,
@@ -502,7 +507,8 @@ def main(argv=None):
     d.add_argument("--draft-intermediate", type=int, default=768)
     d.add_argument("--target-layers", type=lambda x: [int(i) for i in x.split(",")], default=None,
                    help="target layers whose outputs the drafter reads, e.g. 1,3,5 (default: the z-lab spacing)")
-    d.add_argument("--n-seq", type=int, default=1024)
+    d.add_argument("--n-seq", type=int, default=1024,
+                   help="regenerated sequences to train on; an existing regenerated.pt with fewer is extended")
     d.add_argument("--prompt-len", type=int, default=48)
     d.add_argument("--resp-len", type=int, default=160)
     d.add_argument("--anchors", type=int, default=32)
