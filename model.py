@@ -82,6 +82,7 @@ class TargetConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     eos_token_id: list = field(default_factory=list)
+    image_token_id: int = 248056     # <|image_pad|>: its embeddings are replaced by image tokens (vision.py)
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
@@ -153,6 +154,7 @@ class TargetConfig:
             max_position_embeddings=tc.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
             eos_token_id=eos,
+            image_token_id=int(raw.get("image_token_id", 248056)),
         )
 
 
@@ -571,20 +573,24 @@ class Qwen35(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, ids, pos, cache: TargetCache | None = None, gdn: str = "chunked",
-                feature_layers=(), last_logits_only: bool = False):
-        """ids [B,T] token ids at absolute positions pos [T] (or [3,T]).
+                feature_layers=(), last_logits_only: bool = False, rope_pos=None, image_embeds=None):
+        """ids [B,T] token ids at sequence positions pos [T] (the cache slots they occupy).
         cache None: a plain causal forward over ids alone (training, reference); else the caches are used
         and updated as `gdn` says (see the module docstring).
+        rope_pos: the RoPE positions when they differ from pos: [3,T] (t,h,w) for a prompt with images, or
+        [T] = pos + rope_delta for later tokens (vision.py); image_embeds [n,H] replace, in order, the
+        embeddings of the n image pad tokens in ids (B = 1).
         -> logits [B,T,V] (or [B,1,V] with last_logits_only), feats [B,T,len(feature_layers)*H] or None."""
         x = self.embed_tokens(ids)
-        return self.forward_embeds(x, pos, cache, gdn, feature_layers, last_logits_only)
+        if image_embeds is not None:
+            x = x.masked_scatter((ids == self.cfg.image_token_id)[..., None], image_embeds.to(x.dtype))
+        return self.forward_embeds(x, pos, cache, gdn, feature_layers, last_logits_only, rope_pos)
 
-    def forward_embeds(self, x, pos, cache=None, gdn="chunked", feature_layers=(), last_logits_only=False):
-        cos, sin = self.rope(pos.view(-1) if pos.dim() == 1 else pos, x.dtype)
+    def forward_embeds(self, x, pos, cache=None, gdn="chunked", feature_layers=(), last_logits_only=False, rope_pos=None):
+        cos, sin = self.rope(pos if rope_pos is None else rope_pos, x.dtype)
         feats = [None] * len(feature_layers)
-        text_pos = pos if pos.dim() == 1 else pos[0]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, text_pos, None if cache is None else cache.layers[i], gdn)
+            x = layer(x, cos, sin, pos, None if cache is None else cache.layers[i], gdn)
             for j, l in enumerate(feature_layers):    # (a layer may be listed twice: default spacing on small targets)
                 if l == i:
                     feats[j] = x                     # the OUTPUT of layer i (HF hidden_states[i + 1]; notes 1)
@@ -775,9 +781,10 @@ def read_config(path: str) -> dict:
     return read_json(f)
 
 
-def read_safetensors(path: str) -> dict:
-    """All tensors of a checkpoint folder: one model.safetensors, or the shards named by
-    model.safetensors.index.json. Missing or truncated files fail with the file's name."""
+def read_safetensors(path: str, keep=None) -> dict:
+    """All tensors of a checkpoint folder (those whose name `keep(name)` accepts, when given): one
+    model.safetensors, or the shards named by model.safetensors.index.json. Missing or truncated files
+    fail with the file's name."""
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -797,7 +804,8 @@ def read_safetensors(path: str) -> dict:
         try:
             with safe_open(f, framework="pt") as fh:
                 for key in fh.keys():
-                    tensors[key] = fh.get_tensor(key)
+                    if keep is None or keep(key):     # unread tensors (the vision tower, MTP) cost no memory
+                        tensors[key] = fh.get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"{f} is truncated or corrupt ({type(e).__name__}); re-download it") from None
     return tensors
@@ -814,7 +822,7 @@ def _target_key(name: str) -> str | None:
     return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
 
 
-def _load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
+def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
     """Copy checkpoint tensors into `module`, converting dtype; every parameter must be present with its shape."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(tensors))
@@ -843,14 +851,14 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: tie them again
         model.lm_head.weight = model.embed_tokens.weight
     tensors = {}
-    for name, t in read_safetensors(path).items():
+    for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items():
         key = _target_key(name)
         if key is not None:
             tensors[key] = t
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (spec 10).
-    _load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
+    load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
     model.inv_freq = inv_freq(cfg.rotary_dim, cfg.rope_theta)
     model.mrope_cols = mrope_columns(cfg.mrope_section, cfg.rotary_dim // 2)
     if cfg.tie_word_embeddings:
@@ -867,7 +875,7 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
         model = DFlashDrafter(cfg)
     model.to_empty(device="cpu")
     tensors = {(k[len("model."):] if k.startswith("model.") else k): t for k, t in read_safetensors(path).items()}
-    _load_into(model, tensors, dtype, "drafter")
+    load_into(model, tensors, dtype, "drafter")
     model.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta)
     model.path = path
     return model.to(device).eval()

@@ -1,0 +1,174 @@
+"""Image input against transformers: preprocessing == Qwen2VLImageProcessorPil, the vision tower ==
+Qwen3_5ForConditionalGeneration's `model.visual`, 3-D positions == its get_rope_index, logits with images ==
+its forward with pixel_values; and bad image input is one clear error."""
+import math
+
+import pytest
+import torch
+
+import model as M
+import vision as V
+from helpers import hf_text_config, randomize_hf_norms_
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+TEXT = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4)
+VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, num_position_embeddings=36)
+IMG, VS, VE = 90, 88, 89           # <|image_pad|>, <|vision_start|>, <|vision_end|> in the tiny vocab
+SMALL = dict(min_pixels=32 * 32, max_pixels=160 * 160)     # pixel limits that keep the tests fast
+
+
+def random_image(w, h, seed, mode="RGB"):
+    g = torch.Generator().manual_seed(seed)
+    ch = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    a = torch.randint(0, 256, (h, w, ch), generator=g, dtype=torch.uint8)
+    if mode == "L":
+        return Image.frombytes("L", (w, h), a.numpy().tobytes())
+    return Image.frombytes(mode, (w, h), a.numpy().tobytes())
+
+
+def hf_processor(min_pixels, max_pixels):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    """A tiny Qwen3_5ForConditionalGeneration with every weight random (vision LayerNorms and biases too),
+    saved and loaded back by our loaders."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    torch.manual_seed(0)
+    cfg = Qwen3_5Config(text_config=hf_text_config(**TEXT).to_dict(), vision_config=VISION,
+                        image_token_id=IMG, vision_start_token_id=VS, vision_end_token_id=VE, video_token_id=91)
+    hf = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    randomize_hf_norms_(hf, 1)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in hf.model.visual.named_parameters():
+            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g)
+                    if p.dim() == 1 else torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
+    d = tmp_path_factory.mktemp("mm") / "target"
+    hf.save_pretrained(d)
+    tower, pc = V.load_vision(str(d))
+    pc.min_pixels, pc.max_pixels = SMALL["min_pixels"], SMALL["max_pixels"]
+    return {"hf": hf, "path": str(d), "tower": tower, "pc": pc, "target": M.load_target(str(d))}
+
+
+# --------------------------------------------------------------------------------------------------
+# preprocessing
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("w,h,mode", [(37, 53, "RGB"), (200, 45, "RGB"), (129, 130, "RGBA"), (61, 17, "L"),
+                                      (300, 301, "RGB"), (16, 700, "RGB")])
+def test_preprocess_equals_transformers(w, h, mode):
+    img = random_image(w, h, seed=w * h, mode=mode)
+    ref = hf_processor(**SMALL)(images=[img], return_tensors="pt")
+    x, grid = V.preprocess(V.to_rgb(img), V.ImageProcessorConfig(**SMALL))
+    assert list(grid) == ref["image_grid_thw"][0].tolist()
+    assert x.shape == ref["pixel_values"].shape
+    assert torch.allclose(x, ref["pixel_values"].float(), atol=1e-6, rtol=0)
+
+
+def test_preprocess_default_limits_equal_transformers():
+    img = random_image(70, 40, seed=3)                    # below min_pixels 65536: scaled up, as HF does
+    ref = hf_processor(65536, 16777216)(images=[img], return_tensors="pt")
+    x, grid = V.preprocess(img, V.ImageProcessorConfig())
+    assert list(grid) == ref["image_grid_thw"][0].tolist() and torch.allclose(x, ref["pixel_values"].float(), atol=1e-6)
+
+
+@pytest.mark.parametrize("h,w", [(1, 1), (37, 53), (1000, 7), (4000, 3000), (33, 6000), (255, 256)])
+def test_smart_resize_limits(h, w):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    assert V.smart_resize(h, w, 32, 4096, 1 << 20) == smart_resize(h, w, 32, 4096, 1 << 20)
+
+
+# --------------------------------------------------------------------------------------------------
+# vision tower and 3-D positions
+# --------------------------------------------------------------------------------------------------
+
+def test_tower_equals_transformers(mm):
+    imgs = [random_image(70, 45, 1), random_image(33, 120, 2), random_image(96, 96, 3)]
+    ref = hf_processor(**SMALL)(images=imgs, return_tensors="pt")
+    with torch.no_grad():
+        want = mm["hf"].model.visual(ref["pixel_values"], grid_thw=ref["image_grid_thw"]).pooler_output
+    pre = [V.preprocess(i, mm["pc"]) for i in imgs]
+    with torch.no_grad():
+        got = mm["tower"](torch.cat([x for x, _ in pre]), [g for _, g in pre])
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max())
+
+
+def mm_prompt(pieces):
+    """['text', n] pieces -> ids with one image pad per image (n = text tokens, 'img' = an image)."""
+    ids, g = [], torch.Generator().manual_seed(len(pieces))
+    for p in pieces:
+        ids += [VS, IMG, VE] if p == "img" else torch.randint(0, 80, (p,), generator=g).tolist()
+    return ids
+
+
+@pytest.mark.parametrize("pieces,sizes", [
+    ([5, "img", 3], [(70, 45)]),
+    (["img", 4, "img", 2, "img"], [(33, 120), (96, 96), (130, 40)]),
+    ([1, "img", "img", 6], [(64, 64), (50, 150)]),
+])
+def test_rope_positions_equal_get_rope_index(mm, pieces, sizes):
+    imgs = [random_image(w, h, i) for i, (w, h) in enumerate(sizes)]
+    ip = V.encode_images(mm["tower"], mm["pc"], mm_prompt(pieces), imgs)
+    ids = torch.tensor([ip.ids])
+    grids = torch.tensor([list(V.preprocess(i, mm["pc"])[1]) for i in imgs])
+    want, delta = mm["hf"].model.get_rope_index(ids, (ids == IMG).int(), image_grid_thw=grids)
+    assert torch.equal(ip.rope_pos, want[:, 0]) and ip.rope_delta == int(delta)
+
+
+def test_rope_positions_documented_example():
+    """qwen35-spec.md section 8: [a b c <vs> img x6 (grid 1x4x6) <ve> d e]."""
+    ids = [1, 2, 3, VS] + [IMG] * 6 + [VE, 4, 5]
+    pos, delta = V.rope_positions(ids, IMG, [(1, 4, 6)], 2)
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 4, 4, 4, 4, 4, 7, 8, 9],
+                            [0, 1, 2, 3, 4, 4, 4, 5, 5, 5, 7, 8, 9],
+                            [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 9]] and delta == -3
+
+
+def test_logits_with_images_equal_transformers(mm):
+    imgs = [random_image(70, 45, 4), random_image(40, 90, 5)]
+    ids = mm_prompt([3, "img", 5, "img", 2])
+    ip = V.encode_images(mm["tower"], mm["pc"], ids, imgs)
+    ref = hf_processor(**SMALL)(images=imgs, return_tensors="pt")
+    full = torch.tensor([ip.ids])
+    with torch.no_grad():
+        want = mm["hf"](input_ids=full, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                        mm_token_type_ids=(full == IMG).int()).logits
+        got, _ = mm["target"](full, torch.arange(full.shape[1]), image_embeds=ip.embeds, rope_pos=ip.rope_pos)
+    assert (got - want).abs().max() < 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input
+# --------------------------------------------------------------------------------------------------
+
+def test_bad_image_input(tmp_path, mm):
+    (tmp_path / "not.png").write_bytes(b"this is not an image")
+    with pytest.raises(V.ImageError, match="cannot read image"):
+        V.load_image(str(tmp_path / "not.png"))
+    with pytest.raises(V.ImageError, match="cannot read image"):
+        V.load_image(str(tmp_path / "missing.png"))
+    random_image(40, 40, 0).save(tmp_path / "cut.png")
+    data = (tmp_path / "cut.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(data[:len(data) // 2])
+    with pytest.raises(V.ImageError, match="cannot read image"):
+        V.load_image(str(tmp_path / "cut.png"))
+    with pytest.raises(V.ImageError, match="outside the limits"):     # 32 x 6000: no multiple-of-32 size fits
+        V.preprocess(random_image(6000, 32, 0), V.ImageProcessorConfig(min_pixels=1024, max_pixels=64 * 64))
+    with pytest.raises(V.ImageError, match="aspect ratio above 200"):
+        V.preprocess(random_image(4000, 16, 0), V.ImageProcessorConfig())
+    with pytest.raises(V.ImageError, match=r"2 <\|image_pad\|> id\(s\)"):
+        V.encode_images(mm["tower"], mm["pc"], mm_prompt(["img", 2, "img"]), [random_image(40, 40, 0)])
+
+
+def test_text_only_checkpoint_has_no_vision(tmp_path):
+    from helpers import save_hf_causal_lm
+    save_hf_causal_lm(tmp_path / "t")
+    with pytest.raises(M.CheckpointError, match="no vision_config"):
+        V.load_vision(str(tmp_path / "t"))
