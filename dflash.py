@@ -244,6 +244,9 @@ class Engine:
         if proposer is not None:
             proposer.reset(capacity)
         self.sampling = Sampling()
+        # RoPE position = cache position + rope_delta for every token after a prompt with images (vision.py);
+        # 0 for text. A device tensor set per generation, so compiled steps read it instead of recompiling.
+        self.rope_delta = torch.zeros((), dtype=torch.long, device=self.device)
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
         self.verify_sample_step = self._verify_sample
         self.draft_step = proposer.propose if proposer is not None else None
@@ -257,18 +260,18 @@ class Engine:
                 self.draft_step = torch.compile(proposer.propose, **opts)
 
     def _decode(self, tok, pos):
-        logits, _ = self.target(tok, pos, self.cache, "recurrent")
+        logits, _ = self.target(tok, pos, self.cache, "recurrent", rope_pos=pos + self.rope_delta)
         self.cache.commit(1)
         return logits[0, -1]
 
     def _verify(self, block, pos):
-        logits, feats = self.target(block, pos, self.cache, self.verify_gdn, self.feature_layers)
+        logits, feats = self.target(block, pos, self.cache, self.verify_gdn, self.feature_layers, rope_pos=pos + self.rope_delta)
         posterior = logits[0].argmax(-1)                                               # [B]
         accepted = (block[0, 1:] == posterior[:-1]).int().cumprod(0).sum()            # leading matches
         return posterior, accepted, feats
 
     def _verify_sample(self, block, pos, u, expo):
-        logits, feats = self.target(block, pos, self.cache, self.verify_gdn, self.feature_layers)
+        logits, feats = self.target(block, pos, self.cache, self.verify_gdn, self.feature_layers, rope_pos=pos + self.rope_delta)
         accepted, tokens = speculative_accept(sampling_probs(logits[0], self.sampling), block[0, 1:], u, expo)
         return tokens, accepted, feats
 
@@ -282,11 +285,17 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), profile: bool = False,
-                 sampling: Sampling | None = None, generator: torch.Generator | None = None) -> Iterator[Step]:
+                 sampling: Sampling | None = None, generator: torch.Generator | None = None,
+                 images=None) -> Iterator[Step]:
         """Generation as a stream of Steps ("prefill", then "verify" rounds or AR "decode" steps).
         sampling None or temperature 0: greedy. Otherwise random draws come from `generator` (a torch.Generator
         on the device; a fresh unseeded one if None).
-        profile: synchronise the device around each phase so Step's timings are exact (CUDA)."""
+        profile: synchronise the device around each phase so Step's timings are exact (CUDA).
+        images: a vision.ImagePrompt for prompt_ids (already expanded: ImagePrompt.ids): prefill puts the image
+        tokens in place of the <|image_pad|> embeddings and uses its 3-D positions; later tokens add its
+        rope_delta. The drafter sees the images only through the target's features, at 1-D positions."""
+        if images is not None and list(images.ids) != list(prompt_ids):
+            raise GenerationError("prompt_ids must be the ImagePrompt's expanded ids (vision.encode_images)")
         check_inputs(self.target, prompt_ids, max_new_tokens, self.block, self.capacity, self.proposer)
         device, B, stops = self.device, self.block, set(stop_ids)
         s = sampling or Sampling()
@@ -305,8 +314,11 @@ class Engine:
         # Prefill: the whole prompt, GDN chunked from a zero state; the first token is the argmax of the last logits.
         T0 = len(prompt_ids)
         pos = torch.arange(T0, device=device)
+        self.rope_delta.fill_(0 if images is None else images.rope_delta)
         logits, feats = self.target(torch.tensor([prompt_ids], device=device), pos, self.cache, "chunked",
-                                    self.feature_layers, last_logits_only=True)
+                                    self.feature_layers, last_logits_only=True,
+                                    rope_pos=None if images is None else images.rope_pos,
+                                    image_embeds=None if images is None else images.embeds)
         first = int(logits[0, -1].argmax() if s.greedy else pick(logits[0, -1]))
         n_out = 1
         stop = first in stops or n_out >= max_new_tokens
@@ -369,8 +381,8 @@ class Engine:
             last = torch.tensor([new[-1]], device=device)
 
     def run(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), on_step=None, profile: bool = False,
-            sampling: Sampling | None = None, generator: torch.Generator | None = None) -> Result:
-        steps = self.generate(prompt_ids, max_new_tokens, stop_ids, profile, sampling, generator)
+            sampling: Sampling | None = None, generator: torch.Generator | None = None, images=None) -> Result:
+        steps = self.generate(prompt_ids, max_new_tokens, stop_ids, profile, sampling, generator, images)
         return collect(steps, prompt_ids, self.device, on_step)
 
 

@@ -132,7 +132,7 @@ def test_rope_positions_documented_example():
 
 
 def test_logits_with_images_equal_transformers(mm):
-    imgs = [random_image(70, 45, 4), random_image(40, 90, 5)]
+    imgs = [random_image(100, 70, 4), random_image(130, 100, 5)]      # merged grids 2x3 and 3x4: rope_delta < 0
     ids = mm_prompt([3, "img", 5, "img", 2])
     ip = V.encode_images(mm["tower"], mm["pc"], ids, imgs)
     ref = hf_processor(**SMALL)(images=imgs, return_tensors="pt")
@@ -141,7 +141,7 @@ def test_logits_with_images_equal_transformers(mm):
         want = mm["hf"](input_ids=full, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
                         mm_token_type_ids=(full == IMG).int()).logits
         got, _ = mm["target"](full, torch.arange(full.shape[1]), image_embeds=ip.embeds, rope_pos=ip.rope_pos)
-    assert (got - want).abs().max() < 1e-4
+    assert ip.rope_delta < 0 and (got - want).abs().max() < 1e-4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,3 +172,64 @@ def test_text_only_checkpoint_has_no_vision(tmp_path):
     save_hf_causal_lm(tmp_path / "t")
     with pytest.raises(M.CheckpointError, match="no vision_config"):
         V.load_vision(str(tmp_path / "t"))
+
+
+# --------------------------------------------------------------------------------------------------
+# generation with images: AR == transformers' greedy generate; DFlash == AR
+# --------------------------------------------------------------------------------------------------
+
+def test_ar_with_images_equals_transformers_generate(mm):
+    import dflash
+    imgs = [random_image(100, 70, 6), random_image(130, 100, 7)]
+    ip = V.encode_images(mm["tower"], mm["pc"], mm_prompt([4, "img", 3, "img", 2]), imgs)
+    ref = hf_processor(**SMALL)(images=imgs, return_tensors="pt")
+    full = torch.tensor([ip.ids])
+    with torch.no_grad():
+        out = mm["hf"].generate(input_ids=full, attention_mask=torch.ones_like(full), pixel_values=ref["pixel_values"],
+                                image_grid_thw=ref["image_grid_thw"], mm_token_type_ids=(full == IMG).int(),
+                                max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, full.shape[1]:].tolist()
+    got = dflash.Engine(mm["target"], None, 1, len(ip.ids) + 16).run(ip.ids, 16, images=ip).output_ids
+    assert got == want
+    # the comparison can fail: with text positions instead (rope_delta 0) the logits of the same tokens move
+    seq = torch.tensor([ip.ids + want])
+    with torch.no_grad():
+        a, _ = mm["target"](seq, torch.arange(seq.shape[1]), image_embeds=ip.embeds,
+                            rope_pos=torch.cat([ip.rope_pos, torch.arange(len(ip.ids), seq.shape[1]).expand(3, -1) + ip.rope_delta], 1))
+        b, _ = mm["target"](seq, torch.arange(seq.shape[1]), image_embeds=ip.embeds)
+    assert ip.rope_delta < 0 and (a - b)[0, len(ip.ids):].abs().max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def mm64(mm):
+    """The same checkpoint in float64 (exact DFlash == AR comparisons) with a random drafter for it."""
+    from helpers import random_drafter, tiny_draft_config
+    target = M.load_target(mm["path"], torch.float64)
+    tower, pc = V.load_vision(mm["path"], torch.float64)
+    pc.min_pixels, pc.max_pixels = SMALL["min_pixels"], SMALL["max_pixels"]
+    drafter = random_drafter(tiny_draft_config(target.cfg, hidden_size=64, head_dim=16, mask_token_id=96), seed=5)
+    return {"target": target, "tower": tower, "pc": pc, "drafter": drafter}
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=8, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(20, 140), st.integers(20, 140)), min_size=1, max_size=3),
+       texts=st.lists(st.integers(0, 6), min_size=4, max_size=4), block=st.integers(1, 16), seed=st.integers(0, 99),
+       oracle=st.booleans())
+def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
+    import dflash
+    from helpers import OracleProposer
+    pieces = [texts[0]]
+    for i in range(len(sizes)):
+        pieces += ["img", texts[i + 1]]
+    imgs = [random_image(w, h, seed + i) for i, (w, h) in enumerate(sizes)]
+    t = mm64["target"]
+    ip = V.encode_images(mm64["tower"], mm64["pc"], mm_prompt([p for p in pieces if p != 0]), imgs)
+    max_new = 24
+    ar = dflash.Engine(t, None, 1, len(ip.ids) + max_new).run(ip.ids, max_new, images=ip)
+    prop = (OracleProposer(len(ip.ids), ar.output_ids, 97, seed) if oracle
+            else dflash.DrafterProposer(mm64["drafter"], t))
+    sp = dflash.Engine(t, prop, block, len(ip.ids) + max_new + block).run(ip.ids, max_new, images=ip)
+    assert sp.output_ids == ar.output_ids
