@@ -23,6 +23,7 @@ import torch
 
 import dflash
 import model as M
+import vision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
@@ -42,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--system", help="system prompt (chat)")
     p.add_argument("--messages", help="JSON file: a list of {role, content} messages before --prompt (chat, several turns)")
     p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the prompt, repeatable (a multimodal Qwen3.5 checkpoint; needs Pillow). With --chat the "
+                        "images open the user turn; otherwise each <|image_pad|> in the prompt stands for the next image")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -181,8 +185,9 @@ def chat_prompt(args, template: str, specials: dict) -> str:
         if messages and messages[0].get("role") == "system":
             raise dflash.GenerationError("--system was given and --messages already starts with a system message; keep one")
         messages = [{"role": "system", "content": args.system}] + messages
-    if args.prompt is not None:
-        messages.append({"role": "user", "content": args.prompt})
+    if args.prompt is not None:      # images first, then the text, as Qwen3.5's processors place them
+        content = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": args.prompt}]
+        messages.append({"role": "user", "content": content if args.image else args.prompt})
     return render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials)
 
 
@@ -257,6 +262,12 @@ def main(argv=None) -> int:
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = parse_ids(args.prompt_ids)
+    images = None
+    if args.image:      # each <|image_pad|> becomes its image's tokens; prompt_ids is the expanded sequence
+        pictures = [vision.load_image(f) for f in args.image]
+        tower, processor = vision.load_vision(target.path, dtype, device)
+        images = vision.encode_images(tower, processor, prompt_ids, pictures)
+        prompt_ids = images.ids
     block_size = args.block_size if args.block_size is not None else (proposer.max_block_size if proposer else 1)
     stops = M.stop_token_ids(target.path, target.cfg)
     if chat:    # a turn ends at <|im_end|> even when the checkpoint's configs name only <|endoftext|>
@@ -275,7 +286,7 @@ def main(argv=None) -> int:
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         t0 = time.perf_counter()
-        engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops)
+        engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images)
         compile_seconds = time.perf_counter() - t0
     sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
     if args.num_samples < 1:
@@ -292,7 +303,7 @@ def main(argv=None) -> int:
         if stream:
             stream = new_stream()
         res = engine.run(prompt_ids, args.max_new_tokens, stops, on_step if stream is None else (lambda s, st=stream: st.push(s.tokens)),
-                         sampling=sampling, generator=gen)
+                         sampling=sampling, generator=gen, images=images)
         samples.append(res)
         if stream:
             stream.close()
@@ -326,7 +337,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (M.CheckpointError, dflash.GenerationError) as e:
+    except (M.CheckpointError, dflash.GenerationError, vision.ImageError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except torch.cuda.OutOfMemoryError:

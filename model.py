@@ -743,7 +743,7 @@ class DraftCache:
 # ==================================================================================================
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+                "chat_template.jinja", "preprocessor_config.json", "*.safetensors", "model.safetensors.index.json"]
 
 
 def resolve_dir(name: str) -> str:

@@ -1,6 +1,7 @@
 """Image input against transformers: preprocessing == Qwen2VLImageProcessorPil, the vision tower ==
 Qwen3_5ForConditionalGeneration's `model.visual`, 3-D positions == its get_rope_index, logits with images ==
 its forward with pixel_values; and bad image input is one clear error."""
+import json
 import math
 
 import pytest
@@ -51,8 +52,11 @@ def mm(tmp_path_factory):
                     if p.dim() == 1 else torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
     d = tmp_path_factory.mktemp("mm") / "target"
     hf.save_pretrained(d)
+    with open(d / "preprocessor_config.json", "w") as fh:     # the pixel limits a checkpoint's processor sets
+        json.dump({"size": {"shortest_edge": SMALL["min_pixels"], "longest_edge": SMALL["max_pixels"]}, "patch_size": 16,
+                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}, fh)
     tower, pc = V.load_vision(str(d))
-    pc.min_pixels, pc.max_pixels = SMALL["min_pixels"], SMALL["max_pixels"]
+    assert (pc.min_pixels, pc.max_pixels) == (SMALL["min_pixels"], SMALL["max_pixels"])
     return {"hf": hf, "path": str(d), "tower": tower, "pc": pc, "target": M.load_target(str(d))}
 
 
@@ -233,3 +237,43 @@ def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
             else dflash.DrafterProposer(mm64["drafter"], t))
     sp = dflash.Engine(t, prop, block, len(ip.ids) + max_new + block).run(ip.ids, max_new, images=ip)
     assert sp.output_ids == ar.output_ids
+
+
+# --------------------------------------------------------------------------------------------------
+# the command line
+# --------------------------------------------------------------------------------------------------
+
+def test_cli_image_prompt_ids(mm, tmp_path, capsys):
+    import generate
+    files = []
+    for i, (w, h) in enumerate([(100, 70), (130, 100)]):
+        random_image(w, h, 20 + i).save(tmp_path / f"{i}.png")
+        files += ["--image", str(tmp_path / f"{i}.png")]
+    ids = mm_prompt([3, "img", 2, "img", 4])
+    args = ["--target", mm["path"], "--draft", "none", "--prompt-ids", ",".join(map(str, ids)), "--json",
+            "--max-new-tokens", "10", "--dtype", "float32", *files]
+    capsys.readouterr()
+    assert generate.main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    imgs = [Image.open(tmp_path / f"{i}.png") for i in range(2)]
+    ref = hf_processor(**SMALL)(images=imgs, return_tensors="pt")
+    full = torch.tensor([out["prompt_ids"]])
+    assert out["prompt_ids"] == V.expand_image_pads(ids, IMG, ref["image_grid_thw"].tolist(), 2)   # the expanded ids
+    with torch.no_grad():
+        want = mm["hf"].generate(input_ids=full, attention_mask=torch.ones_like(full), pixel_values=ref["pixel_values"],
+                                 image_grid_thw=ref["image_grid_thw"], mm_token_type_ids=(full == IMG).int(),
+                                 max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out["output_ids"] == want[0, full.shape[1]:].tolist()
+    with pytest.raises(V.ImageError, match=r"1 <\|image_pad\|> id\(s\)"):
+        generate.main(args[:5] + ["5,88,90,89"] + args[6:])
+    with pytest.raises(V.ImageError, match="cannot read image"):
+        generate.main(args[:-1] + [str(tmp_path / "missing.png")])
+
+
+def test_chat_puts_images_before_the_text():
+    import argparse
+    import generate
+    tpl = open(generate.os.path.join(generate.HERE, "tests", "fixtures", "qwen35_chat_template.jinja")).read()
+    a = argparse.Namespace(messages=None, system=None, prompt="What is shown?", image=["a.png", "b.png"], no_think=False)
+    assert generate.chat_prompt(a, tpl, {}) == ("<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 +
+                                                "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
