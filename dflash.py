@@ -25,11 +25,21 @@ from typing import Iterator
 
 import torch
 
-from model import DFlashDrafter, DraftCache, GDNCache, Qwen35, TargetCache
+import model as M
+from model import AttnCache, DFlashDrafter, DraftCache, GDNCache, Qwen35, TargetCache
 
 
 class GenerationError(ValueError):
     """Bad generation input; the message names the problem and the fix."""
+
+
+# Attention backends of the cached steps. "sdpa": F.scaled_dot_product_attention with a boolean mask built
+# per call (cheap elementwise ops). "flex": FlexAttention with BlockMasks built once per Engine and sliced per
+# step (model.causal_block_mask / draft_block_mask); compiled on CUDA it skips the key tiles a step cannot see.
+# SDPA is the default everywhere: on CPU, eager flex_attention runs an unfused reference path that
+# materialises the scores (measured here: ~4 ms against ~0.06 ms for SDPA per tiny call), and on CUDA flex
+# has not been measured against SDPA yet (bench_gpu.sh times both); switch the default when it wins there.
+ATTENTION = ("sdpa", "flex")
 
 
 @dataclass
@@ -144,6 +154,8 @@ class DrafterProposer:
             raise GenerationError(f"--draft-window must be >= 1, got {window}")
         self.drafter, self.target, self.window = drafter, target, window
         self.cache = None
+        self.attention, self.block = "sdpa", None     # set by the Engine that uses this proposer
+        self._mask_key = None            # (capacity, attention, block) the cache's draft BlockMask was built for
 
     @property
     def max_block_size(self) -> int:
@@ -157,6 +169,14 @@ class DrafterProposer:
         if self.cache is None or self.cache.layers[0].k.shape[2] != capacity:
             w = self.drafter.fc.weight
             self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device)
+        key = (capacity, self.attention, self.block or self.max_block_size)
+        if self._mask_key != key:        # built once per cache, backend and block size, not per generation
+            bm = None
+            if self.attention == "flex":
+                bm = M.draft_block_mask(capacity, key[2], self.window, self.drafter.fc.weight.device)
+            for layer in self.cache.layers:
+                layer.block_mask = bm
+            self._mask_key = key
 
     def prefill(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
         """The prompt's features [1,T0,F] at positions pos [T0] into the context cache (once per generation)."""
@@ -172,7 +192,7 @@ class DrafterProposer:
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
         pos = start.view(1) + torch.arange(n + 1, device=last.device)
-        hidden = self.drafter(emb, feats, pos, feat_pos, self.cache, window=self.window)
+        hidden = self.drafter(emb, feats, pos, feat_pos, self.cache, window=self.window, block_start=start.view(-1)[0])
         return self.drafter.draft_logits(hidden[0, 1:], self.target.lm_head).argmax(-1)
 
 
@@ -227,7 +247,11 @@ class Engine:
     call per prompt, any length) stays eager."""
 
     def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
-                 compile_mode: str | None = None, verify_gdn: str = "block"):
+                 compile_mode: str | None = None, verify_gdn: str = "block", attention: str = "sdpa"):
+        """attention: "sdpa" or "flex" (see ATTENTION); with "flex" the target's causal BlockMask and the
+        drafter's are built here, once, over the static caches."""
+        if attention not in ATTENTION:
+            raise GenerationError(f"attention must be one of {ATTENTION}, not {attention!r}")
         if proposer is None:
             block_size = 1
         if block_size < 1:
@@ -240,7 +264,15 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         self.cache = TargetCache(target.cfg, capacity, dtype, self.device, max_block=block_size)
+        self.attention = attention
+        if attention == "flex":             # one mask shared by every attention layer (they see the same positions)
+            bm = M.causal_block_mask(capacity, self.device)
+            for layer in self.cache.layers:
+                if isinstance(layer, AttnCache):
+                    layer.block_mask = bm
         self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
+        if isinstance(proposer, DrafterProposer):
+            proposer.attention, proposer.block = attention, block_size
         if proposer is not None:
             proposer.reset(capacity)
         self.sampling = Sampling()
@@ -388,14 +420,15 @@ class Engine:
 
 def generate(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None,
              block_size: int = 16, capacity: int | None = None, profile: bool = False,
-             verify_gdn: str = "block", sampling: Sampling | None = None, generator=None) -> Iterator[Step]:
+             verify_gdn: str = "block", sampling: Sampling | None = None, generator=None,
+             attention: str = "sdpa") -> Iterator[Step]:
     """One generation with caches sized for this request (see Engine for reuse and compilation).
     proposer None = plain AR decoding. verify_gdn: "block" (closed-form per-token states, fast) or
-    "recurrent" (token by token, the reference)."""
+    "recurrent" (token by token, the reference). attention: "sdpa" or "flex" (see ATTENTION)."""
     if proposer is None:
         block_size = 1
     capacity = check_inputs(target, prompt_ids, max_new_tokens, block_size, capacity, proposer)
-    engine = Engine(target, proposer, block_size, capacity, verify_gdn=verify_gdn)
+    engine = Engine(target, proposer, block_size, capacity, verify_gdn=verify_gdn, attention=attention)
     return engine.generate(prompt_ids, max_new_tokens, stop_ids, profile, sampling, generator)
 
 
@@ -424,8 +457,8 @@ def collect(steps: Iterator[Step], prompt_ids: list, device, on_step=None) -> Re
 
 def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), proposer=None, block_size: int = 16,
         capacity: int | None = None, on_step=None, profile: bool = False, verify_gdn: str = "block",
-        sampling: Sampling | None = None, generator=None) -> Result:
+        sampling: Sampling | None = None, generator=None, attention: str = "sdpa") -> Result:
     """One generation to the end (caches sized for it), collected into a Result."""
     steps = generate(target, prompt_ids, max_new_tokens, stop_ids, proposer, block_size, capacity, profile, verify_gdn,
-                     sampling, generator)
+                     sampling, generator, attention)
     return collect(steps, prompt_ids, target.embed_tokens.weight.device, on_step)

@@ -60,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--draft-window", type=int, default=None, help="drafts see only the last W context positions (long prompts)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
+    p.add_argument("--attention", choices=dflash.ATTENTION, default="sdpa",
+                   help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
+                        "built once; use with --compile on CUDA, eager flex on CPU is slow)")
     args = p.parse_args(argv)
     if args.draft is None:
         args.draft = DEFAULT_DRAFT if args.target == DEFAULT_TARGET else "none"
@@ -282,7 +285,8 @@ def main(argv=None) -> int:
         print("(no tokenizer.json: printing token ids)")
     on_step = (lambda s: stream.push(s.tokens)) if stream else (None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True)))
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
-    engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None)
+    engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
+                           attention=args.attention)
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         t0 = time.perf_counter()

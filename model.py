@@ -364,7 +364,8 @@ def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
 
 def attention(q, k, v, mask):
     """q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask: bool [Tq,Tk] or [B,1,Tq,Tk] (True = visible), or a FlexAttention
-    BlockMask (training on GPU) -> [B,Tq,Hq*D]. Query head h reads kv head h // (Hq // Hkv). Scale D**-0.5."""
+    BlockMask (training on GPU; inference with `attention="flex"`) -> [B,Tq,Hq*D]. Query head h reads kv head
+    h // (Hq // Hkv). Scale D**-0.5."""
     gqa = k.shape[1] != q.shape[1]
     if type(mask).__name__ == "BlockMask":
         from torch.nn.attention.flex_attention import flex_attention
@@ -373,6 +374,96 @@ def attention(q, k, v, mask):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+# FlexAttention block masks for inference (`attention="flex"`). Each is built ONCE per Engine over the static
+# cache, then sliced per step: a step keeps the rows (query tiles) it needs and gets an exact `mask_mod` that
+# reads the step's start position from a device tensor, so nothing is rebuilt and nothing recompiles.
+#
+# The masks are built with rows indexed by ABSOLUTE position: row r stands for positions r*FLEX_BLOCK ..
+# r*FLEX_BLOCK + FLEX_BLOCK-1 and lists every key tile that any of those positions may see. All listed tiles
+# are "partial" (the exact mask_mod is evaluated in every one): a step whose queries straddle a tile border
+# uses the row of its LAST query, whose list covers every earlier query too (the masks grow with position),
+# and the extra keys that row lists are removed by the mask_mod. So correctness rests on two simple facts
+# (the row is a superset; the mask_mod is exact), never on tile arithmetic. The cost is one compare per
+# score in the listed tiles, nothing next to the memory traffic of a decode step.
+FLEX_BLOCK = 128        # FlexAttention's default tile (rows and columns of a BlockMask)
+
+
+def _all_partial(bm):
+    """A BlockMask listing, per row, every tile that is partial OR full in `bm`, all as partial."""
+    from torch.nn.attention.flex_attention import BlockMask
+    dense = bm.to_dense().bool()                                                   # [1, 1, rows, tiles]
+    num = dense.sum(-1, dtype=torch.int32)
+    order = dense.to(torch.uint8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)   # listed first, ascending
+    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod,
+                                    seq_lengths=bm.seq_lengths, compute_q_blocks=False)
+
+
+def causal_block_mask(capacity: int, device):
+    """Target attention over a static cache of `capacity` positions (prefill, decode, verify): row r lists the
+    key tiles 0..r. Built once per Engine (O(capacity^2) mask evaluations, once)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    return _all_partial(create_block_mask(causal, None, None, capacity, capacity, device=device, BLOCK_SIZE=FLEX_BLOCK))
+
+
+def causal_rows(bm, pos):
+    """The mask of one cached target call from `causal_block_mask`: queries at the contiguous positions
+    pos [T] (start .. start+T-1) over the whole cache; a query at p sees keys <= p (the SDPA path's rule)."""
+    T = pos.shape[0]
+    last = torch.clamp(torch.arange(0, T, FLEX_BLOCK, device=pos.device) + FLEX_BLOCK - 1, max=T - 1)
+    step = bm[:, :, pos[last] // FLEX_BLOCK]             # per local query tile: the row of its last query
+    start = pos[0]
+
+    def causal_from(b, h, q_idx, kv_idx):              # q_idx counts from the call's first query
+        return kv_idx <= q_idx + start
+    step.mask_mod = causal_from
+    step.seq_lengths = (T, bm.seq_lengths[1])
+    return step
+
+
+def _draft_visible(capacity: int, window: int | None):
+    """mask_mod factory for the drafter's keys [cache (capacity) ; block]: with the block starting at position
+    `start`, context positions [start - window, start) and every block key are visible (block both ways)."""
+    def visible(start, kv_idx):
+        ctx = kv_idx < start
+        if window is not None:
+            ctx = ctx & (kv_idx >= start - window)
+        return ctx | (kv_idx >= capacity)
+    return visible
+
+
+def draft_block_mask(capacity: int, block: int, window: int | None, device):
+    """The drafter's cached attention: keys are [cache (capacity) ; block (block tokens)]. The mask does not
+    depend on the query, only on the block's start, so rows are indexed by start: row r lists the tiles that a
+    block starting anywhere in r*FLEX_BLOCK .. r*FLEX_BLOCK + FLEX_BLOCK-1 may see. Built once per Engine."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    visible = _draft_visible(capacity, window)
+
+    def by_start(b, h, q_idx, kv_idx):                 # q_idx plays the block's start position here
+        return visible(q_idx, kv_idx)
+    return _all_partial(create_block_mask(by_start, None, None, capacity, capacity + block, device=device,
+                                          BLOCK_SIZE=FLEX_BLOCK))
+
+
+def draft_rows(bm, start, n_query: int, window: int | None):
+    """The mask of one draft step from `draft_block_mask`: n_query block tokens starting at start (0-d tensor)
+    over [cache ; block]."""
+    capacity = bm.seq_lengths[0]
+    if n_query != bm.seq_lengths[1] - capacity or n_query > FLEX_BLOCK:
+        raise ValueError(f"a draft block of {n_query} tokens, but the mask was built for {bm.seq_lengths[1] - capacity} "
+                         f"(and at most one FlexAttention tile, {FLEX_BLOCK})")
+    step = bm[:, :, (start // FLEX_BLOCK).view(1)]
+    visible = _draft_visible(capacity, window)
+
+    def draft(b, h, q_idx, kv_idx):
+        return visible(start, kv_idx)
+    step.mask_mod = draft
+    step.seq_lengths = (n_query, capacity + n_query)
+    return step
 
 
 # ==================================================================================================
@@ -410,7 +501,10 @@ class GatedAttention(nn.Module):
             cache.k.index_copy_(2, pos, k.to(cache.k.dtype))
             cache.v.index_copy_(2, pos, v.to(cache.v.dtype))
             k, v = cache.k, cache.v
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None]
+            if cache.block_mask is not None:           # FlexAttention: the once-built mask, sliced for this call
+                mask = causal_rows(cache.block_mask, pos)
+            else:
+                mask = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None]
         o = attention(q, k, v, mask)
         return self.o_proj(o * torch.sigmoid(gate))
 
@@ -502,6 +596,7 @@ class DecoderLayer(nn.Module):
 class AttnCache:
     k: torch.Tensor          # [B, Hkv, capacity, hd], post-norm, post-RoPE
     v: torch.Tensor          # [B, Hkv, capacity, hd]
+    block_mask: object = None   # a FlexAttention BlockMask built once over the cache (attention="flex"), else SDPA
 
 
 @dataclass
@@ -646,11 +741,14 @@ class DraftAttention(nn.Module):
             kc, vc = cache.k, cache.v
             # Only positions < block_start hold committed context. Entries at >= block_start (features of
             # rejected tokens appended with a whole verify block) are hidden and overwritten next step.
-            kpos = torch.arange(kc.shape[2], device=x.device)
-            seen = kpos < block_start
-            if window is not None:          # --draft-window: only the last `window` context positions
-                seen = seen & (kpos >= block_start - window)
-            mask = torch.cat([seen[None, :].expand(Tq, -1), torch.ones(Tq, Tq, dtype=torch.bool, device=x.device)], 1)
+            if cache.block_mask is not None:    # FlexAttention: the once-built mask, sliced for this block
+                mask = draft_rows(cache.block_mask, block_start, Tq, window)
+            else:
+                kpos = torch.arange(kc.shape[2], device=x.device)
+                seen = kpos < block_start
+                if window is not None:          # --draft-window: only the last `window` context positions
+                    seen = seen & (kpos >= block_start - window)
+                mask = torch.cat([seen[None, :].expand(Tq, -1), torch.ones(Tq, Tq, dtype=torch.bool, device=x.device)], 1)
         o = attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
         return self.o_proj(o)
 
@@ -690,7 +788,7 @@ class DFlashDrafter(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, block_embeds, feats, block_pos, ctx_pos, cache: "DraftCache | None" = None, mask=None,
-                window: int | None = None):
+                window: int | None = None, block_start=None):
         """block_embeds [B,Tq,H] (target embedding of the block, times input_embedding_scale);
         feats [B,Tc,n_feat*H] target features at positions ctx_pos [Tc]; block_pos [Tq].
         With a cache: the context is appended to it (positions ctx_pos must continue it) and the block
@@ -698,6 +796,8 @@ class DFlashDrafter(nn.Module):
         `mask` says who sees what ([B,1,Tq,Tc+Tq] bool or a BlockMask), block_pos may be [B, Tq].
         window (with a cache): the block sees only the last `window` context positions (SGLang's draft window,
         for long prompts; z-lab issue #66).
+        block_start: block_pos[0] as a 0-d tensor that is an input of the compiled step (a FlexAttention mask_mod
+        may capture only graph inputs under torch.compile on CPU); default block_pos[0].
         -> hidden [B,Tq,H] after the final norm; logits come from the target's lm_head (`draft_logits`)."""
         if feats is None:                       # context already appended (append_context)
             ctx, rope_c = None, (None, None)
@@ -705,8 +805,10 @@ class DFlashDrafter(nn.Module):
             ctx, rope_c = self.hidden_norm(self.fc(feats)), self.rope(ctx_pos, block_embeds.dtype)
         rope = (*self.rope(block_pos, block_embeds.dtype), *rope_c)
         x = block_embeds
+        if block_start is None:
+            block_start = block_pos.view(-1)[0]
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_pos.view(-1)[0], window)
+            x = layer(x, ctx, rope, mask, None if cache is None else cache.layers[i], ctx_pos, block_start, window)
         return self.norm(x)
 
     def append_context(self, feats, ctx_pos, cache: "DraftCache") -> None:

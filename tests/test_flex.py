@@ -1,0 +1,181 @@
+"""FlexAttention inference path (attention="flex") against the SDPA path.
+
+Eager flex_attention on CPU evaluates only the mask_mod (it ignores the BlockMask's tile lists), so the tile
+lists are checked directly here (test_step_masks_*): the mask a fused kernel applies is (tile listed) AND
+mask_mod, and it must equal the SDPA path's boolean mask for every start position and step width. The
+compiled test runs inductor's CPU flex kernel, which does skip unlisted tiles."""
+import os
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+import dflash
+import model as M
+from helpers import OracleProposer, random_drafter, random_target, tiny_draft_config, tiny_target_config
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
+DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
+
+# eager flex_attention warns once that it is unfused; that is the point of running it here
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def kernel_mask(step) -> torch.Tensor:
+    """[Tq, Tk] bool: what a fused flex kernel computes with the sliced BlockMask `step`: only listed tiles are
+    visited (every tile is partial), and inside them the mask_mod decides."""
+    Tq, Tk = step.seq_lengths
+    bq, bk = step.BLOCK_SIZE
+    tiles = step.to_dense()[0, 0].bool()                                             # [q tiles, kv tiles]
+    listed = tiles.repeat_interleave(bq, 0).repeat_interleave(bk, 1)[:Tq, :Tk]
+    return listed & create_mask(step.mask_mod, 1, 1, Tq, Tk, device="cpu")[0, 0]
+
+
+@pytest.mark.parametrize("capacity", [300, 256])
+def test_step_masks_target(capacity):
+    """Prefill (from 0, over one and several tiles), decode and verify (straddling tile borders)."""
+    bm = M.causal_block_mask(capacity, "cpu")
+    kpos = torch.arange(capacity)
+    calls = [(0, T) for T in (1, 100, 128, 129, 256, 260) if T <= capacity]
+    calls += [(s, T) for T in (1, 5, 16) for s in range(1, capacity - T + 1, 7)]
+    calls += [(s, 16) for s in (112, 113, 120, 127, 240, capacity - 16)]                 # straddles / the end
+    for s, T in calls:
+        pos = torch.arange(s, s + T)
+        want = kpos[None, :] <= pos[:, None]                                             # the SDPA path's rule
+        assert torch.equal(kernel_mask(M.causal_rows(bm, pos)), want), (s, T)
+
+
+@pytest.mark.parametrize("window", [None, 1, 20, 130])
+def test_step_masks_draft(window):
+    """Draft: context [start - W, start) and the whole block, for every start; W None = all context."""
+    capacity = 290
+    for block in (16, 5):
+        bm = M.draft_block_mask(capacity, block, window, "cpu")
+        kpos = torch.arange(capacity)
+        for s in range(1, capacity - block + 1, 3):
+            seen = kpos < s
+            if window is not None:
+                seen &= kpos >= s - window
+            want = torch.cat([seen[None].expand(block, -1), torch.ones(block, block, dtype=torch.bool)], 1)
+            got = kernel_mask(M.draft_rows(bm, torch.tensor(s), block, window))
+            assert torch.equal(got, want), (s, block, window)
+    with pytest.raises(ValueError, match="built for 5"):
+        M.draft_rows(bm, torch.tensor(10), 16, window)
+
+
+@torch.no_grad()
+def test_attention_outputs_equal():
+    """One cached verify call of a gated attention layer and of a drafter layer: flex == SDPA (float64)."""
+    cfg = tiny_target_config(layer_types=["full_attention"], num_hidden_layers=1)
+    target = random_target(cfg, 3)
+    C, start, T = 200, 121, 16
+    pos = torch.arange(start, start + T)
+    x = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for att in ("sdpa", "flex"):
+        cache = M.TargetCache(cfg, C, torch.float64, "cpu")
+        torch.manual_seed(1)
+        cache.layers[0].k.normal_(), cache.layers[0].v.normal_()                     # a filled cache, stale tail
+        if att == "flex":
+            cache.layers[0].block_mask = M.causal_block_mask(C, "cpu")
+        cos, sin = target.rope(pos, x.dtype)
+        outs.append(target.layers[0].self_attn(x, cos, sin, pos, cache.layers[0]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+
+    dcfg = tiny_draft_config(cfg, num_hidden_layers=1)
+    drafter = random_drafter(dcfg, 4)
+    feats = torch.randn(1, T, len(dcfg.target_layer_ids) * cfg.hidden_size, dtype=torch.float64)
+    emb = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64)
+    outs = []
+    for att, window in (("sdpa", None), ("flex", None), ("sdpa", 7), ("flex", 7)):
+        cache = M.DraftCache(dcfg, C, torch.float64, "cpu")
+        torch.manual_seed(2)
+        cache.layers[0].k.normal_(), cache.layers[0].v.normal_()
+        if att == "flex":
+            cache.layers[0].block_mask = M.draft_block_mask(C, T, window, "cpu")
+        outs.append(drafter(emb, feats, pos, pos - T, cache, window=window))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(outs[2], outs[3], rtol=0, atol=1e-12)
+    assert not torch.allclose(outs[0], outs[2])                                          # the window matters
+
+
+def test_same_tokens_ar_and_dflash():
+    """Greedy AR and DFlash (random drafter, with and without --draft-window) give the same tokens and the
+    same proposals with flex as with SDPA; the prompt and the verify blocks cross the 128-position tile."""
+    cfg = tiny_target_config()
+    target = random_target(cfg, 0)
+    drafter = random_drafter(tiny_draft_config(cfg), 1)
+    prompt = torch.randint(0, cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = {}
+    for att in ("sdpa", "flex"):
+        runs[att, "ar"] = dflash.run(target, prompt, 30, attention=att)
+        for window in (None, 9):
+            proposer = dflash.DrafterProposer(drafter, target, window)
+            runs[att, window] = dflash.run(target, prompt, 30, proposer=proposer, block_size=16, attention=att)
+    for key in ("ar", None, 9):
+        assert runs["flex", key].output_ids == runs["sdpa", key].output_ids
+        assert runs["flex", key].draft_ids == runs["sdpa", key].draft_ids
+    assert runs["sdpa", None].output_ids == runs["sdpa", "ar"].output_ids == runs["sdpa", 9].output_ids
+    assert runs["sdpa", None].draft_ids != runs["sdpa", 9].draft_ids                     # the window is in effect
+
+
+@pytest.mark.parametrize("block", [16, 5])
+def test_every_acceptance_length(block):
+    """An oracle stand-in forces every acceptance length 0..B-1 and full; flex output == AR output."""
+    cfg = tiny_target_config()
+    target = random_target(cfg, 2)
+    prompt = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    n_new = 1 + sum(range(1, block + 1)) + block                 # enough for one whole plan: lengths 0..B-1 each once
+    ar = dflash.run(target, prompt, n_new, attention="sdpa")
+    oracle = OracleProposer(len(prompt), ar.output_ids, cfg.vocab_size, seed=block)
+    sp = dflash.run(target, prompt, n_new, proposer=oracle, block_size=block, attention="flex")
+    assert sp.output_ids == ar.output_ids
+    assert set(oracle.asked) == set(range(block))
+
+
+def test_masks_built_once_per_engine(monkeypatch):
+    calls = []
+    for name in ("causal_block_mask", "draft_block_mask"):
+        real = getattr(M, name)
+        monkeypatch.setattr(M, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    cfg = tiny_target_config()
+    target = random_target(cfg, 0)
+    proposer = dflash.DrafterProposer(random_drafter(tiny_draft_config(cfg), 1), target)
+    eng = dflash.Engine(target, proposer, 8, 100, attention="flex")
+    for n in (5, 20):
+        eng.run([1, 2, 3], n)
+    assert sorted(calls) == ["causal_block_mask", "draft_block_mask"]
+    with pytest.raises(dflash.GenerationError, match="attention"):
+        dflash.Engine(target, None, 1, 100, attention="flash")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(DRAFT, "model.safetensors")), reason="embedded pair not present")
+def test_compiled_flex_no_recompiles_same_tokens():
+    """torch.compile(fullgraph=True) of the flex steps: no recompiles after warm-up across a generation with
+    varying acceptance lengths; tokens and proposals == the eager SDPA engine's. (Inductor's CPU flex kernel
+    visits only the listed tiles, so this also runs the tile lists for real.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    target = M.load_target(TARGET, torch.float32)
+    drafter = M.load_drafter(DRAFT, target.cfg, torch.float32)
+    tok = M.load_tokenizer(TARGET)
+    p1 = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(").ids
+    p2 = tok.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def").ids
+    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", attention="flex")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng.run(p1, 40)                   # warm-up: compiles each step once
+        # Prefill stays eager, and eager flex_attention traces its own small wrapper with dynamo (backend
+        # "eager"); a second prompt length makes that wrapper shape-dynamic, so it is warmed up too.
+        eng.run(p1[:7], 2)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        res = eng.run(p2, 120)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert len(set(res.acceptance_lengths)) >= 3
+    ref = dflash.run(target, p2, 120, proposer=dflash.DrafterProposer(drafter, target), block_size=16)
+    assert res.output_ids == ref.output_ids
+    assert res.draft_ids == ref.draft_ids
