@@ -277,3 +277,33 @@ def test_chat_puts_images_before_the_text():
     a = argparse.Namespace(messages=None, system=None, prompt="What is shown?", image=["a.png", "b.png"], no_think=False)
     assert generate.chat_prompt(a, tpl, {}) == ("<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 +
                                                 "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+def test_add_vision_pair_runs_and_matches_transformers(tmp_path, capsys):
+    """train.py add-vision: the embedded pair with a random tower. transformers loads the result, and
+    --image generation (DFlash and AR) equals its greedy generate with pixel_values."""
+    import generate
+    import train
+    from transformers import Qwen3_5ForConditionalGeneration
+    root = generate.HERE + "/checkpoints/"
+    train.main(["add-vision", "--target", root + "tiny-qwen35", "--draft", root + "tiny-qwen35-dflash",
+                "--out", str(tmp_path), "--threads", "1"])
+    random_image(150, 110, 9).save(tmp_path / "pic.png")
+    base = ["--target", str(tmp_path / "target"), "--image", str(tmp_path / "pic.png"), "--max-new-tokens", "24",
+            "--prompt", "<|vision_start|><|image_pad|><|vision_end|>def show(image):", "--json"]
+    runs = {}
+    for name, extra in {"dflash": ["--draft", str(tmp_path / "draft")], "ar": ["--draft", "none"]}.items():
+        capsys.readouterr()
+        assert generate.main(base + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["dflash"]["output_ids"] == runs["ar"]["output_ids"] and runs["dflash"]["mean_acceptance_length"] > 1
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "target"), dtype=torch.float32).eval()
+    ref = hf_processor(64 * 64, 256 * 256)(images=[Image.open(tmp_path / "pic.png")], return_tensors="pt")
+    full = torch.tensor([runs["ar"]["prompt_ids"]])
+    img = hf.config.image_token_id
+    assert int((full == img).sum()) == int(ref["image_grid_thw"].prod()) // 4
+    with torch.no_grad():
+        out = hf.generate(input_ids=full, attention_mask=torch.ones_like(full), pixel_values=ref["pixel_values"],
+                          image_grid_thw=ref["image_grid_thw"], mm_token_type_ids=(full == img).int(),
+                          max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert runs["ar"]["output_ids"] == out[0, full.shape[1]:].tolist()
