@@ -6,6 +6,14 @@
 Warm-up runs are excluded. Printed: per-prompt and median tok/s of both, their ratio (the speedup), mean
 acceptance length and its histogram, ms per decode / draft / verify step, whether the outputs are identical.
 The last stdout line is one JSON object. Machines are noisy: compare ratios measured in the same run.
+
+    python bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
+    python bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU, seconds
+
+`--preset` builds the model shapes with random weights on the device (step times do not depend on the weight
+values, so no download is needed) and times AR decode, verify and draft steps; it reports the achieved weight
+bandwidth of a decode step against a measured device-to-device copy (CUDA), and the PROJECTED DFlash tok/s at
+a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on Qwen3.5-9B).
 """
 from __future__ import annotations
 
@@ -20,6 +28,9 @@ import torch
 import dflash
 import model as M
 from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES
+
+MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
+PRESETS = ("qwen3.5-9b", "tiny-9b-shape")
 
 
 def parse_args(argv=None):
@@ -38,7 +49,17 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode with --compile (default max-autotune)")
     p.add_argument("--vs-reference", action="store_true",
                    help="also time the z-lab reference loop (dflash package + transformers) on the same checkpoints")
-    return p.parse_args(argv)
+    p.add_argument("--attention", choices=dflash.ATTENTION, default="sdpa", help="attention of the cached steps (see generate.py)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="time the steps of these shapes instead of checkpoints: qwen3.5-9b (real 9B text shapes + a 5-layer "
+                        "block-16 drafter), tiny-9b-shape (the same layer pattern and heads at 1/32 of the width, for CPU)")
+    p.add_argument("--random-weights", action="store_true", help="with --preset: random weights built on the device (required)")
+    p.add_argument("--prompt-len", type=int, default=None, help="with --preset: random prompt length (default 512; 64 for tiny)")
+    p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
+    args = p.parse_args(argv)
+    if args.preset and not args.random_weights:
+        p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
+    return args
 
 
 def step_ms(results, kind, attr):
@@ -51,6 +72,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.preset:
+        return preset_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     target = M.load_target(args.target, dtype, device)
     drafter = M.load_drafter(args.draft, target.cfg, dtype, device)
@@ -73,8 +96,8 @@ def main(argv=None):
 
     capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
     mode = args.compile_mode if args.compile else None
-    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode)
-    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode)
+    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, attention=args.attention)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, attention=args.attention)
     # warm-up (compilation, allocator, lazy init), excluded from the figures and reported apart
     t0 = time.perf_counter()
     ar_engine.run(prompts[0], 8, stops)
@@ -113,8 +136,145 @@ def main(argv=None):
         "mean_acceptance_length": tau, "acceptance_histogram": hist,
         "decode_ms": decode_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
         "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
-        "compile_mode": mode,
+        "compile_mode": mode, "attention": args.attention,
     }))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --preset: the real Qwen3.5-9B shapes with random weights
+# ---------------------------------------------------------------------------------------------------------------
+
+def preset_configs(name: str) -> tuple:
+    """-> (TargetConfig, DraftConfig). qwen3.5-9b: the text model of ../shared/qwen35-spec.md sections 1 and 10
+    (32 layers [GDN x3, attention] x 8, hidden 4096, FFN 12288, 16 q / 4 kv heads of 256, 16 / 32 linear heads of
+    128, vocab 248320) and a 5-layer block-16 drafter reading target layers 1, 8, 15, 22, 29 (as
+    FSCCS/Qwen3.5-9B-MMFlash and z-lab/Qwen3.5-9B-DFlash do). The drafter's layer widths (32 q / 8 kv heads of
+    128, FFN 12288: Qwen3-8B-style layers) are an assumption: those configs were not read here.
+    tiny-9b-shape: the same layer pattern, head counts, drafter layers and block at 1/32 of every width (and
+    of the vocabulary), so the same code runs on a CPU in seconds."""
+    div = {"qwen3.5-9b": 1, "tiny-9b-shape": 32}[name]
+    L = 32
+    target = M.TargetConfig(
+        vocab_size=248320 // div, hidden_size=4096 // div, intermediate_size=12288 // div, num_hidden_layers=L,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256 // div,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128 // div,
+        linear_value_head_dim=128 // div, linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(L)],
+        rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10], max_position_embeddings=262144)
+    draft = M.DraftConfig(
+        hidden_size=target.hidden_size, intermediate_size=12288 // div, num_hidden_layers=5,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128 // div, vocab_size=target.vocab_size,
+        target_layer_ids=[1, 8, 15, 22, 29], mask_token_id=target.vocab_size - 1, block_size=16,
+        num_target_layers=L, rope_theta=1e7)
+    return target, draft
+
+
+def random_models(name: str, device, dtype) -> tuple:
+    """Target and drafter of a preset with random weights, allocated directly on `device` in `dtype` (no CPU
+    copy, no second dtype copy). Values are nn.Linear / nn.Embedding default inits: step times do not depend on
+    them. A_log and dt_bias are float32, as load_target keeps them."""
+    tcfg, dcfg = preset_configs(name)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), torch.no_grad():
+            target = M.Qwen35(tcfg)
+            drafter = M.DFlashDrafter(dcfg)
+            for n, p in target.named_parameters():
+                if n.endswith(("A_log", "dt_bias")):
+                    p.data = p.data.float()
+    finally:
+        torch.set_default_dtype(old)
+    return target.eval(), drafter.eval()
+
+
+def weight_bytes_per_decode(target: M.Qwen35) -> int:
+    """Bytes of weights one decode step reads: every target parameter except the embedding table, of which it
+    reads one row. (The GDN states and attention K/V it also reads are not counted: a conservative figure.)"""
+    emb = target.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in target.parameters())
+    if target.lm_head.weight is emb:          # tied: the table is read in full by the head anyway
+        return total
+    return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
+
+
+def peak_copy_gb_s(n_bytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device memory bandwidth measured with a large device-to-device copy (reads + writes), in GB/s (CUDA)."""
+    a = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)                                              # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / reps
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / seconds / 1e9
+
+
+def preset_main(args, device) -> dict:
+    """Time AR decode, verify and draft steps of a preset's shapes with the Engine (the same step functions and
+    timings as the checkpoint benchmark), then print the step costs, the bandwidth and the projection."""
+    cuda = torch.device(device).type == "cuda"
+    dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    peak = peak_copy_gb_s() if cuda else None              # before the model takes the memory
+    t0 = time.perf_counter()
+    target, drafter = random_models(args.preset, device, dtype)
+    build_seconds = time.perf_counter() - t0
+    block = args.block_size or drafter.cfg.block_size
+    prompt_len = args.prompt_len or (64 if args.preset == "tiny-9b-shape" else 512)
+    new = args.max_new_tokens
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
+    capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
+    mode = args.compile_mode if args.compile else None
+    proposer = dflash.DrafterProposer(drafter, target)
+    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, attention=args.attention)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, attention=args.attention)
+    t0 = time.perf_counter()                                # warm-up: compilation, CUDA graph capture, allocator
+    ar_engine.run(prompt, 8)
+    sp_engine.run(prompt, 3 * block)
+    warmup_seconds = time.perf_counter() - t0
+    print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
+          f"{sum(p.numel() for p in drafter.parameters()) / 1e9:.3f} B, {dtype}, built in {build_seconds:.1f} s on {device}; "
+          f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
+    # Random weights: the drafter's proposals are rejected, so every round commits ~1 token, but each still
+    # runs a full B-token verify and a full draft: the per-step costs are the real ones.
+    ar = ar_engine.run(prompt, new, profile=True)
+    sp = sp_engine.run(prompt, new, profile=True)
+    decode_ms = step_ms([ar], "decode", "verify_seconds")
+    verify_ms = step_ms([sp], "verify", "verify_seconds")
+    draft_ms = step_ms([sp], "verify", "draft_seconds")
+    projected = args.tau / (verify_ms + draft_ms) * 1000
+    formula = f"projected tok/s = tau / (verify_ms + draft_ms) * 1000 = {args.tau:.2f} / ({verify_ms:.3f} + {draft_ms:.3f}) * 1000"
+    wbytes = weight_bytes_per_decode(target)
+    achieved = wbytes / (decode_ms / 1000) / 1e9
+    print(f"ms per step (median): decode {decode_ms:.3f}, verify ({block} tokens) {verify_ms:.3f}, draft {draft_ms:.3f}; "
+          f"verify/decode {verify_ms / decode_ms:.2f}x, draft/verify {draft_ms / verify_ms:.1%}")
+    print(f"decode reads {wbytes / 1e9:.2f} GB of weights per step: {achieved:.0f} GB/s"
+          + (f" = {achieved / peak:.1%} of the measured copy bandwidth {peak:.0f} GB/s" if peak else " (CPU: no peak measured)"))
+    print(f"PROJECTED (not measured) DFlash at tau {args.tau:.2f}: {projected:.1f} tok/s; AR measured {1000 / decode_ms:.1f} tok/s")
+    print(f"  {formula}")
+    out = {
+        "preset": args.preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": args.attention,
+        "compile_mode": mode, "compile_seconds": warmup_seconds if mode else 0.0, "block_size": block,
+        "prompt_len": prompt_len, "max_new_tokens": new,
+        "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,
+        "verify_over_decode": verify_ms / decode_ms, "draft_over_verify": draft_ms / verify_ms,
+        "ar_tokens_per_s": 1000 / decode_ms, "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved,
+        "peak_copy_gb_s": peak, "bandwidth_fraction": achieved / peak if peak else None,
+        "projected_tau": args.tau, "projected_dflash_tokens_per_s": projected, "projected_formula": formula,
+        "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+    }
+    if cuda:   # the GPU bars of issue 4
+        out["bars"] = {"decode_bandwidth_ge_75pct": achieved / peak >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
+                       "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
+    print(json.dumps(out))
+    return out
 
 
 def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:

@@ -1,0 +1,32 @@
+"""bench.py --preset: the 9B shapes are right, and the small preset runs the same code path on CPU."""
+import json
+
+import torch
+
+import bench
+import model as M
+
+
+def test_9b_preset_shapes_match_the_spec():
+    """Built on the meta device (no memory): the parameter count of spec section 10 (8,953,803,264 for the
+    text model) and the drafter's target layers 1, 8, 15, 22, 29 at block 16."""
+    tcfg, dcfg = bench.preset_configs("qwen3.5-9b")
+    with torch.device("meta"):
+        target = M.Qwen35(tcfg)
+    assert sum(p.numel() for p in target.parameters()) == 8_953_803_264
+    assert tcfg.layer_types.count("full_attention") == 8 and tcfg.rotary_dim == 64
+    assert dcfg.target_layer_ids == [1, 8, 15, 22, 29] and dcfg.num_hidden_layers == 5 and dcfg.block_size == 16
+    dcfg.check_fits(tcfg)
+
+
+def test_tiny_preset_runs_and_reports(capsys):
+    out = bench.main(["--preset", "tiny-9b-shape", "--random-weights", "--max-new-tokens", "6", "--prompt-len", "20",
+                      "--device", "cpu"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(out))
+    for key in ("decode_ms", "verify_ms", "draft_ms", "achieved_gb_s", "projected_dflash_tokens_per_s", "weight_bytes_per_decode"):
+        assert last[key] > 0, key
+    assert last["projected_tau"] == 5.60 and "tau / (verify_ms + draft_ms)" in last["projected_formula"]
+    expected = last["projected_tau"] / (last["verify_ms"] + last["draft_ms"]) * 1000
+    assert abs(last["projected_dflash_tokens_per_s"] - expected) < 1e-6 * expected
+    assert last["peak_copy_gb_s"] is None and "bars" not in last          # CUDA only
