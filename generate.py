@@ -189,8 +189,11 @@ def chat_prompt(args, template: str, specials: dict) -> str:
             raise dflash.GenerationError("--system was given and --messages already starts with a system message; keep one")
         messages = [{"role": "system", "content": args.system}] + messages
     if args.prompt is not None:      # images first, then the text, as Qwen3.5's processors place them
-        content = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": args.prompt}]
-        messages.append({"role": "user", "content": content if args.image else args.prompt})
+        # --image files fill the image items of --messages first, in order; the rest open this turn
+        placed = sum(1 for m in messages if isinstance(m.get("content"), list)
+                     for item in m["content"] if isinstance(item, dict) and (item.get("type") == "image" or "image" in item))
+        content = [{"type": "image"} for _ in range(len(args.image) - placed)] + [{"type": "text", "text": args.prompt}]
+        messages.append({"role": "user", "content": content if len(content) > 1 else args.prompt})
     return render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials)
 
 

@@ -270,13 +270,23 @@ def test_cli_image_prompt_ids(mm, tmp_path, capsys):
         generate.main(args[:-1] + [str(tmp_path / "missing.png")])
 
 
-def test_chat_puts_images_before_the_text():
+def test_chat_puts_images_before_the_text(tmp_path):
     import argparse
     import generate
     tpl = open(generate.os.path.join(generate.HERE, "tests", "fixtures", "qwen35_chat_template.jinja")).read()
     a = argparse.Namespace(messages=None, system=None, prompt="What is shown?", image=["a.png", "b.png"], no_think=False)
-    assert generate.chat_prompt(a, tpl, {}) == ("<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 +
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert generate.chat_prompt(a, tpl, {}) == ("<|im_start|>user\n" + pad * 2 +
                                                 "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    # an earlier turn from --messages that holds an image takes the first file; the new turn opens with the rest
+    f = generate.os.path.join(str(tmp_path), "m.json")
+    with open(f, "w") as fh:
+        json.dump([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "A?"}]},
+                   {"role": "assistant", "content": "B."}], fh)
+    a.messages = f
+    assert generate.chat_prompt(a, tpl, {}) == (
+        "<|im_start|>user\n" + pad + "A?<|im_end|>\n<|im_start|>assistant\nB.<|im_end|>\n<|im_start|>user\n" + pad +
+        "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
 
 
 def test_add_vision_pair_runs_and_matches_transformers(tmp_path, capsys):
