@@ -62,6 +62,30 @@ def parse_args(argv=None):
     return args
 
 
+def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops) -> tuple:
+    """The AR and DFlash engines of one benchmark (compiled with --compile), warmed up on `prompt`:
+    compilation, CUDA graph capture, allocator and lazy init, excluded from the figures.
+    -> (ar_engine, dflash_engine, warm-up seconds)."""
+    mode = args.compile_mode if args.compile else None
+    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, attention=args.attention)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, attention=args.attention)
+    t0 = time.perf_counter()
+    ar_engine.run(prompt, 8, stops)
+    sp_engine.run(prompt, 3 * block, stops)
+    return ar_engine, sp_engine, time.perf_counter() - t0
+
+
+def zlab_module():
+    """The z-lab `dflash` package's model.py, loaded under another name: our dflash.py shadows the package."""
+    import importlib.metadata
+    import importlib.util
+    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def step_ms(results, kind, attr):
     vals = [getattr(s, attr) for r in results for s in r.steps if s.kind == kind]
     return 1000 * statistics.median(vals) if vals else None
@@ -96,13 +120,7 @@ def main(argv=None):
 
     capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
     mode = args.compile_mode if args.compile else None
-    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, attention=args.attention)
-    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, attention=args.attention)
-    # warm-up (compilation, allocator, lazy init), excluded from the figures and reported apart
-    t0 = time.perf_counter()
-    ar_engine.run(prompts[0], 8, stops)
-    sp_engine.run(prompts[0], 3 * block, stops)
-    warmup_seconds = time.perf_counter() - t0
+    ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
 
     ar_res, sp_res, rows = [], [], []
@@ -233,12 +251,7 @@ def preset_main(args, device) -> dict:
     capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
     proposer = dflash.DrafterProposer(drafter, target)
-    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, attention=args.attention)
-    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, attention=args.attention)
-    t0 = time.perf_counter()                                # warm-up: compilation, CUDA graph capture, allocator
-    ar_engine.run(prompt, 8)
-    sp_engine.run(prompt, 3 * block)
-    warmup_seconds = time.perf_counter() - t0
+    ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompt, ())
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
           f"{sum(p.numel() for p in drafter.parameters()) / 1e9:.3f} B, {dtype}, built in {build_seconds:.1f} s on {device}; "
           f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
@@ -280,28 +293,20 @@ def preset_main(args, device) -> dict:
 def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     """Time the z-lab package's own loop (`dflash_generate` over transformers models) on the same checkpoints
     and prompts. Its output is not compared: that loop is not lossless on Qwen3.5 (notes 3)."""
-    import importlib.metadata
-    import importlib.util
     from transformers import AutoModelForCausalLM
-    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")      # our dflash.py shadows the name
-    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
-    zm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zm)
+    zm = zlab_module()
     dtype = target.embed_tokens.weight.dtype
     hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).to(target.embed_tokens.weight.device).eval()
     zd = zm.DFlashDraftModel.from_pretrained(drafter.path, dtype=dtype).to(hf.device).eval()
     ids0 = torch.tensor([prompts[0]], device=hf.device)
     zm.dflash_generate(zd, hf, ids0, 8, None)                                           # warm-up
     tps = []
-    for p, row in zip(prompts, rows):
+    for p in prompts:            # timed like ours: wall clock around the whole call, the device synchronised
         ids = torch.tensor([p], device=hf.device)
-        out = zm.dflash_generate(zd, hf, ids, args.max_new_tokens, stops or None, block_size=args.block_size, return_stats=True) \
-            if hf.device.type == "cuda" else None
-        if out is not None:
-            tps.append(out.num_output_tokens / (out.time_per_output_token * out.num_output_tokens))
-            continue
+        dflash._sync(hf.device)
         t0 = time.perf_counter()
         o = zm.dflash_generate(zd, hf, ids, args.max_new_tokens, stops or None, block_size=args.block_size)
+        dflash._sync(hf.device)
         tps.append((o.shape[1] - len(p)) / (time.perf_counter() - t0))
     med = statistics.median(tps)
     ours = statistics.median(r[1] for r in rows)

@@ -196,6 +196,14 @@ class DrafterProposer:
         return self.drafter.draft_logits(hidden[0, 1:], self.target.lm_head).argmax(-1)
 
 
+def check_block_size(block_size: int, proposer=None) -> None:
+    if block_size < 1:
+        raise GenerationError(f"block size must be >= 1, got {block_size}")
+    if proposer is not None and block_size > proposer.max_block_size:
+        raise GenerationError(f"block size {block_size} exceeds the drafter's block_size {proposer.max_block_size}; "
+                              f"use --block-size {proposer.max_block_size} or less")
+
+
 def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_size: int, capacity: int | None,
                  proposer=None) -> int:
     """Validate a request; return the cache capacity to allocate."""
@@ -207,10 +215,7 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{V - 1}")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if block_size < 1:
-        raise GenerationError(f"block size must be >= 1, got {block_size}")
-    if proposer is not None and block_size > proposer.max_block_size:
-        raise GenerationError(f"block size {block_size} exceeds the drafter's block_size {proposer.max_block_size}; use --block-size {proposer.max_block_size} or less")
+    check_block_size(block_size, proposer)
     # The last verify block starts at most at position len(prompt) + max_new_tokens - 2 and spans block_size.
     need = len(prompt_ids) + max_new_tokens + block_size - 1
     if capacity is None:
@@ -254,11 +259,7 @@ class Engine:
             raise GenerationError(f"attention must be one of {ATTENTION}, not {attention!r}")
         if proposer is None:
             block_size = 1
-        if block_size < 1:
-            raise GenerationError(f"block size must be >= 1, got {block_size}")
-        if proposer is not None and block_size > proposer.max_block_size:
-            raise GenerationError(f"block size {block_size} exceeds the drafter's block_size {proposer.max_block_size}; "
-                                  f"use --block-size {proposer.max_block_size} or less")
+        check_block_size(block_size, proposer)
         self.target, self.proposer, self.block, self.capacity = target, proposer, block_size, capacity
         self.verify_gdn, self.compiled = verify_gdn, compile_mode is not None
         self.device = target.embed_tokens.weight.device

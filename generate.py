@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the prompt, repeatable (a multimodal Qwen3.5 checkpoint; needs Pillow). With --chat the "
-                        "images open the user turn; otherwise each <|image_pad|> in the prompt stands for the next image")
+                        "files fill the image items of --messages, then open the new user turn; otherwise each "
+                        "<|image_pad|> in the prompt stands for the next image")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -233,6 +234,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.block_size is not None and args.block_size < 1:   # 0 must not fall back to the default
         raise dflash.GenerationError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.num_samples < 1:
+        raise dflash.GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
+    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)     # checked before anything loads
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
@@ -286,7 +290,7 @@ def main(argv=None) -> int:
     stream = new_stream() if (tokenizer is not None and not args.json) else None
     if stream is None and not args.json:
         print("(no tokenizer.json: printing token ids)")
-    on_step = (lambda s: stream.push(s.tokens)) if stream else (None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True)))
+    print_ids = None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True))   # when there is no stream
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
     engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
                            attention=args.attention)
@@ -295,9 +299,6 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images)
         compile_seconds = time.perf_counter() - t0
-    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
-    if args.num_samples < 1:
-        raise dflash.GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
     gen = torch.Generator(device=device)
     if args.seed is not None:
         gen.manual_seed(args.seed)
@@ -309,7 +310,7 @@ def main(argv=None) -> int:
             print(f"--- sample {i + 1}/{args.num_samples}")
         if stream:
             stream = new_stream()
-        res = engine.run(prompt_ids, args.max_new_tokens, stops, on_step if stream is None else (lambda s, st=stream: st.push(s.tokens)),
+        res = engine.run(prompt_ids, args.max_new_tokens, stops, print_ids if stream is None else (lambda s, st=stream: st.push(s.tokens)),
                          sampling=sampling, generator=gen, images=images)
         samples.append(res)
         if stream:

@@ -743,12 +743,9 @@ class DraftAttention(nn.Module):
             # rejected tokens appended with a whole verify block) are hidden and overwritten next step.
             if cache.block_mask is not None:    # FlexAttention: the once-built mask, sliced for this block
                 mask = draft_rows(cache.block_mask, block_start, Tq, window)
-            else:
-                kpos = torch.arange(kc.shape[2], device=x.device)
-                seen = kpos < block_start
-                if window is not None:          # --draft-window: only the last `window` context positions
-                    seen = seen & (kpos >= block_start - window)
-                mask = torch.cat([seen[None, :].expand(Tq, -1), torch.ones(Tq, Tq, dtype=torch.bool, device=x.device)], 1)
+            else:                               # the same rule as a boolean mask over [cache ; block]
+                kpos = torch.arange(kc.shape[2] + Tq, device=x.device)
+                mask = _draft_visible(kc.shape[2], window)(block_start, kpos)[None, :].expand(Tq, -1)
         o = attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
         return self.o_proj(o)
 
@@ -952,11 +949,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     model.to_empty(device="cpu")
     if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: tie them again
         model.lm_head.weight = model.embed_tokens.weight
-    tensors = {}
-    for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items():
-        key = _target_key(name)
-        if key is not None:
-            tensors[key] = t
+    tensors = {_target_key(name): t for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (spec 10).

@@ -270,6 +270,12 @@ class PatchEmbed(nn.Module):
         return self.proj(patches)
 
 
+def vision_inv_freq(cfg: VisionConfig, device=None) -> torch.Tensor:
+    """The 2-D rotary's frequencies: angles are [row * inv | col * inv], each hd/4 wide, then doubled to hd."""
+    half = cfg.head_dim // 2
+    return 1.0 / cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
+
+
 class VisionTower(nn.Module):
     """`model.visual` of a Qwen3.5 checkpoint: patches of one or more images -> their text-width tokens."""
 
@@ -280,21 +286,18 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
-        quarter = cfg.head_dim // 2            # angles: [row * inv | col * inv], each hd/4 wide, then doubled
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter),
-                             persistent=False)
+        self.register_buffer("inv_freq", vision_inv_freq(cfg), persistent=False)
 
-    def position_embedding(self, gh: int, gw: int):
-        """The learned side x side table resampled bilinearly (align_corners) to gh x gw, in block order -> [gh*gw, D]."""
+    def position_embedding(self, gh: int, gw: int, r, c):
+        """The learned side x side table resampled bilinearly (align_corners) to gh x gw, read at the patches'
+        (row r, col c) in block order -> [gh*gw, D]."""
         side = math.isqrt(self.cfg.num_position_embeddings)
         table = self.pos_embed.weight.view(side, side, -1).permute(2, 0, 1)[None].float()   # [1, D, side, side]
         grid = F.interpolate(table, size=(gh, gw), mode="bilinear", align_corners=True)[0]   # [D, gh, gw]
-        r, c = block_order_rows_cols(gh, gw, self.cfg.spatial_merge_size)
         return grid[:, r, c].t()
 
-    def rotary(self, gh: int, gw: int):
-        """cos, sin [gh*gw, hd] in float32 for the patches of one image, in block order."""
-        r, c = block_order_rows_cols(gh, gw, self.cfg.spatial_merge_size)
+    def rotary(self, r, c):
+        """cos, sin [n, hd] in float32 for patches at (row r, col c)."""
         inv = self.inv_freq
         ang = torch.cat([r.to(inv.device)[:, None] * inv, c.to(inv.device)[:, None] * inv], dim=-1)
         ang = torch.cat([ang, ang], dim=-1)
@@ -304,8 +307,9 @@ class VisionTower(nn.Module):
         """patches [N, C*Tp*p*p] of the images in order; grids [(1, gh, gw), ...] -> tokens [N / m**2, H]."""
         dt = self.patch_embed.proj.weight.dtype
         x = self.patch_embed(patches.to(dt))
-        x = x + torch.cat([self.position_embedding(gh, gw) for _, gh, gw in grids]).to(dt)
-        rot = [self.rotary(gh, gw) for _, gh, gw in grids]
+        rows_cols = [block_order_rows_cols(gh, gw, self.cfg.spatial_merge_size) for _, gh, gw in grids]
+        x = x + torch.cat([self.position_embedding(gh, gw, r, c) for (_, gh, gw), (r, c) in zip(grids, rows_cols)]).to(dt)
+        rot = [self.rotary(r, c) for r, c in rows_cols]
         cos, sin = torch.cat([c for c, _ in rot]), torch.cat([s for _, s in rot])
         lengths = [t * gh * gw for t, gh, gw in grids]
         for blk in self.blocks:
@@ -329,8 +333,7 @@ def load_vision(path: str, dtype=torch.float32, device="cpu") -> tuple:
     if w is not None and w.dim() == 5:                     # the Conv3d kernel [D, C, Tp, p, p] -> Linear [D, C*Tp*p*p]
         tensors["patch_embed.proj.weight"] = w.reshape(w.shape[0], -1)
     M.load_into(tower, tensors, dtype, "vision tower")
-    d = tower.patch_embed.proj.weight.device
-    tower.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim // 2, 2, dtype=torch.float32, device=d) / (cfg.head_dim // 2))
+    tower.inv_freq = vision_inv_freq(cfg)          # a non-persistent buffer: to_empty left it uninitialised
     pc = ImageProcessorConfig.from_dir(path)
     if (pc.patch_size, pc.temporal_patch_size, pc.merge_size) != (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
         raise M.CheckpointError(f"{path}: preprocessor_config.json patches ({pc.patch_size}, {pc.temporal_patch_size}, "

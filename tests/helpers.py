@@ -1,8 +1,6 @@
 """Tiny random models and stand-in proposers shared by the tests."""
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -94,13 +92,22 @@ class OracleProposer:
         return torch.tensor(out, dtype=torch.long)
 
 
-def zlab_module():
-    """The z-lab `dflash` package's model.py, loaded under another name: our dflash.py shadows the package."""
-    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")
-    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench import zlab_module  # noqa: E402  (the z-lab package's model.py; one loader for bench and tests)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED_TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
+EMBEDDED_DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
+
+
+def embedded_pair():
+    """The embedded target and drafter in float32, and two Python prompts of different lengths (token ids)."""
+    target = M.load_target(EMBEDDED_TARGET, torch.float32)
+    drafter = M.load_drafter(EMBEDDED_DRAFT, target.cfg, torch.float32)
+    tok = M.load_tokenizer(EMBEDDED_TARGET)
+    p1 = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(").ids
+    p2 = tok.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def").ids
+    return target, drafter, p1, p2
 
 
 def hf_text_config(**kw):

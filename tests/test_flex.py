@@ -13,11 +13,8 @@ from torch.nn.attention.flex_attention import create_mask
 
 import dflash
 import model as M
-from helpers import OracleProposer, random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import EMBEDDED_DRAFT, OracleProposer, embedded_pair, random_drafter, random_target, tiny_draft_config, tiny_target_config
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
-DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
 
 # eager flex_attention warns once that it is unfused; that is the point of running it here
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -151,7 +148,7 @@ def test_masks_built_once_per_engine(monkeypatch):
         dflash.Engine(target, None, 1, 100, attention="flash")
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(DRAFT, "model.safetensors")), reason="embedded pair not present")
+@pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED_DRAFT, "model.safetensors")), reason="embedded pair not present")
 def test_compiled_flex_no_recompiles_same_tokens():
     """torch.compile(fullgraph=True) of the flex steps: no recompiles after warm-up across a generation with
     varying acceptance lengths; tokens and proposals == the eager SDPA engine's. (Inductor's CPU flex kernel
@@ -159,11 +156,7 @@ def test_compiled_flex_no_recompiles_same_tokens():
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
-    target = M.load_target(TARGET, torch.float32)
-    drafter = M.load_drafter(DRAFT, target.cfg, torch.float32)
-    tok = M.load_tokenizer(TARGET)
-    p1 = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(").ids
-    p2 = tok.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def").ids
+    target, drafter, p1, p2 = embedded_pair()
     eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", attention="flex")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

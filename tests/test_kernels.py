@@ -1,7 +1,6 @@
 """Kernels against their naive twins, split runs against whole runs, and exact rollback of the GDN state."""
 import random
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st

@@ -1,12 +1,10 @@
 """Speculative sampling preserves the target distribution; seeds reproduce; stop tokens cut accepted runs."""
-import math
 import random
 
 import pytest
 import torch
 
 import dflash
-import model as M
 from dflash import Sampling, sampling_probs, speculative_accept
 from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
 

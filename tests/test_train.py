@@ -1,7 +1,6 @@
 """train.py: the training mask, that training lowers the loss, and that the saved formats load elsewhere."""
 import os
 
-import pytest
 import torch
 
 import model as M
