@@ -118,7 +118,7 @@ def main(argv=None):
         prompts = train.heldout_prompts(tok, args.heldout)
     stops = M.stop_token_ids(target.path, target.cfg)
 
-    capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
+    capacity = max(len(p) for p in prompts) + max(args.max_new_tokens, 3 * block) + block   # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
     ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
