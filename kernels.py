@@ -10,19 +10,26 @@ Glossary (code name -> symbol in the Gated DeltaNet paper / ../shared/qwen35-spe
 
 Shapes at every boundary:
     q, k   [B, T, Hk, dk]      v [B, T, Hv, dv]      g, beta [B, T, Hv]
-    state  [B, Hv, dk, dv]     o [B, T, Hv, dv]      states  [B, T, Hv, dk, dv]
+    state  [B, Hv, dk, dv]     o [B, T, Hv, dv]      writes  [B, T, Hv, dv]      states [B, T, Hv, dk, dv]
 
 The delta rule per token (spec 4.6): S' = alpha S; e = beta (v - S'^T k); S = S' + k e^T; o = S^T q.
-The output reads the UPDATED state, so the current token sees itself.
+The output reads the UPDATED state, so the current token sees itself. `e` is the token's WRITE: unrolled,
+    S_t = e^gamma_t S_0 + sum_{j <= t} e^(gamma_t - gamma_j) k_j e_j^T,      gamma_t = g_1 + ... + g_t
+so the state after ANY prefix of a call follows from (k, writes, g) and the state before the call.
 
-Why two fast forms: the chunked form (many tokens, few sequential steps) runs prefill; the recurrent form
-runs decode and verify and keeps the state after EVERY token, which is what makes rollback after a partial
-acceptance exact: commit = pick the slot of the last committed token (see model.TargetCache.commit).
+Why these forms: the chunked form (many tokens, few sequential steps) runs prefill; the recurrent form (one
+token at a time) and the block form (one chunk in closed form) run decode and verify and return the writes
+instead of a state. Nothing is final until the commit: `state_after(k, writes, g, S_0, n)` builds the state
+after the n-th token, which is what makes rollback after a partial acceptance exact and cheap (one small
+matmul per layer, and no [T, dk, dv] per-token state is ever stored; see model.TargetCache.commit).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+SHORT_CALL = 64      # calls of at most this many tokens (decode, verify) take the small-call conv path
 
 
 def _state_dtype(x: torch.Tensor) -> torch.dtype:
@@ -41,27 +48,46 @@ def _expand_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------
-# Recurrent form: one token at a time, every intermediate state kept.
+# Recurrent form: one token at a time; the commit rebuilds the state from the writes.
 # --------------------------------------------------------------------------------------------------
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     """Vectorised over batch and heads, sequential over T.
 
     q, k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]
-    -> o [B,T,Hv,dv] (state dtype), states [B,T,Hv,dk,dv] (the state after each token)."""
+    -> o [B,T,Hv,dv], writes [B,T,Hv,dv] (e_t of each token; both in the state dtype)."""
     sd = _state_dtype(v)
     q, k = _expand_heads(q, k, v.shape[2])
     q, k, v, g, beta = (x.to(sd) for x in (q, k, v, g, beta))
     s = state.to(sd)
-    outs, states = [], []
+    outs, writes = [], []
     for t in range(v.shape[1]):
         s = s * g[:, t].exp()[..., None, None]                        # S' = alpha S
         kv = torch.einsum("bhkv,bhk->bhv", s, k[:, t])                # S'^T k
         e = (v[:, t] - kv) * beta[:, t, :, None]                      # e = beta (v - S'^T k)
         s = s + k[:, t, :, :, None] * e[:, :, None, :]                # S = S' + k e^T
         outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))        # o = S^T q
-        states.append(s)
-    return torch.stack(outs, 1), torch.stack(states, 1)
+        writes.append(e)
+    return torch.stack(outs, 1), torch.stack(writes, 1)
+
+
+def state_after(k, writes, g, state, n):
+    """The state after the first n tokens of a recurrent or block call (1 <= n <= T), from its writes:
+        S_n = e^gamma_n S_0 + sum_{j <= n} e^(gamma_n - gamma_j) k_j e_j^T      (1-based token index)
+    k [B,T,Hk,dk]; writes [B,T,Hv,dv]; g [B,T,Hv]; state [B,Hv,dk,dv] (S_0, the state before the call);
+    n an int or a 0-d LongTensor (on the device: no host sync) -> [B,Hv,dk,dv] in the state dtype.
+    Rows past T may hold anything (a stale, longer call): only rows j < n are read."""
+    sd = _state_dtype(writes)
+    _, k = _expand_heads(k, k, writes.shape[2])
+    T = writes.shape[1]
+    gamma = g.to(sd).cumsum(1)                                        # [B,T,Hv]
+    n = torch.as_tensor(n, device=gamma.device).reshape(1)
+    gamma_n = gamma.index_select(1, n - 1)                            # [B,1,Hv]
+    keep = (torch.arange(T, device=gamma.device) < n)[None, :, None]
+    # e^(gamma_n - gamma_j) for j < n; rows j >= n get exp(-inf) = 0 (their exponent could overflow)
+    w = torch.where(keep, gamma_n - gamma, float("-inf")).exp()       # [B,T,Hv]
+    return (gamma_n[:, 0].exp()[..., None, None] * state.to(sd)
+            + torch.einsum("bth,bthk,bthv->bhkv", w, k.to(sd), writes))
 
 
 def naive_gated_delta_rule(q, k, v, g, beta, state):
@@ -139,9 +165,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
 
 
 def block_gated_delta_rule(q, k, v, g, beta, state):
-    """The verify kernel: the chunked maths for ONE chunk of T tokens (T = the verify block, <= 64), which
-    also returns every per-token state, like `recurrent_gated_delta_rule` (same signature and result):
-        S_t = e^gamma_t S_0 + sum_{j <= t} e^(gamma_t - gamma_j) k_j v'_j^T
+    """The verify kernel: the chunked maths for ONE chunk of T tokens (T = the verify block, <= 64), with the
+    same signature and result as `recurrent_gated_delta_rule` (o and the writes V' = U - W S_0).
     A handful of batched matmuls instead of T sequential steps: on a GPU or a CPU running small models,
     the sequential loop is what makes a verify step cost more than a decode step."""
     sd = _state_dtype(v)
@@ -155,12 +180,13 @@ def block_gated_delta_rule(q, k, v, g, beta, state):
     D = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # [B,H,T,T]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * D
-    U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(A, kb * gamma.exp()[..., None], upper=False, unitriangular=True)
-    v_new = U - W @ s0                                               # V' [B,H,T,dv]
+    # U = T (beta V) and W = T (beta e^gamma K) with one triangular solve over both right-hand sides
+    UW = torch.linalg.solve_triangular(A, torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], -1),
+                                       upper=False, unitriangular=True)
+    U, W = UW.split([dv, k.shape[-1]], dim=-1)
+    v_new = U - W @ s0                                               # V' [B,H,T,dv]: the writes
     o = (q * gamma.exp()[..., None]) @ s0 + ((q @ k.transpose(-1, -2)) * D) @ v_new
-    states = gamma.exp()[..., None, None] * s0[:, :, None] + torch.einsum("bhts,bhsk,bhsv->bhtkv", D, k, v_new)
-    return o.transpose(1, 2), states.transpose(1, 2)
+    return o.transpose(1, 2), v_new.transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,11 +198,17 @@ def causal_conv1d(x, weight, conv_state):
 
     x [B,T,C] pre-conv inputs c; weight [C,K]; conv_state [B,K-1,C] the K-1 previous inputs, oldest first
     -> u [B,T,C], window [B,K-1+T,C] = cat(conv_state, x). Rows n..n+K-2 of the window are the conv
-    state after the first n tokens of x, which is how a partial acceptance is committed."""
-    T = x.shape[1]
+    state after the first n tokens of x, which is how a partial acceptance is committed.
+    Decode and verify (a few tokens) take the K taps as one multiply-sum over a sliding view of the window,
+    several times cheaper there than F.conv1d (9 vs 84 us per call measured on a CPU); prefill keeps
+    F.conv1d, whose memory stays O(T C) where the sliding view's product would be O(T C K)."""
+    T, K = x.shape[1], weight.shape[1]
     window = torch.cat([conv_state.to(x.dtype), x], dim=1)
-    y = F.conv1d(window.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=weight.shape[0])
-    return F.silu(y[:, :, -T:]).transpose(1, 2), window
+    if T <= SHORT_CALL:
+        y = (window.unfold(1, K, 1) * weight.to(x.dtype)).sum(-1)   # [B,T,C,K] -> [B,T,C]
+    else:
+        y = F.conv1d(window.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=weight.shape[0]).transpose(1, 2)
+    return F.silu(y), window
 
 
 def naive_causal_conv1d(x, weight, conv_state):

@@ -19,11 +19,14 @@ Glossary (code name -> meaning; symbols of the DFlash paper in brackets):
 
 Forward modes of the target (`Qwen35.forward(..., gdn=...)`):
     "chunked"   prefill: GDN runs the chunked rule from the cached state and writes the final state at once
-    "recurrent" decode (T=1) and verify (T=block): GDN keeps the state after every token in `steps`;
-                nothing is final until `TargetCache.commit(n)` picks the slot of the n-th token. This is the
-                exact rollback (notes 3): per-step state slots were chosen over snapshot-and-replay because the
-                shapes stay static (no replay of a variable number of tokens), and the commit is one copy.
-    "block"     as "recurrent", but the per-token states of a multi-token call come from the closed form of
+    "recurrent" decode (T=1) and verify (T=block): GDN computes each token's output and its state WRITE
+                (kernels: S_t = e^gamma_t S_0 + sum_j e^(gamma_t - gamma_j) k_j e_j^T) and keeps (k, writes, g)
+                of the call; the state itself is untouched until `TargetCache.commit(n)` builds the state after
+                the n-th token from them. This is the exact rollback (notes 3): the state before the call plus
+                the writes of the committed tokens only. Chosen over per-token state slots (16 x 48 MiB at 9B,
+                written on every verify) and over snapshot-and-replay (a variable number of sequential steps):
+                the shapes stay static and the commit is one small matmul per layer.
+    "block"     as "recurrent", but the outputs and writes of a multi-token call come from the closed form of
                 one chunk (kernels.block_gated_delta_rule): a few matmuls instead of T sequential steps.
                 Same maths; in floats it rounds differently from the step-by-step rule, like any two matmul
                 shapes do (a [16, H] and a [1, H] projection already differ in the last bit).
@@ -552,11 +555,13 @@ class GatedDeltaNet(nn.Module):
                 cache.conv.copy_(window[:, window.shape[1] - (self.kernel - 1):])
         elif gdn in ("recurrent", "block"):
             rule = kernels.recurrent_gated_delta_rule if gdn == "recurrent" or T == 1 else kernels.block_gated_delta_rule
-            o, states = rule(q, k, v, g, beta, state)
+            o, writes = rule(q, k, v, g, beta, state)
             if cache is not None:
-                if T > cache.steps.shape[1]:
-                    raise ValueError(f"a {T}-token recurrent call exceeds the cache's max_block {cache.steps.shape[1]}")
-                cache.steps[:, :T].copy_(states)            # final only after TargetCache.commit(n)
+                if T > cache.writes.shape[1]:
+                    raise ValueError(f"a {T}-token recurrent call exceeds the cache's max_block {cache.writes.shape[1]}")
+                cache.keys[:, :T].copy_(k)                  # the state is built only by TargetCache.commit(n)
+                cache.writes[:, :T].copy_(writes)
+                cache.decay[:, :T].copy_(g)
                 cache.window[:, :window.shape[1]].copy_(window)
         else:
             raise ValueError(f"gdn must be 'chunked', 'recurrent' or 'block', not {gdn!r}")
@@ -603,7 +608,9 @@ class AttnCache:
 class GDNCache:
     conv: torch.Tensor       # [B, K-1, conv_dim]: the last K-1 pre-conv inputs, oldest first
     rec: torch.Tensor        # [B, Hv, dk, dv] float32 (float64 in float64 runs): S after the last committed token
-    steps: torch.Tensor      # [B, max_block, Hv, dk, dv]: the state after each token of the last recurrent call
+    keys: torch.Tensor       # [B, max_block, Hk, dk]  the last recurrent call's L2-normed keys,
+    writes: torch.Tensor     # [B, max_block, Hv, dv]  its per-token state writes (kernels) and
+    decay: torch.Tensor      # [B, max_block, Hv]      its log decays g: with rec, the state after any prefix
     window: torch.Tensor     # [B, K-1+max_block, conv_dim]: conv state + that call's pre-conv inputs
 
 
@@ -611,8 +618,8 @@ class TargetCache:
     """Static caches for one sequence, allocated once for `capacity` positions and written in place."""
 
     def __init__(self, cfg: TargetConfig, capacity: int, dtype, device, batch: int = 1, max_block: int = 16):
-        """max_block: the widest recurrent (decode/verify) call; its per-token states are kept in `steps`.
-        At 9B and max_block 16 that is 16 x 48 MiB of fp32 slots (notes 3)."""
+        """max_block: the widest recurrent (decode/verify) call; its keys, writes and decays are kept (a few
+        vectors per token: at 9B and max_block 16, 6 MiB in all where per-token states would take 768 MiB)."""
         sd = torch.float64 if dtype == torch.float64 else torch.float32
         self.capacity = capacity
         self.layers = []
@@ -623,22 +630,26 @@ class TargetCache:
                                              torch.zeros(shape, dtype=dtype, device=device)))
             else:
                 conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-                state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+                hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+                dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
                 k1 = cfg.linear_conv_kernel_dim - 1
                 self.layers.append(GDNCache(
                     conv=torch.zeros(batch, k1, conv_dim, dtype=dtype, device=device),
-                    rec=torch.zeros(batch, *state, dtype=sd, device=device),
-                    steps=torch.zeros(batch, max_block, *state, dtype=sd, device=device),
+                    rec=torch.zeros(batch, hv, dk, dv, dtype=sd, device=device),
+                    keys=torch.zeros(batch, max_block, hk, dk, dtype=sd, device=device),
+                    writes=torch.zeros(batch, max_block, hv, dv, dtype=sd, device=device),
+                    decay=torch.zeros(batch, max_block, hv, dtype=sd, device=device),
                     window=torch.zeros(batch, k1 + max_block, conv_dim, dtype=dtype, device=device)))
 
     def commit(self, n) -> None:
-        """After a recurrent forward over T tokens, keep the first n (1 <= n <= T) of them: the GDN states
-        become the ones after token n-1 (slot n-1) and the conv window rows n .. n+K-2. `n` may be an int or
-        a 0-d device tensor (no host sync). Attention needs nothing: its stale entries are masked."""
+        """After a recurrent forward over T tokens, keep the first n (1 <= n <= T) of them: each GDN state
+        becomes the state after token n-1, built from the state before the call and the writes of tokens
+        0..n-1 (kernels.state_after), and the conv state becomes window rows n .. n+K-2. `n` may be an int
+        or a 0-d device tensor (no host sync). Attention needs nothing: its stale entries are masked."""
         for layer in self.layers:
             if isinstance(layer, GDNCache):
-                idx = torch.as_tensor(n, device=layer.steps.device).reshape(1)
-                layer.rec.copy_(layer.steps.index_select(1, idx - 1).squeeze(1))
+                idx = torch.as_tensor(n, device=layer.rec.device).reshape(1)
+                layer.rec.copy_(kernels.state_after(layer.keys, layer.writes, layer.decay, layer.rec, idx))
                 k1 = layer.conv.shape[1]
                 layer.conv.copy_(layer.window.index_select(1, idx + torch.arange(k1, device=layer.window.device)))
 

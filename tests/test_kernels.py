@@ -21,6 +21,11 @@ def gdn_inputs(seed, B, T, Hk, Hv, dk, dv, dtype=torch.float64):
     return q, k, v, decay, beta, s0
 
 
+def all_states(k, writes, g, s0):
+    """The state after each token of a recurrent/block call, rebuilt from its writes: [B,T,Hv,dk,dv]."""
+    return torch.stack([kernels.state_after(k, writes, g, s0, n) for n in range(1, writes.shape[1] + 1)], 1)
+
+
 shapes = st.tuples(st.integers(1, 2), st.integers(1, 150), st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]),
                    st.sampled_from([4, 8, 16]), st.sampled_from([4, 8, 12]))
 
@@ -31,12 +36,13 @@ def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
     B, T, Hk, grp, dk, dv = shape
     T = min(T, 40) if B * Hk * grp > 4 else T          # the naive twin loops in Python: keep it small
     q, k, v, g, beta, s0 = gdn_inputs(seed, B, T, Hk, Hk * grp, dk, dv)
-    o_r, states = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, writes = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    states = all_states(k, writes, g, s0)
     o_n, states_n = kernels.naive_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
-    o_b, states_b = kernels.block_gated_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], s0)
+    o_b, writes_b = kernels.block_gated_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], s0)
     torch.testing.assert_close(o_b, o_r[:, :64], rtol=0, atol=1e-10)
-    torch.testing.assert_close(states_b, states[:, :64], rtol=0, atol=1e-10)
+    torch.testing.assert_close(writes_b, writes[:, :64], rtol=0, atol=1e-10)
     torch.testing.assert_close(o_r, o_n, rtol=0, atol=1e-12)
     torch.testing.assert_close(states, states_n, rtol=0, atol=1e-12)
     torch.testing.assert_close(o_c, o_r, rtol=0, atol=1e-10)
@@ -46,9 +52,10 @@ def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
 def test_chunked_equals_recurrent_float32():
     """The float32 noise level of spec 4 (about 1e-6 on outputs of order 1)."""
     q, k, v, g, beta, s0 = gdn_inputs(1, 2, 200, 2, 6, 16, 24, torch.float32)
-    o_r, states = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, writes = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0)
-    assert (o_c - o_r).abs().max() < 1e-5 and (final - states[:, -1]).abs().max() < 1e-5
+    last = kernels.state_after(k, writes, g, s0, 200)
+    assert (o_c - o_r).abs().max() < 1e-5 and (final - last).abs().max() < 1e-5
 
 
 @settings(max_examples=20)
@@ -58,9 +65,25 @@ def test_split_run_equals_whole_run(T, cut, seed):
     q, k, v, g, beta, s0 = gdn_inputs(seed, 1, T, 2, 4, 8, 8)
     o, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0)
     o1, s1 = kernels.chunk_gated_delta_rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], s0)
-    o2, s2 = kernels.recurrent_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
+    o2, w2 = kernels.recurrent_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
     torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=0, atol=1e-10)
-    torch.testing.assert_close(s2[:, -1], final, rtol=0, atol=1e-10)
+    s2 = kernels.state_after(k[:, cut:], w2, g[:, cut:], s1, T - cut)
+    torch.testing.assert_close(s2, final, rtol=0, atol=1e-10)
+
+
+@settings(max_examples=20)
+@given(T=st.integers(1, 16), extra=st.integers(0, 8), seed=st.integers(0, 1000), data=st.data())
+def test_state_after_reads_only_the_committed_rows(T, extra, seed, data):
+    """The commit's buffers hold the last call's rows followed by stale rows of an older, longer call (huge
+    decays and values included): the state after n tokens (n a device tensor) ignores everything past n."""
+    n = data.draw(st.integers(1, T))
+    q, k, v, g, beta, s0 = gdn_inputs(seed, 1, T + extra, 2, 4, 8, 8)
+    _, writes = kernels.block_gated_delta_rule(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], s0)
+    stale_w = torch.cat([writes, 1e30 * torch.ones(1, extra, 4, 8, dtype=writes.dtype)], 1)
+    stale_g = torch.cat([g[:, :T], -1e4 * torch.ones(1, extra, 4, dtype=g.dtype)], 1)
+    got = kernels.state_after(k, stale_w, stale_g, s0, torch.tensor(n))
+    _, states_n = kernels.naive_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0)
+    torch.testing.assert_close(got, states_n[:, -1], rtol=0, atol=1e-10)
 
 
 @settings(max_examples=20)
