@@ -293,8 +293,7 @@ class Engine:
                 self.draft_step = torch.compile(proposer.propose, **opts)
 
     def _decode(self, tok, pos):
-        logits, _ = self.target(tok, pos, self.cache, "recurrent", rope_pos=pos + self.rope_delta)
-        self.cache.commit(1)
+        logits, _ = self.target(tok, pos, self.cache, "decode", rope_pos=pos + self.rope_delta)
         return logits[0, -1]
 
     def _verify(self, block, pos):

@@ -55,7 +55,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     """Vectorised over batch and heads, sequential over T.
 
     q, k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]
-    -> o [B,T,Hv,dv], writes [B,T,Hv,dv] (e_t of each token; both in the state dtype)."""
+    -> o [B,T,Hv,dv], writes [B,T,Hv,dv] (e_t of each token), final [B,Hv,dk,dv] (the state after the last
+    token: what an AR decode step keeps at once); all in the state dtype."""
     sd = _state_dtype(v)
     q, k = _expand_heads(q, k, v.shape[2])
     q, k, v, g, beta = (x.to(sd) for x in (q, k, v, g, beta))
@@ -68,7 +69,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         s = s + k[:, t, :, :, None] * e[:, :, None, :]                # S = S' + k e^T
         outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))        # o = S^T q
         writes.append(e)
-    return torch.stack(outs, 1), torch.stack(writes, 1)
+    return torch.stack(outs, 1), torch.stack(writes, 1), s
 
 
 def state_after(k, writes, g, state, n):
@@ -166,7 +167,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
 
 def block_gated_delta_rule(q, k, v, g, beta, state):
     """The verify kernel: the chunked maths for ONE chunk of T tokens (T = the verify block, <= 64), with the
-    same signature and result as `recurrent_gated_delta_rule` (o and the writes V' = U - W S_0).
+    signature of `recurrent_gated_delta_rule` and its first two results (o and the writes V' = U - W S_0).
     A handful of batched matmuls instead of T sequential steps: on a GPU or a CPU running small models,
     the sequential loop is what makes a verify step cost more than a decode step."""
     sd = _state_dtype(v)

@@ -19,7 +19,8 @@ Glossary (code name -> meaning; symbols of the DFlash paper in brackets):
 
 Forward modes of the target (`Qwen35.forward(..., gdn=...)`):
     "chunked"   prefill: GDN runs the chunked rule from the cached state and writes the final state at once
-    "recurrent" decode (T=1) and verify (T=block): GDN computes each token's output and its state WRITE
+    "decode"    AR decode (T=1): GDN runs the recurrent rule and keeps the state after the token at once.
+    "recurrent" verify (T=block): GDN computes each token's output and its state WRITE
                 (kernels: S_t = e^gamma_t S_0 + sum_j e^(gamma_t - gamma_j) k_j e_j^T) and keeps (k, writes, g)
                 of the call; the state itself is untouched until `TargetCache.commit(n)` builds the state after
                 the n-th token from them. This is the exact rollback (notes 3): the state before the call plus
@@ -548,14 +549,17 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.view(bsz, T, self.hk, self.dk).to(sd))
         v = v.reshape(bsz, T, self.hv, self.dv)
         state = cache.rec if cache is not None else torch.zeros(bsz, self.hv, self.dk, self.dv, dtype=sd, device=x.device)
-        if gdn == "chunked":
-            o, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, state)
+        if gdn in ("chunked", "decode"):                    # every token of the call is committed at once
+            if gdn == "chunked":
+                o, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, state)
+            else:
+                o, _, final = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
             if cache is not None:
                 cache.rec.copy_(final)
                 cache.conv.copy_(window[:, window.shape[1] - (self.kernel - 1):])
         elif gdn in ("recurrent", "block"):
             rule = kernels.recurrent_gated_delta_rule if gdn == "recurrent" or T == 1 else kernels.block_gated_delta_rule
-            o, writes = rule(q, k, v, g, beta, state)
+            o, writes = rule(q, k, v, g, beta, state)[:2]
             if cache is not None:
                 if T > cache.writes.shape[1]:
                     raise ValueError(f"a {T}-token recurrent call exceeds the cache's max_block {cache.writes.shape[1]}")
@@ -564,7 +568,7 @@ class GatedDeltaNet(nn.Module):
                 cache.decay[:, :T].copy_(g)
                 cache.window[:, :window.shape[1]].copy_(window)
         else:
-            raise ValueError(f"gdn must be 'chunked', 'recurrent' or 'block', not {gdn!r}")
+            raise ValueError(f"gdn must be 'chunked', 'decode', 'recurrent' or 'block', not {gdn!r}")
         y = self.norm(o.to(x.dtype), z)
         return self.out_proj(y.reshape(bsz, T, self.value_dim))
 

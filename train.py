@@ -377,8 +377,7 @@ def regenerate(target: M.Qwen35, prompts: torch.Tensor, new_tokens: int) -> torc
     nxt = logits[:, -1].argmax(-1)
     out = [nxt]
     for t in range(P, P + new_tokens - 1):
-        logits, _ = target(nxt[:, None], torch.tensor([t]), cache, "recurrent")
-        cache.commit(1)
+        logits, _ = target(nxt[:, None], torch.tensor([t]), cache, "decode")
         nxt = logits[:, -1].argmax(-1)
         out.append(nxt)
     return torch.stack(out, 1)
@@ -428,6 +427,25 @@ def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, 
     return loss, float(acc)
 
 
+def grow_drafter_(big: M.DFlashDrafter, small: M.DFlashDrafter) -> None:
+    """Warm start of a deeper drafter from a trained shallower one with the same widths and target layers:
+    fc, the norms and the first layers are copied; each extra layer gets zero o_proj and down_proj, so it adds
+    nothing to the residual stream and `big` computes exactly what `small` does until training moves it."""
+    a, b = big.cfg, small.cfg
+    same = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "target_layer_ids", "block_size", "mask_token_id", "vocab_size")
+    diff = [f for f in same if getattr(a, f) != getattr(b, f)]
+    if diff or b.num_hidden_layers > a.num_hidden_layers:
+        raise SystemExit(f"--init-from drafter differs in {diff or ['num_hidden_layers (more layers)']}: it cannot seed this one")
+    with torch.no_grad():
+        own = big.state_dict()
+        for name, p in small.state_dict().items():
+            own[name].copy_(p)
+        for layer in big.layers[b.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def train_draft(args):
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -459,6 +477,9 @@ def train_draft(args):
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     state_path = os.path.join(args.out, "train_state.pt")
     step = 0
+    if args.init_from and not (args.resume and os.path.exists(state_path)):
+        grow_drafter_(drafter, M.load_drafter(args.init_from, target.cfg, torch.float32))
+        print(f"initialised from {args.init_from}: its layers first, the new ones adding nothing yet", flush=True)
     if args.resume and os.path.exists(state_path):
         step, _ = load_state(state_path, drafter, opt)
         print(f"resumed at step {step}", flush=True)
@@ -592,6 +613,8 @@ def main(argv=None):
     d.add_argument("--gamma", type=float, default=7.0, help="loss decay: 7 for block 16, 5 for 10, 4 for 8 (notes 5)")
     d.add_argument("--draft-layers", type=int, default=1)
     d.add_argument("--draft-intermediate", type=int, default=768)
+    d.add_argument("--init-from", default=None,
+                   help="a trained drafter with fewer layers (same widths) to start from; its extra layers start at zero output")
     d.add_argument("--target-layers", type=lambda x: [int(i) for i in x.split(",")], default=None,
                    help="target layers whose outputs the drafter reads, e.g. 1,3,5 (default: the z-lab spacing)")
     d.add_argument("--n-seq", type=int, default=1024,

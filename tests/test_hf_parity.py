@@ -26,14 +26,18 @@ def prompt(n, vocab, seed=0):
 
 
 def cached_logits(ours, ids, split):
-    """Prefill `split` tokens (chunked), then one token at a time (recurrent) through the static caches."""
+    """Prefill `split` tokens (chunked), then one token at a time through the static caches, alternating the
+    AR decode mode and a one-token verify + commit (both paths a generation takes)."""
     T = ids.shape[1]
     cache = M.TargetCache(ours.cfg, T, torch.float32, "cpu")
     out, _ = ours(ids[:, :split], torch.arange(split), cache, "chunked")
     outs = [out]
     for t in range(split, T):
-        l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "recurrent")
-        cache.commit(1)
+        if t % 2:
+            l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "decode")
+        else:
+            l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "block")
+            cache.commit(torch.tensor(1))
         outs.append(l)
     return torch.cat(outs, 1)
 

@@ -36,8 +36,9 @@ def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
     B, T, Hk, grp, dk, dv = shape
     T = min(T, 40) if B * Hk * grp > 4 else T          # the naive twin loops in Python: keep it small
     q, k, v, g, beta, s0 = gdn_inputs(seed, B, T, Hk, Hk * grp, dk, dv)
-    o_r, writes = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, writes, last = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     states = all_states(k, writes, g, s0)
+    torch.testing.assert_close(last, states[:, -1], rtol=0, atol=1e-12)
     o_n, states_n = kernels.naive_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
     o_b, writes_b = kernels.block_gated_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], s0)
@@ -52,9 +53,8 @@ def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
 def test_chunked_equals_recurrent_float32():
     """The float32 noise level of spec 4 (about 1e-6 on outputs of order 1)."""
     q, k, v, g, beta, s0 = gdn_inputs(1, 2, 200, 2, 6, 16, 24, torch.float32)
-    o_r, writes = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, writes, last = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0)
-    last = kernels.state_after(k, writes, g, s0, 200)
     assert (o_c - o_r).abs().max() < 1e-5 and (final - last).abs().max() < 1e-5
 
 
@@ -65,10 +65,11 @@ def test_split_run_equals_whole_run(T, cut, seed):
     q, k, v, g, beta, s0 = gdn_inputs(seed, 1, T, 2, 4, 8, 8)
     o, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0)
     o1, s1 = kernels.chunk_gated_delta_rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], s0)
-    o2, w2 = kernels.recurrent_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
+    o2, w2, s2 = kernels.recurrent_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
     torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=0, atol=1e-10)
-    s2 = kernels.state_after(k[:, cut:], w2, g[:, cut:], s1, T - cut)
     torch.testing.assert_close(s2, final, rtol=0, atol=1e-10)
+    s2_rebuilt = kernels.state_after(k[:, cut:], w2, g[:, cut:], s1, T - cut)
+    torch.testing.assert_close(s2_rebuilt, final, rtol=0, atol=1e-10)
 
 
 @settings(max_examples=20)
@@ -115,9 +116,11 @@ def gdn_states(cache):
 
 
 @settings(max_examples=15)
-@given(seed=st.integers(0, 1000), prompt_len=st.integers(1, 90), T=st.integers(1, 16), data=st.data())
-def test_rolled_back_state_equals_never_seen(seed, prompt_len, T, data):
-    """Verify T tokens then commit k == a cache that only ever saw the first k of them (one decode at a time)."""
+@given(seed=st.integers(0, 1000), prompt_len=st.integers(1, 90), T=st.integers(1, 16), data=st.data(),
+       kernel=st.sampled_from(["block", "recurrent"]))
+def test_rolled_back_state_equals_never_seen(seed, prompt_len, T, data, kernel):
+    """Verify T tokens (block or recurrent kernel) then commit k == a cache that only ever saw the first k of
+    them (one AR decode step at a time)."""
     k = data.draw(st.integers(1, T))
     target = random_target(tiny_target_config(), seed)
     rng = random.Random(seed)
@@ -128,18 +131,17 @@ def test_rolled_back_state_equals_never_seen(seed, prompt_len, T, data):
     with torch.no_grad():
         for c in (a, b):
             target(ids[:, :prompt_len], torch.arange(prompt_len), c, "chunked")
-        target(ids[:, prompt_len:], torch.arange(prompt_len, prompt_len + T), a, "recurrent")
+        target(ids[:, prompt_len:], torch.arange(prompt_len, prompt_len + T), a, kernel)
         a.commit(torch.tensor(k))
         for t in range(prompt_len, prompt_len + k):
-            target(ids[:, t:t + 1], torch.arange(t, t + 1), b, "recurrent")
-            b.commit(1)
+            target(ids[:, t:t + 1], torch.arange(t, t + 1), b, "decode")
         for (ca, ra), (cb, rb) in zip(gdn_states(a), gdn_states(b)):
             torch.testing.assert_close(ca, cb, rtol=0, atol=1e-12)
             torch.testing.assert_close(ra, rb, rtol=0, atol=1e-12)
         # and the next token's logits agree (the attention cache's stale entries are invisible)
         nxt = ids[:, prompt_len + k - 1:prompt_len + k]
-        la, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), a, "recurrent")
-        lb, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), b, "recurrent")
+        la, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), a, "decode")
+        lb, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), b, "decode")
         torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
 
 
@@ -152,7 +154,6 @@ def test_prefill_then_decode_equals_full_forward():
         l1, _ = target(ids[:, :70], torch.arange(70), cache, "chunked")
         outs = [l1]
         for t in range(70, 100):
-            l, _ = target(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "recurrent")
-            cache.commit(1)
+            l, _ = target(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "decode")
             outs.append(l)
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)

@@ -103,3 +103,32 @@ def test_saved_formats_load_in_transformers_and_zlab(tmp_path):
         cache = M.DraftCache(ours_d.cfg, 40, torch.float32, "cpu")
         h = ours_d(emb, feats[:, :22], torch.arange(22, 30), torch.arange(22), cache)
     assert (ref_h - h).abs().max() < 1e-4
+
+
+def test_grown_drafter_starts_as_the_small_one_and_trains():
+    """--init-from: a 3-layer drafter seeded from a 1-layer one gives the same loss and drafts at step 0, its
+    new layers get gradients, and a drafter of other widths is refused."""
+    torch.manual_seed(0)
+    tcfg = tiny_target_config(vocab_size=40)
+    target = random_target(tcfg, 1, torch.float32)
+    layers = [0, 1]
+    small = M.DFlashDrafter(tiny_draft_config(tcfg, num_hidden_layers=1, block_size=8, target_layer_ids=layers))
+    big = M.DFlashDrafter(tiny_draft_config(tcfg, num_hidden_layers=3, block_size=8, target_layer_ids=layers))
+    train.init_weights_(small, 0)
+    train.init_weights_(big, 1)
+    seqs = torch.randint(0, 39, (2, 60), generator=torch.Generator().manual_seed(0))
+    train.grow_drafter_(big, small)
+    l_small, acc_small = train.draft_loss(small, target, seqs, 10, 6, 8, 4.0, torch.Generator().manual_seed(3))
+    l_big, acc_big = train.draft_loss(big, target, seqs, 10, 6, 8, 4.0, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(l_big, l_small, rtol=1e-6, atol=1e-6)
+    assert acc_big == acc_small
+    l_big.backward()
+    assert big.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert big.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+    wide = M.DFlashDrafter(tiny_draft_config(tcfg, num_hidden_layers=3, intermediate_size=48, target_layer_ids=layers))
+    try:
+        train.grow_drafter_(wide, small)
+    except SystemExit as e:
+        assert "intermediate_size" in str(e)
+    else:
+        raise AssertionError("a drafter of another width was accepted")
