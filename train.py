@@ -78,21 +78,26 @@ def read_text(f: str) -> str:
 
 
 def heldout_prompts(tokenizer, n: int, min_len: int = 30, max_len: int = 60, seed: int = 0) -> list:
-    """n prompts of min_len..max_len tokens cut at line starts from held-out files (the bars' prompts)."""
+    """n prompts of min_len..max_len tokens cut at line starts from held-out files (the bars' prompts): one
+    random 30-line window per file of 40+ lines, in a seeded shuffled order; when n exceeds the files (26 on
+    Python 3.11), further passes over the same files take further random windows. The first prompts do not
+    depend on n."""
     rng = random.Random(seed)
     files = stdlib_files("heldout")
     rng.shuffle(files)
-    prompts = []
-    for f in files:
-        lines = read_text(f).splitlines(keepends=True)
-        if len(lines) < 40:
-            continue
+    texts = [lines for lines in (read_text(f).splitlines(keepends=True) for f in files) if len(lines) >= 40]
+    if not texts:
+        raise ValueError("no held-out standard-library file has 40 lines or more")
+    prompts, tries = [], 0
+    while len(prompts) < n:
+        lines = texts[tries % len(texts)]
+        tries += 1
         i = rng.randrange(len(lines) - 30)
         ids = tokenizer.encode("".join(lines[i:i + 30])).ids
         if len(ids) >= min_len:
             prompts.append(ids[:rng.randint(min_len, max_len)])
-        if len(prompts) == n:
-            break
+        elif tries > 100 * n:
+            raise ValueError(f"could not cut {n} prompts of {min_len}+ tokens from the held-out files")
     return prompts
 
 

@@ -1,4 +1,5 @@
-"""bench.py --preset: the 9B shapes are right, and the small preset runs the same code path on CPU."""
+"""bench.py: the --preset 9B shapes are right, the small preset runs the same code path on CPU, and the default
+checkpoint benchmark reports what it promises on its held-out prompts."""
 import json
 
 import torch
@@ -30,3 +31,26 @@ def test_tiny_preset_runs_and_reports(capsys):
     expected = last["projected_tau"] / (last["verify_ms"] + last["draft_ms"]) * 1000
     assert abs(last["projected_dflash_tokens_per_s"] - expected) < 1e-6 * expected
     assert last["peak_copy_gb_s"] is None and "bars" not in last          # CUDA only
+
+
+def test_checkpoint_bench_reports_side_by_side(capsys):
+    """The default benchmark path on the embedded pair, kept tiny: per-prompt lines, the summary, and a JSON
+    line whose speedups are consistent with its throughputs."""
+    bench.main(["--heldout", "3", "--max-new-tokens", "20"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith("prompt ") for line in lines) == 3
+    last = json.loads(lines[-1])
+    assert last["prompts"] == 3 and last["identical_outputs"] == 3
+    assert last["ar_tokens_per_s"] > 0 and last["dflash_tokens_per_s"] > 0 and last["mean_acceptance_length"] >= 1
+    lo, hi = last["speedup_quartiles"]
+    assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
+    assert sum(last["acceptance_histogram"]) > 0 and len(last["acceptance_histogram"]) == last["block_size"]
+
+
+def test_heldout_prompts_extend_without_changing_the_first():
+    """More prompts than held-out files: further windows of the same files; the first ones do not move."""
+    import train
+    tok = M.load_tokenizer(bench.DEFAULT_TARGET)
+    few, many = train.heldout_prompts(tok, 8), train.heldout_prompts(tok, 64)
+    assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64
+    assert all(30 <= len(p) <= 60 for p in many)
