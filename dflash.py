@@ -339,6 +339,9 @@ class Engine:
             def pick(logits):                 # one token from logits [V], on the device
                 return draw(sampling_probs(logits, s), torch.empty(V, device=device).exponential_(generator=gen))
         use_draft = self.proposer is not None        # block_size 1 with a drafter: verify steps without proposals
+        M.pack_for_cpu_(self.target)                 # float32 CPU: oneDNN copies of the weights (kernels.py)
+        if isinstance(self.proposer, DrafterProposer):
+            M.pack_for_cpu_(self.proposer.drafter)
         self.reset()
         if use_draft:
             self.proposer.reset(self.capacity)       # a new sequence begins (cheap: caches are kept when they fit)

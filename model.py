@@ -324,14 +324,51 @@ class GatedRMSNorm(nn.Module):
         return (n * F.silu(z.to(xf.dtype))).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names). After `pack_for_cpu_`, its float32 CPU products of
+    2..kernels.FEW_ROWS rows outside autograd use the packed oneDNN copy (kernels.onednn_linear says why)."""
+    packed = None            # kernels.onednn_pack(weight), or None: always F.linear
+    packed_from = None       # (weight.data_ptr(), weight._version) when packed: a later change is detected
+
+    def forward(self, x):
+        rows = x.numel() // x.shape[-1]
+        if (self.packed is not None and 1 < rows <= kernels.FEW_ROWS and x.dtype == torch.float32
+                and not torch.is_grad_enabled()):
+            return kernels.onednn_linear(x, self.packed, self.bias, self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_for_cpu_(module: nn.Module) -> int:
+    """Give every Linear of a float32 CPU module a packed oneDNN copy of its weight (or refresh a copy whose
+    weight was replaced or changed in place since). Nothing on other devices or dtypes, or with
+    kernels.ONEDNN_LINEAR off. -> bytes of copies made now. dflash.Engine calls it at the start of every
+    generation, so a copy never serves a weight it was not made from."""
+    made = 0
+    for m in module.modules():
+        if not isinstance(m, Linear):
+            continue
+        w = m.weight
+        if not (kernels.ONEDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.float32):
+            m.packed = m.packed_from = None
+            continue
+        try:
+            stamp = (w.data_ptr(), w._version)
+        except RuntimeError:            # an inference-mode tensor keeps no version counter: pack it every time
+            stamp = None
+        if m.packed is None or stamp is None or m.packed_from != stamp:
+            m.packed, m.packed_from = kernels.onednn_pack(w), stamp
+            made += w.numel() * w.element_size()
+    return made
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -481,10 +518,10 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd * 2, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd * 2, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
@@ -524,15 +561,15 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_qkv = Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, self.hv, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel))   # checkpoint: conv1d.weight [C,1,K]
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cache, gdn: str):
         """x [B,T,H]; cache: GDNCache or None (then from a zero state, chunked, nothing kept)."""
@@ -667,7 +704,7 @@ class Qwen35(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, t) for t in cfg.layer_types])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
@@ -720,10 +757,10 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
@@ -785,7 +822,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
