@@ -125,17 +125,28 @@ def main(argv=None):
     ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
 
-    ar_res, sp_res, rows = [], [], []
+    # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
+    eager_engine = dflash.Engine(target, proposer, block, capacity, attention=args.attention) if mode else None
+    if eager_engine is not None:
+        eager_engine.run(prompts[0], 3 * block, stops)
+
+    ar_res, sp_res, rows, eager_tps = [], [], [], []
     for i, p in enumerate(prompts):
         ar = ar_engine.run(p, args.max_new_tokens, stops, profile=True)
         sp = sp_engine.run(p, args.max_new_tokens, stops, profile=True)
         ar_tps = (len(ar.output_ids) - 1) / ar.decode_seconds
         sp_tps = (len(sp.output_ids) - 1) / sp.decode_seconds
         same = ar.output_ids == sp.output_ids
+        extra = ""
+        if eager_engine is not None:
+            ea = eager_engine.run(p, args.max_new_tokens, stops, profile=True)
+            eager_tps.append((len(ea.output_ids) - 1) / ea.decode_seconds)
+            same = same and ea.output_ids == sp.output_ids
+            extra = f"  eager DFlash {eager_tps[-1]:8.1f} tok/s"
         rows.append((ar_tps, sp_tps, sp.mean_acceptance_length, same))
         ar_res.append(ar), sp_res.append(sp)
         print(f"prompt {i}: {len(p)} tokens -> {len(sp.output_ids)}  AR {ar_tps:8.1f} tok/s  DFlash {sp_tps:8.1f} tok/s  "
-              f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  identical {same}", flush=True)
+              f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  identical {same}{extra}", flush=True)
 
     ar_med = statistics.median(r[0] for r in rows)
     sp_med = statistics.median(r[1] for r in rows)
@@ -153,9 +164,16 @@ def main(argv=None):
           f"whole run (all tokens / all decode time) {agg:.2f}x")
     print(f"mean acceptance length {tau:.2f} (block {block}); histogram of tokens per verify step 1..{block}: {hist}")
     print(f"ms per step (median): decode {decode_ms:.2f}, draft {draft_ms:.2f}, verify {verify_ms:.2f}")
-    print(f"outputs identical to AR: {sum(r[3] for r in rows)}/{len(rows)}")
+    print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
+    compiled = {}
+    if eager_tps:
+        ratios = [r[1] / e for r, e in zip(rows, eager_tps)]
+        compiled = {"eager_dflash_tokens_per_s": statistics.median(eager_tps),
+                    "compiled_over_eager": statistics.median(ratios)}
+        print(f"compiled DFlash / eager DFlash (same prompts, same run): median per-prompt {compiled['compiled_over_eager']:.2f}x "
+              f"(eager median {compiled['eager_dflash_tokens_per_s']:.1f} tok/s)")
     ref = reference_loop(args, target, drafter, prompts, stops, rows) if args.vs_reference else {}
-    print(json.dumps({**ref,
+    print(json.dumps({**ref, **compiled,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "block_size": block,
         "ar_tokens_per_s": ar_med, "dflash_tokens_per_s": sp_med, "speedup": statistics.median(speedups),
