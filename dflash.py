@@ -19,6 +19,7 @@ wraps the DFlash drafter, and tests use stand-ins that offer known continuations
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -229,6 +230,12 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
     return capacity
 
 
+def _no_c_shim_note(record: logging.LogRecord) -> bool:
+    """Drops inductor's note that an op (here linalg_solve_triangular) has no C shim in the C++ wrapper and
+    runs through its proxy executor: expected and harmless, but printed on every CPU compilation."""
+    return "missing a c-shim implementation" not in record.getMessage()
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -284,7 +291,15 @@ class Engine:
         self.verify_sample_step = self._verify_sample
         self.draft_step = proposer.propose if proposer is not None else None
         if compile_mode is not None:
-            opts = dict(mode=compile_mode, fullgraph=True, dynamic=False)
+            # The mode's inductor options, plus on a CPU a C++ wrapper around each compiled step instead of
+            # inductor's Python one: these steps are small graphs, and the wrapper's per-kernel Python calls
+            # were a third of a compiled verify step here (3.1 -> 2.2 ms, draft 0.63 -> 0.49 ms).
+            from torch._inductor import list_mode_options
+            options = dict(list_mode_options(compile_mode, False))
+            if self.device.type == "cpu":
+                options["cpp_wrapper"] = True
+                logging.getLogger("torch._inductor.ir").addFilter(_no_c_shim_note)
+            opts = dict(options=options, fullgraph=True, dynamic=False)
             self.decode_step = torch.compile(self._decode, **opts)
             self.verify_step = torch.compile(self._verify, **opts)
             self.commit = torch.compile(self.cache.commit, **opts)

@@ -231,7 +231,7 @@ def naive_causal_conv1d(x, weight, conv_state):
 # [16, 256] x [256, 4096] lm_head 90 vs 283 us), while single rows (AR decode) are as fast or faster in MKL.
 # Same float32 maths, summed in another order (the last bits differ, as between any two GEMM kernels).
 # model.pack_for_cpu_ makes the packed copies (float32 CPU inference only; they cost the weights' size
-# again); set ONEDNN_LINEAR = False to keep MKL everywhere. A custom op, so torch.compile calls it as it is.
+# again); set ONEDNN_LINEAR = False to keep MKL everywhere.
 
 ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 FEW_ROWS = 64            # products of 2..FEW_ROWS rows take the packed path; longer prefills stay in MKL
@@ -243,12 +243,19 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
+def onednn_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
+    """x [..., K] float32 on the CPU; packed = onednn_pack(weight [n_out, K]); bias [n_out] or None
+    -> x weight^T + bias [..., n_out]. Eager code calls this directly (no custom-op dispatch)."""
+    if x.dim() > 3 or not x.is_contiguous():          # the oneDNN op takes 2-D or 3-D contiguous rows
+        return onednn_linear_impl(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, n_out).view(*x.shape[:-1], n_out)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @torch.library.custom_op("dflash_fast::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
-    """x [..., K] float32 on the CPU; packed = onednn_pack(weight [n_out, K]); bias [n_out] or None
-    -> x weight^T + bias [..., n_out]."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], n_out)
+    """onednn_linear_impl as an op that torch.compile calls as it is: inductor lowers the oneDNN op only
+    for weights it packed itself (with freezing), not for ours."""
+    return onednn_linear_impl(x, packed, bias, n_out)
 
 
 @onednn_linear.register_fake
