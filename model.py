@@ -340,12 +340,22 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _available_memory() -> int | None:
+    """Bytes of physical memory free now (Linux), or None where that cannot be read."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def pack_for_cpu_(module: nn.Module) -> int:
     """Give every Linear of a float32 CPU module a packed oneDNN copy of its weight (or refresh a copy whose
-    weight was replaced or changed in place since). Nothing on other devices or dtypes, or with
-    kernels.ONEDNN_LINEAR off. -> bytes of copies made now. dflash.Engine calls it at the start of every
-    generation, so a copy never serves a weight it was not made from."""
-    made = 0
+    weight was replaced or changed in place since). Nothing on other devices or dtypes, with
+    kernels.ONEDNN_LINEAR off, or when the copies would take more than half of the memory free now (a big
+    float32 model on a CPU keeps MKL rather than run out of memory). -> bytes of copies made now.
+    dflash.Engine calls it at the start of every generation, so a copy never serves a weight it was not
+    made from."""
+    todo = []
     for m in module.modules():
         if not isinstance(m, Linear):
             continue
@@ -358,9 +368,17 @@ def pack_for_cpu_(module: nn.Module) -> int:
         except RuntimeError:            # an inference-mode tensor keeps no version counter: pack it every time
             stamp = None
         if m.packed is None or stamp is None or m.packed_from != stamp:
-            m.packed, m.packed_from = kernels.onednn_pack(w), stamp
-            made += w.numel() * w.element_size()
-    return made
+            todo.append((m, stamp))
+    need = sum(m.weight.numel() * 4 for m, _ in todo)
+    free = _available_memory()
+    if free is not None and need > free // 2:
+        for m in module.modules():
+            if isinstance(m, Linear):
+                m.packed = m.packed_from = None
+        return 0
+    for m, stamp in todo:
+        m.packed, m.packed_from = kernels.onednn_pack(m.weight), stamp
+    return need
 
 
 class MLP(nn.Module):

@@ -92,3 +92,14 @@ def test_engine_serves_a_changed_target_from_fresh_copies():
     again = engine.run(p1, 24).output_ids
     fresh_ar = dflash.Engine(target, None, 1, 128).run(p1, 24).output_ids
     assert again == fresh_ar
+
+
+def test_no_copies_when_memory_is_short(monkeypatch):
+    """Copies that would take more than half of the free memory are not made: MKL serves every product."""
+    lin = M.Linear(48, 64, bias=False)
+    monkeypatch.setattr(M, "_available_memory", lambda: 2 * 48 * 64 * 4 - 1)
+    assert M.pack_for_cpu_(lin) == 0 and lin.packed is None
+    monkeypatch.setattr(M, "_available_memory", lambda: 2 * 48 * 64 * 4)
+    assert M.pack_for_cpu_(lin) == 48 * 64 * 4 and lin.packed is not None
+    free = M._available_memory()
+    assert free is None or free > 0
