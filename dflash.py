@@ -287,6 +287,7 @@ class Engine:
         # RoPE position = cache position + rope_delta for every token after a prompt with images (vision.py);
         # 0 for text. A device tensor set per generation, so compiled steps read it instead of recompiling.
         self.rope_delta = torch.zeros((), dtype=torch.long, device=self.device)
+        self._host = None                    # pinned host buffer of _upload (CUDA)
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
         self.verify_sample_step = self._verify_sample
         self.draft_step = proposer.propose if proposer is not None else None
@@ -374,18 +375,19 @@ class Engine:
         stop = first in stops or n_out >= max_new_tokens
         yield Step("prefill", T0 - 1, [first], stop=stop)
         start = T0                                                  # position of `last`, the last committed token
-        last = torch.tensor([first], device=device)
+        up = self._upload([first, start])
+        last, start_t = up[0:1], up[1:2]                            # [1] each, on the device
+        offsets = torch.arange(B, device=device)
         if use_draft:
             self.proposer.prefill(feats, pos)
             # placeholder context at positions >= start: never visible, overwritten by the first verify's features
             if feats is not None:
                 feats = torch.zeros(1, B, feats.shape[-1], dtype=feats.dtype, device=device)
-            feat_pos = start + torch.arange(B, device=device)
+            feat_pos = start_t + offsets
 
         while not stop:
             remaining = max_new_tokens - n_out
-            start_t = torch.tensor([start], device=device)
-            bpos = start_t + torch.arange(B, device=device)
+            bpos = start_t + offsets
             t0 = _clock(device, profile)
             if not use_draft:
                 logits = self.decode_step(last.view(1, 1), bpos)
@@ -413,11 +415,12 @@ class Engine:
                     new = new[:i + 1]
                     break
             n = len(new)
-            if use_draft:
-                # The inputs of block[0 .. n-1] are committed; new[-1] is the last committed token, not yet processed.
-                self.commit(torch.tensor(n, device=device))
             n_out += n
             stop = new[-1] in stops or n_out >= max_new_tokens
+            up = self._upload([n, new[-1], start + n])              # what the host decided, back without a sync
+            if use_draft:
+                # The inputs of block[0 .. n-1] are committed; new[-1] is the last committed token, not yet processed.
+                self.commit(up[0])
             t2 = _clock(device, profile)
             if use_draft:
                 yield Step("verify", start, new, props, a, stop, t1 - t0, t2 - t1)
@@ -428,7 +431,19 @@ class Engine:
             else:
                 yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
             start += n
-            last = torch.tensor([new[-1]], device=device)
+            last, start_t = up[1:2], up[2:3]
+
+    def _upload(self, values: list) -> torch.Tensor:
+        """Host ints -> a LongTensor on the device, without a host-device sync: on CUDA through a pinned buffer
+        and a non-blocking copy (a plain torch.tensor(..., device="cuda") waits for the stream). The buffer is
+        rewritten only after the next host read (the round's one sync) has waited for this copy."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, device=self.device)
+        if self._host is None:
+            self._host = torch.empty(8, dtype=torch.long, pin_memory=True)
+        host = self._host[:len(values)]
+        host.copy_(torch.tensor(values))
+        return host.to(self.device, non_blocking=True)
 
     def run(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), on_step=None, profile: bool = False,
             sampling: Sampling | None = None, generator: torch.Generator | None = None, images=None) -> Result:
