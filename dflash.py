@@ -299,6 +299,7 @@ class Engine:
             options = dict(list_mode_options(compile_mode, False))
             if self.device.type == "cpu":
                 options["cpp_wrapper"] = True
+                options.pop("triton.cudagraphs", None)      # max-autotune's CUDA graphs: nothing to capture on a CPU
                 logging.getLogger("torch._inductor.ir").addFilter(_no_c_shim_note)
             opts = dict(options=options, fullgraph=True, dynamic=False)
             self.decode_step = torch.compile(self._decode, **opts)
