@@ -680,7 +680,7 @@ class TargetCache:
 
     def __init__(self, cfg: TargetConfig, capacity: int, dtype, device, batch: int = 1, max_block: int = 16):
         """max_block: the widest recurrent (decode/verify) call; its keys, writes and decays are kept (a few
-        vectors per token: at 9B and max_block 16, 6 MiB in all where per-token states would take 768 MiB)."""
+        vectors per token: at 9B and max_block 16, 9.5 MB in all where per-token states would take 768 MiB)."""
         sd = torch.float64 if dtype == torch.float64 else torch.float32
         self.capacity = capacity
         self.layers = []
