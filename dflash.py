@@ -269,6 +269,7 @@ class Engine:
         check_block_size(block_size, proposer)
         self.target, self.proposer, self.block, self.capacity = target, proposer, block_size, capacity
         self.verify_gdn, self.compiled = verify_gdn, compile_mode is not None
+        self._graphs = self.compiled and torch.device(target.embed_tokens.weight.device).type == "cuda"   # may replay CUDA graphs
         self.device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         self.cache = TargetCache(target.cfg, capacity, dtype, self.device, max_block=block_size)
@@ -427,7 +428,7 @@ class Engine:
                 yield Step("verify", start, new, props, a, stop, t1 - t0, t2 - t1)
                 # All B rows go to the drafter (static shape): rows >= n are rejected tokens' features at
                 # positions >= the next start, hidden from the next block and overwritten by the next append.
-                feats = vfeats.clone() if self.compiled and vfeats is not None else vfeats   # CUDA graphs reuse outputs
+                feats = vfeats.clone() if self._graphs and vfeats is not None else vfeats    # CUDA graphs reuse outputs
                 feat_pos = bpos                                     # the positions of this verify block
             else:
                 yield Step("decode", start, new, stop=stop, verify_seconds=t2 - t1)
