@@ -4,12 +4,13 @@ same caches, which is the baseline it must equal token for token.
 One round (notes 2), with `start` = position of the last committed token `last`:
     draft    the drafter reads the target features of the tokens committed since its last call, then
              proposes block_size - 1 tokens for the block [last, MASK, ...] at positions start .. start+B-1
-    verify   the target runs [last, proposals] at those positions (GDN in recurrent mode, every state kept)
+    verify   the target runs [last, proposals] at those positions (GDN keeps each token's state write)
     accept   posterior = argmax(logits); accepted = leading proposals equal to posterior[:-1];
              bonus = posterior[accepted]; committed = proposals[:accepted] + [bonus], cut at a stop token
              or at max_new_tokens
-    commit   TargetCache.commit(len(committed)): the GDN states become those after the last token whose
-             input was committed (exact rollback); stale attention K/V are masked and later overwritten
+    commit   TargetCache.commit(len(committed)): the GDN states are built from the state before the verify
+             and the writes of the committed tokens only (exact rollback); stale attention K/V are masked and
+             later overwritten
     features the verify pass's features at the committed positions feed the next draft
 
 A proposer is anything with `max_block_size`, `feature_layers` (target layers whose outputs it reads),

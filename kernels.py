@@ -1,4 +1,5 @@
-"""Kernels of the Gated DeltaNet layer, each fast form next to a naive twin that is its spec.
+"""Kernels of the Gated DeltaNet layer, each fast form next to a naive twin that is its spec, and (at the end)
+the CPU matrix products of a few rows through oneDNN.
 
 Glossary (code name -> symbol in the Gated DeltaNet paper / ../shared/qwen35-spec.md section 4):
     q, k        q̂_t, k̂_t  L2-normalised query and key (q already scaled by dk**-0.5)
