@@ -43,6 +43,9 @@ def parse_args(argv=None):
                    help="without prompts: this many held-out stdlib prompts of 30-60 tokens (train.heldout_prompts); "
                         "acceptance varies a lot from prompt to prompt, so a handful is too few to measure it")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every prompt this many times (each engine in turn) and take its median tok/s: steadier "
+                        "ratios on a noisy machine")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
@@ -59,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=None, help="with --preset: random prompt length (default 512; 64 for tiny)")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
     return args
@@ -130,18 +135,26 @@ def main(argv=None):
     if eager_engine is not None:
         eager_engine.run(prompts[0], 3 * block, stops)
 
-    ar_res, sp_res, rows, eager_tps = [], [], [], []
+    def tps(res):
+        return (len(res.output_ids) - 1) / res.decode_seconds
+
+    ar_res, sp_res, rows, eager_tps = [], [], [], []     # per prompt (the last repeat: greedy runs repeat exactly)
+    ar_all, sp_all = [], []                              # every run, for step times and the whole-run ratio
     for i, p in enumerate(prompts):
-        ar = ar_engine.run(p, args.max_new_tokens, stops, profile=True)
-        sp = sp_engine.run(p, args.max_new_tokens, stops, profile=True)
-        ar_tps = (len(ar.output_ids) - 1) / ar.decode_seconds
-        sp_tps = (len(sp.output_ids) - 1) / sp.decode_seconds
-        same = ar.output_ids == sp.output_ids
+        a_t, s_t, e_t, same = [], [], [], True
+        for _ in range(args.repeat):
+            ar = ar_engine.run(p, args.max_new_tokens, stops, profile=True)
+            sp = sp_engine.run(p, args.max_new_tokens, stops, profile=True)
+            a_t.append(tps(ar)), s_t.append(tps(sp)), ar_all.append(ar), sp_all.append(sp)
+            same = same and ar.output_ids == sp.output_ids
+            if eager_engine is not None:
+                ea = eager_engine.run(p, args.max_new_tokens, stops, profile=True)
+                e_t.append(tps(ea))
+                same = same and ea.output_ids == sp.output_ids
+        ar_tps, sp_tps = statistics.median(a_t), statistics.median(s_t)
         extra = ""
         if eager_engine is not None:
-            ea = eager_engine.run(p, args.max_new_tokens, stops, profile=True)
-            eager_tps.append((len(ea.output_ids) - 1) / ea.decode_seconds)
-            same = same and ea.output_ids == sp.output_ids
+            eager_tps.append(statistics.median(e_t))
             extra = f"  eager DFlash {eager_tps[-1]:8.1f} tok/s"
         rows.append((ar_tps, sp_tps, sp.mean_acceptance_length, same))
         ar_res.append(ar), sp_res.append(sp)
@@ -153,12 +166,12 @@ def main(argv=None):
     speedups = [r[1] / r[0] for r in rows]
     quart = statistics.quantiles(speedups, n=4) if len(speedups) > 1 else speedups * 3
     # all tokens over all decode time: the throughput of the whole run, hard prompts weighted by their time
-    agg = (sum(len(r.output_ids) - 1 for r in sp_res) / sum(r.decode_seconds for r in sp_res)) / \
-          (sum(len(r.output_ids) - 1 for r in ar_res) / sum(r.decode_seconds for r in ar_res))
+    agg = (sum(len(r.output_ids) - 1 for r in sp_all) / sum(r.decode_seconds for r in sp_all)) / \
+          (sum(len(r.output_ids) - 1 for r in ar_all) / sum(r.decode_seconds for r in ar_all))
     all_acc = [a for r in sp_res for a in r.acceptance_lengths]
     tau = sum(all_acc) / len(all_acc)
     hist = [all_acc.count(k) for k in range(1, block + 1)]
-    decode_ms, draft_ms, verify_ms = step_ms(ar_res, "decode", "verify_seconds"), step_ms(sp_res, "verify", "draft_seconds"), step_ms(sp_res, "verify", "verify_seconds")
+    decode_ms, draft_ms, verify_ms = step_ms(ar_all, "decode", "verify_seconds"), step_ms(sp_all, "verify", "draft_seconds"), step_ms(sp_all, "verify", "verify_seconds")
     print(f"median: AR {ar_med:.1f} tok/s, DFlash {sp_med:.1f} tok/s, median per-prompt speedup {statistics.median(speedups):.2f}x "
           f"(quartiles {quart[0]:.2f} / {quart[2]:.2f}, min {min(speedups):.2f}, max {max(speedups):.2f}); "
           f"whole run (all tokens / all decode time) {agg:.2f}x")
@@ -175,7 +188,7 @@ def main(argv=None):
     ref = reference_loop(args, target, drafter, prompts, stops, rows) if args.vs_reference else {}
     print(json.dumps({**ref, **compiled,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "block_size": block,
+        "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens, "block_size": block,
         "ar_tokens_per_s": ar_med, "dflash_tokens_per_s": sp_med, "speedup": statistics.median(speedups),
         "speedup_quartiles": [quart[0], quart[2]], "speedup_whole_run": agg,
         "mean_acceptance_length": tau, "acceptance_histogram": hist,

@@ -36,11 +36,11 @@ def test_tiny_preset_runs_and_reports(capsys):
 def test_checkpoint_bench_reports_side_by_side(capsys):
     """The default benchmark path on the embedded pair, kept tiny: per-prompt lines, the summary, and a JSON
     line whose speedups are consistent with its throughputs."""
-    bench.main(["--heldout", "3", "--max-new-tokens", "20"])
+    bench.main(["--heldout", "3", "--max-new-tokens", "20", "--repeat", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert sum(line.startswith("prompt ") for line in lines) == 3
     last = json.loads(lines[-1])
-    assert last["prompts"] == 3 and last["identical_outputs"] == 3
+    assert last["prompts"] == 3 and last["repeat"] == 2 and last["identical_outputs"] == 3
     assert last["ar_tokens_per_s"] > 0 and last["dflash_tokens_per_s"] > 0 and last["mean_acceptance_length"] >= 1
     lo, hi = last["speedup_quartiles"]
     assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
