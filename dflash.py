@@ -270,8 +270,8 @@ class Engine:
         check_block_size(block_size, proposer)
         self.target, self.proposer, self.block, self.capacity = target, proposer, block_size, capacity
         self.verify_gdn, self.compiled = verify_gdn, compile_mode is not None
-        self._graphs = self.compiled and torch.device(target.embed_tokens.weight.device).type == "cuda"   # may replay CUDA graphs
         self.device = target.embed_tokens.weight.device
+        self._graphs = self.compiled and self.device.type == "cuda"          # compiled steps may replay CUDA graphs
         dtype = target.embed_tokens.weight.dtype
         self.cache = TargetCache(target.cfg, capacity, dtype, self.device, max_block=block_size)
         self.attention = attention

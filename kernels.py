@@ -38,14 +38,16 @@ def _state_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """[B,T,Hk,d] -> [B,T,Hv,d]: key heads shared by groups of value heads, value head h uses key head
+    h // group (repeat_interleave, not tile; spec 4.5)."""
+    group = hv // x.shape[2]
+    return x.repeat_interleave(group, dim=2) if group > 1 else x
+
+
 def _expand_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key heads shared by groups of value heads: value head h uses key head h // group
-    (repeat_interleave, not tile; spec 4.5)."""
-    group = hv // q.shape[2]
-    if group > 1:
-        q = q.repeat_interleave(group, dim=2)
-        k = k.repeat_interleave(group, dim=2)
-    return q, k
+    """q and k to the value heads (`_to_value_heads`)."""
+    return _to_value_heads(q, hv), _to_value_heads(k, hv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ def state_after(k, writes, g, state, n):
     n an int or a 0-d LongTensor (on the device: no host sync) -> [B,Hv,dk,dv] in the state dtype.
     Rows past T may hold anything (a stale, longer call): only rows j < n are read."""
     sd = _state_dtype(writes)
-    _, k = _expand_heads(k, k, writes.shape[2])
+    k = _to_value_heads(k, writes.shape[2])
     T = writes.shape[1]
     gamma = g.to(sd).cumsum(1)                                        # [B,T,Hv]
     n = torch.as_tensor(n, device=gamma.device).reshape(1)
