@@ -27,6 +27,7 @@ from typing import Iterator
 
 import torch
 
+import kernels
 import model as M
 from model import AttnCache, DFlashDrafter, DraftCache, GDNCache, Qwen35, TargetCache
 
@@ -303,6 +304,7 @@ class Engine:
                 options["cpp_wrapper"] = True
                 options.pop("triton.cudagraphs", None)      # max-autotune's CUDA graphs: nothing to capture on a CPU
                 logging.getLogger("torch._inductor.ir").addFilter(_no_c_shim_note)
+                kernels.lower_onednn_linear()                # oneDNN products called directly (kernels.py)
             opts = dict(options=options, fullgraph=True, dynamic=False)
             self.decode_step = torch.compile(self._decode, **opts)
             self.verify_step = torch.compile(self._verify, **opts)

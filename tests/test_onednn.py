@@ -1,6 +1,8 @@
 """The float32 CPU products of a few rows through oneDNN (kernels.onednn_linear, model.pack_for_cpu_):
 the same products as F.linear up to float32 rounding, only where they are meant to apply, and never from a
 stale copy of a weight."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +105,33 @@ def test_no_copies_when_memory_is_short(monkeypatch):
     assert M.pack_for_cpu_(lin) == 48 * 64 * 4 and lin.packed is not None
     free = M._available_memory()
     assert free is None or free > 0
+
+
+@pytest.mark.parametrize("cpp_wrapper", [True, False])
+def test_compiled_products_call_onednn_directly(cpp_wrapper):
+    """Compiled code calls the oneDNN kernel itself (kernels.lower_onednn_linear), not the Python custom op
+    through the dispatcher, for 2-D, 3-D, 4-D and non-contiguous rows, with and without bias, and the results
+    are F.linear's up to float32 rounding."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    assert kernels.lower_onednn_linear() and kernels.lower_onednn_linear()      # idempotent
+    with_bias, no_bias = packed_linear(48, 200, True), packed_linear(200, 32, False, seed=4)
+
+    def f(x):
+        return no_bias(torch.relu(with_bias(x)) * 2.0)
+
+    g = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(16, 48, generator=g), torch.randn(1, 15, 48, generator=g),
+              torch.randn(2, 2, 4, 48, generator=g), torch.randn(1, 48, 16, generator=g).transpose(1, 2)]
+    for x in inputs:
+        torch._dynamo.reset()
+        with torch.inference_mode(), inductor_config.patch(cpp_wrapper=cpp_wrapper, fx_graph_cache=False):
+            got, code = run_and_get_code(torch.compile(f, fullgraph=True, dynamic=False), x)
+        text = "\n".join(code)
+        assert re.search(r"_linear_pointwise(\.default)?\(", text)        # the oneDNN kernel called directly,
+        assert 'call_dispatcher("dflash_fast' not in text and "dflash_fast.onednn_linear.default(" not in text
+        x64 = x.double()
+        h = torch.relu(F.linear(x64, with_bias.weight.double(), with_bias.bias.double())) * 2.0
+        ref = F.linear(h, no_bias.weight.double())
+        assert got.shape == ref.shape
+        assert (got.double() - ref).abs().max() < 1e-3 * ref.abs().max()
