@@ -4,7 +4,8 @@
     python bench.py --target DIR --draft DIR --prompt "..." --prompt "..." --max-new-tokens 256
 
 Warm-up runs are excluded. Printed: per-prompt and median tok/s of both, their ratio (the speedup), mean
-acceptance length and its histogram, ms per decode / draft / verify step, whether the outputs are identical.
+acceptance length and its histogram, ms per decode / draft / verify step, the weight bandwidth of a decode
+step (on CUDA also as a fraction of a device copy measured in the same run), whether the outputs are identical.
 The last stdout line is one JSON object. Machines are noisy: compare ratios measured in the same run.
 
     python bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
@@ -106,6 +107,7 @@ def main(argv=None):
     if args.preset:
         return preset_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target = M.load_target(args.target, dtype, device)
     drafter = M.load_drafter(args.draft, target.cfg, dtype, device)
     proposer = dflash.DrafterProposer(drafter, target)
@@ -177,6 +179,8 @@ def main(argv=None):
           f"whole run (all tokens / all decode time) {agg:.2f}x")
     print(f"mean acceptance length {tau:.2f} (block {block}); histogram of tokens per verify step 1..{block}: {hist}")
     print(f"ms per step (median): decode {decode_ms:.2f}, draft {draft_ms:.2f}, verify {verify_ms:.2f}")
+    wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
+    print(bw_line)
     print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
     compiled = {}
     if eager_tps:
@@ -193,7 +197,8 @@ def main(argv=None):
         "speedup_quartiles": [quart[0], quart[2]], "speedup_whole_run": agg,
         "mean_acceptance_length": tau, "acceptance_histogram": hist,
         "decode_ms": decode_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
-        "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
+        "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
+        "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
         "compile_mode": mode, "attention": args.attention,
     }))
 
@@ -256,6 +261,17 @@ def weight_bytes_per_decode(target: M.Qwen35) -> int:
     return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
 
 
+def bandwidth(target: M.Qwen35, decode_ms: float, peak: float | None) -> tuple:
+    """The weight bandwidth an AR decode step achieves -> (bytes read per step, GB/s, a printable line, the
+    fraction of `peak` (the measured copy bandwidth, CUDA) or None)."""
+    wbytes = weight_bytes_per_decode(target)
+    achieved = wbytes / (decode_ms / 1000) / 1e9
+    fraction = achieved / peak if peak else None
+    line = (f"decode reads {wbytes / 1e9:.3g} GB of weights per step: {achieved:.1f} GB/s"
+            + (f" = {fraction:.1%} of the measured copy bandwidth {peak:.0f} GB/s" if peak else " (CPU: no peak measured)"))
+    return wbytes, achieved, line, fraction
+
+
 def peak_copy_gb_s(n_bytes: int = 2 << 30, reps: int = 10) -> float:
     """Device memory bandwidth measured with a large device-to-device copy (reads + writes), in GB/s (CUDA)."""
     a = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
@@ -304,12 +320,10 @@ def preset_main(args, device) -> dict:
     draft_ms = step_ms([sp], "verify", "draft_seconds")
     projected = args.tau / (verify_ms + draft_ms) * 1000
     formula = f"projected tok/s = tau / (verify_ms + draft_ms) * 1000 = {args.tau:.2f} / ({verify_ms:.3f} + {draft_ms:.3f}) * 1000"
-    wbytes = weight_bytes_per_decode(target)
-    achieved = wbytes / (decode_ms / 1000) / 1e9
+    wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
     print(f"ms per step (median): decode {decode_ms:.3f}, verify ({block} tokens) {verify_ms:.3f}, draft {draft_ms:.3f}; "
           f"verify/decode {verify_ms / decode_ms:.2f}x, draft/verify {draft_ms / verify_ms:.1%}")
-    print(f"decode reads {wbytes / 1e9:.2f} GB of weights per step: {achieved:.0f} GB/s"
-          + (f" = {achieved / peak:.1%} of the measured copy bandwidth {peak:.0f} GB/s" if peak else " (CPU: no peak measured)"))
+    print(bw_line)
     print(f"PROJECTED (not measured) DFlash at tau {args.tau:.2f}: {projected:.1f} tok/s; AR measured {1000 / decode_ms:.1f} tok/s")
     print(f"  {formula}")
     out = {
@@ -319,12 +333,12 @@ def preset_main(args, device) -> dict:
         "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,
         "verify_over_decode": verify_ms / decode_ms, "draft_over_verify": draft_ms / verify_ms,
         "ar_tokens_per_s": 1000 / decode_ms, "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved,
-        "peak_copy_gb_s": peak, "bandwidth_fraction": achieved / peak if peak else None,
+        "peak_copy_gb_s": peak, "bandwidth_fraction": fraction,
         "projected_tau": args.tau, "projected_dflash_tokens_per_s": projected, "projected_formula": formula,
         "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
     }
     if cuda:   # the GPU bars of issue 4
-        out["bars"] = {"decode_bandwidth_ge_75pct": achieved / peak >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
+        out["bars"] = {"decode_bandwidth_ge_75pct": fraction >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
                        "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
     print(json.dumps(out))
     return out

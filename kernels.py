@@ -256,8 +256,8 @@ def onednn_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
 
 @torch.library.custom_op("dflash_fast::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
-    """onednn_linear_impl as an op that torch.compile calls as it is: inductor lowers the oneDNN op only
-    for weights it packed itself (with freezing), not for ours."""
+    """onednn_linear_impl as an op torch.compile can trace (dynamo cannot trace the opaque packed tensor
+    into the oneDNN op itself); lower_onednn_linear turns it back into a direct kernel call in compiled code."""
     return onednn_linear_impl(x, packed, bias, n_out)
 
 

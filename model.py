@@ -334,7 +334,7 @@ class Linear(nn.Linear):
         rows = x.numel() // x.shape[-1]
         if (self.packed is not None and 1 < rows <= kernels.FEW_ROWS and x.dtype == torch.float32
                 and not torch.is_grad_enabled()):
-            if torch.compiler.is_compiling():     # an op inductor calls as it is (kernels.onednn_linear)
+            if torch.compiler.is_compiling():     # an op dynamo can trace (kernels.onednn_linear)
                 return kernels.onednn_linear(x, self.packed, self.bias, self.out_features)
             return kernels.onednn_linear_impl(x, self.packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)

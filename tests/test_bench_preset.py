@@ -45,6 +45,12 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     lo, hi = last["speedup_quartiles"]
     assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
     assert sum(last["acceptance_histogram"]) > 0 and len(last["acceptance_histogram"]) == last["block_size"]
+    target = M.load_target(bench.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
+    assert last["weight_bytes_per_decode"] == bench.weight_bytes_per_decode(target)
+    expected = last["weight_bytes_per_decode"] / (last["decode_ms"] / 1000) / 1e9
+    assert abs(last["achieved_gb_s"] - expected) < 1e-6 * expected
+    assert last["peak_copy_gb_s"] is None and last["bandwidth_fraction"] is None      # CUDA only
+    assert any(line.startswith("decode reads ") and "GB/s" in line for line in lines)
 
 
 def test_heldout_prompts_extend_without_changing_the_first():
