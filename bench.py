@@ -344,6 +344,28 @@ def preset_main(args, device) -> dict:
     return out
 
 
+def preset_summary(json_path: str) -> int:
+    """bench_gpu.sh's verdict on a --preset JSON line: a one-line summary, then PASS/FAIL per GPU bar (CUDA runs
+    only carry them). -> exit code: 1 when a bar is missed, else 0."""
+    with open(json_path) as fh:
+        r = json.load(fh)
+    if r["peak_copy_gb_s"]:
+        bw = f"{r['achieved_gb_s']:.0f} GB/s = {r['bandwidth_fraction']:.1%} of {r['peak_copy_gb_s']:.0f} GB/s"
+    else:
+        bw = f"{r['achieved_gb_s']:.1f} GB/s (no peak measured off CUDA)"
+    mem = f"; max memory {r['max_memory_allocated_gb']:.1f} GB" if r["max_memory_allocated_gb"] is not None else ""
+    print(f"{r['preset']} on {r['device']}: decode {r['decode_ms']:.3f} ms = {bw}; verify {r['verify_over_decode']:.2f}x "
+          f"decode; draft {r['draft_over_verify']:.1%} of verify; PROJECTED {r['projected_dflash_tokens_per_s']:.0f} tok/s "
+          f"at tau {r['projected_tau']}{mem}")
+    bars = r.get("bars")
+    if bars is None:
+        print("  no bars: they are GPU bars (CUDA runs only)")
+        return 0
+    for bar, ok in bars.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {bar}")
+    return 0 if all(bars.values()) else 1
+
+
 def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     """Time the z-lab package's own loop (`dflash_generate` over transformers models) on the same checkpoints
     and prompts. Its output is not compared: that loop is not lossless on Qwen3.5 (notes 3)."""

@@ -60,3 +60,33 @@ def test_heldout_prompts_extend_without_changing_the_first():
     few, many = train.heldout_prompts(tok, 8), train.heldout_prompts(tok, 64)
     assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64
     assert all(30 <= len(p) <= 60 for p in many)
+
+
+def test_bench_gpu_script_runs_on_cpu(tmp_path):
+    """bench_gpu.sh end to end with the small preset on the CPU (the GPU run uses the same lines): it writes
+    the JSON, prints the summary, and has no bars to judge off CUDA."""
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=str(tmp_path))
+    run = subprocess.run(["bash", os.path.join(root, "bench_gpu.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "SKIP  tests/test_gpu.py" in run.stdout and "no bars" in run.stdout
+    r = json.loads((tmp_path / "bench_gpu_sdpa.json").read_text())
+    assert r["preset"] == "tiny-9b-shape" and r["device"] == "cpu" and r["verify_ms"] > 0
+
+
+def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
+    """The verdict bench_gpu.sh prints from a CUDA run's JSON: PASS/FAIL per bar, exit code 1 on any FAIL."""
+    r = {"preset": "qwen3.5-9b", "device": "cuda", "decode_ms": 8.0, "achieved_gb_s": 2240.0, "peak_copy_gb_s": 4000.0,
+         "bandwidth_fraction": 0.56, "verify_over_decode": 1.1, "draft_over_verify": 0.1,
+         "projected_dflash_tokens_per_s": 1100.0, "projected_tau": 5.6, "max_memory_allocated_gb": 20.0,
+         "bars": {"decode_bandwidth_ge_75pct": False, "verify_le_1.3x_decode": True}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(r))
+    assert bench.preset_summary(str(path)) == 1
+    out = capsys.readouterr().out
+    assert "56.0% of 4000 GB/s" in out and "FAIL  decode_bandwidth_ge_75pct" in out and "PASS  verify_le_1.3x_decode" in out
+    r["bars"]["decode_bandwidth_ge_75pct"] = True
+    path.write_text(json.dumps(r))
+    assert bench.preset_summary(str(path)) == 0
