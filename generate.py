@@ -5,7 +5,8 @@
     python generate.py --target Qwen/Qwen3.5-9B --draft z-lab/Qwen3.5-9B-DFlash --system "Be brief." --prompt "..." --no-think
 
 With a checkpoint that ships a chat template (chat_template.jinja, or tokenizer_config.json's chat_template),
---prompt is a user turn rendered by that template (--chat is then the default; --no-chat sends raw text).
+--prompt is a user turn rendered by that template (--chat is then the default; --no-chat sends raw text);
+--system, --messages FILE (earlier turns) and --tools FILE (tool schemas) go into the same rendering.
 
 This is also the oracle interface other engines compare against: with --json the last stdout line is one
 JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timings.
@@ -42,6 +43,8 @@ def parse_args(argv=None):
                    help="render --prompt with the checkpoint's chat template (default: on when the checkpoint ships one)")
     p.add_argument("--system", help="system prompt (chat)")
     p.add_argument("--messages", help="JSON file: a list of {role, content} messages before --prompt (chat, several turns)")
+    p.add_argument("--tools", help="JSON file: a list of tool schemas the model may call (chat; Qwen3.5's template "
+                                   "lists them in a system block)")
     p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the prompt, repeatable (a multimodal Qwen3.5 checkpoint; needs Pillow). With --chat the "
@@ -140,10 +143,11 @@ def load_chat_template(path: str):
 
 
 def render_chat(template: str, messages: list, enable_thinking: bool = True, add_generation_prompt: bool = True,
-                special_tokens: dict | None = None) -> str:
+                special_tokens: dict | None = None, tools: list | None = None) -> str:
     """messages [{role, content}, ...] -> the prompt text, as transformers' apply_chat_template(tokenize=False)
     renders it: a sandboxed environment with trim_blocks and lstrip_blocks, a tojson that leaves non-ASCII as is,
-    and raise_exception. A conversation the template refuses is a GenerationError carrying its message."""
+    and raise_exception. tools: JSON tool schemas (Qwen3.5's template lists them in a "# Tools" system block).
+    A conversation the template refuses is a GenerationError carrying its message."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -161,21 +165,37 @@ def render_chat(template: str, messages: list, enable_thinking: bool = True, add
         raise M.CheckpointError(f"the checkpoint's chat template does not parse ({e.message}, line {e.lineno}); "
                                 "fix chat_template.jinja or pass --no-chat") from None
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                enable_thinking=enable_thinking, **(special_tokens or {}))
     except jinja2.exceptions.TemplateError as e:
         raise dflash.GenerationError(f"the chat template refused the conversation: {e.message}") from None
 
 
-def read_messages(f: str) -> list:
-    """--messages FILE: a JSON list of {"role": ..., "content": ...} objects."""
+def read_json_arg(flag: str, f: str):
+    """The JSON value in the file given to `flag`, or a one-line GenerationError."""
     try:
         with open(f, encoding="utf-8") as fh:
-            msgs = json.load(fh)
+            return json.load(fh)
     except OSError as e:
-        raise dflash.GenerationError(f"--messages {f} cannot be read ({e.strerror})") from None
+        raise dflash.GenerationError(f"{flag} {f} cannot be read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise dflash.GenerationError(f"--messages {f} is not valid JSON ({e})") from None
+        raise dflash.GenerationError(f"{flag} {f} is not valid JSON ({e})") from None
+
+
+def read_tools(f: str) -> list:
+    """--tools FILE: a JSON list of tool schemas, each an object: {"type": "function", "function": {"name": ...,
+    "description": ..., "parameters": {JSON schema}}} (the form transformers and OpenAI-style APIs use), or
+    the bare function object. The template prints them as given."""
+    tools = read_json_arg("--tools", f)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise dflash.GenerationError(f"--tools {f} must hold a JSON list of tool objects, e.g. "
+                                     '[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]')
+    return tools
+
+
+def read_messages(f: str) -> list:
+    """--messages FILE: a JSON list of {"role": ..., "content": ...} objects."""
+    msgs = read_json_arg("--messages", f)
     if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
         raise dflash.GenerationError(f"--messages {f} must hold a JSON list of objects with a 'role' string, "
                                      'e.g. [{"role": "user", "content": "hi"}]')
@@ -195,7 +215,8 @@ def chat_prompt(args, template: str, specials: dict) -> str:
                      for item in m["content"] if isinstance(item, dict) and (item.get("type") == "image" or "image" in item))
         content = [{"type": "image"} for _ in range(len(args.image) - placed)] + [{"type": "text", "text": args.prompt}]
         messages.append({"role": "user", "content": content if len(content) > 1 else args.prompt})
-    return render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials)
+    tools = read_tools(args.tools) if args.tools else None
+    return render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials, tools=tools)
 
 
 def split_thinking(text: str, thinking: bool) -> tuple:
@@ -252,8 +273,8 @@ def main(argv=None) -> int:
 
     template, specials = load_chat_template(target.path)
     chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
-    if not chat and (args.system is not None or args.messages or args.no_think):
-        raise dflash.GenerationError("--system, --messages and --no-think belong to chat mode; drop --no-chat "
+    if not chat and (args.system is not None or args.messages or args.no_think or args.tools):
+        raise dflash.GenerationError("--system, --messages, --tools and --no-think belong to chat mode; drop --no-chat "
                                      "(or use a checkpoint that ships a chat template)")
     if args.prompt is None and args.prompt_ids is None and not (chat and args.messages):
         raise dflash.GenerationError("give a prompt: --prompt TEXT, --prompt-ids IDS, or (chat) --messages FILE")

@@ -22,6 +22,13 @@ QWEN_EXTRA = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pa
 QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], "where": {"near": "Zürich"}}}}
+TOOLS = [   # one in the OpenAI/transformers form, one bare function object; non-ASCII kept as is by tojson
+    {"type": "function", "function": {"name": "get_weather", "description": "Météo d'une ville",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                     "days": {"type": "array", "items": {"type": "integer"}}},
+                                                     "required": ["city"]}}},
+    {"name": "now", "description": "The current time", "parameters": {"type": "object", "properties": {}}},
+]
 CONVERSATIONS = {
     "one-turn": [{"role": "user", "content": "What is 2+2?"}],
     "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}],
@@ -138,6 +145,19 @@ def test_template_from_tokenizer_config_and_bad_template(tmp_path, template):
 # the CLI
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["one-turn", "system", "system-list", "tool-calls"])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_render_with_tools_equals_transformers(chat_ckpt, template, name, thinking):
+    """The "# Tools" system block (merged with a system turn when there is one) == transformers' rendering."""
+    msgs = CONVERSATIONS[name]
+    kw = dict(add_generation_prompt=True, enable_thinking=thinking)
+    ref = chat_ckpt["hf_tok"].apply_chat_template(msgs, tools=TOOLS, tokenize=False, **kw)
+    ours = generate.render_chat(template, msgs, special_tokens=generate.load_chat_template(chat_ckpt["path"])[1],
+                                tools=TOOLS, **kw)
+    assert ours == ref and "# Tools" in ours and '"name": "now"' in ours and "Météo" in ours
+    assert generate.render_chat(template, msgs, tools=[], **kw) == generate.render_chat(template, msgs, **kw)
+
+
 def run_json(capsys, *args) -> dict:
     capsys.readouterr()
     assert generate.main([str(a) for a in args]) == 0
@@ -163,6 +183,12 @@ def test_cli_chat_is_default_and_equals_transformers(chat_ckpt, capsys, tmp_path
     out = run_json(capsys, *base, "--messages", f, "--system", "Be terse.", "--prompt", "Again")
     conv = [{"role": "system", "content": "Be terse."}, *CONVERSATIONS["multi-turn"][:2], {"role": "user", "content": "Again"}]
     assert out["prompt_ids"] == list(hf_tok.apply_chat_template(conv, add_generation_prompt=True, return_dict=False))
+    t = tmp_path / "tools.json"                                        # tool schemas from --tools
+    t.write_text(json.dumps(TOOLS, ensure_ascii=False), encoding="utf-8")
+    out = run_json(capsys, *base, "--tools", t, "--system", "Be terse.", "--prompt", "Weather in Paris?")
+    conv = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather in Paris?"}]
+    assert out["prompt_ids"] == list(hf_tok.apply_chat_template(conv, tools=TOOLS, add_generation_prompt=True,
+                                                                return_dict=False))
     f.write_text(json.dumps(CONVERSATIONS["multi-turn"]))              # --messages alone, ending in a user turn
     out = run_json(capsys, *base, "--messages", f)
     assert out["prompt_ids"] == list(hf_tok.apply_chat_template(CONVERSATIONS["multi-turn"], add_generation_prompt=True,
@@ -190,14 +216,19 @@ def test_cli_chat_stops_on_im_end(chat_ckpt, capsys, monkeypatch):
     (["--messages", "{bad}"], "must hold a JSON list"),
     (["--messages", "{sysfirst}", "--system", "s", "--prompt", "a"], "keep one"),
     (["--prompt", "a", "--messages", "{latesys}"], "System message must be at the beginning"),
+    (["--prompt", "a", "--tools", "{missing}"], "cannot be read"),
+    (["--prompt", "a", "--tools", "{bad}"], "must hold a JSON list of tool objects"),
+    (["--prompt", "a", "--tools", "{notjson}"], "is not valid JSON"),
+    (["--no-chat", "--prompt", "a", "--tools", "{sysfirst}"], "belong to chat mode"),
 ])
 def test_cli_chat_bad_input(chat_ckpt, args, words):
     root = chat_ckpt["root"]
     (root / "bad.json").write_text(json.dumps({"role": "user"}))
     (root / "sysfirst.json").write_text(json.dumps([{"role": "system", "content": "x"}]))
     (root / "latesys.json").write_text(json.dumps([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]))
+    (root / "notjson.json").write_text("[{")
     fill = {"missing": root / "nope.json", "bad": root / "bad.json", "sysfirst": root / "sysfirst.json",
-            "latesys": root / "latesys.json"}
+            "latesys": root / "latesys.json", "notjson": root / "notjson.json"}
     with pytest.raises(dflash.GenerationError) as e:
         generate.main(["--target", chat_ckpt["path"], *[str(a).format(**fill) for a in args]])
     assert words in str(e.value) and "\n" not in str(e.value)
