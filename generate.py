@@ -202,8 +202,8 @@ def read_messages(f: str) -> list:
     return msgs
 
 
-def chat_prompt(args, template: str, specials: dict) -> str:
-    """The conversation from --messages, --system and --prompt, rendered."""
+def chat_prompt(args, template: str, specials: dict, tools: list | None = None) -> str:
+    """The conversation from --messages, --system and --prompt (and the --tools schemas), rendered."""
     messages = read_messages(args.messages) if args.messages else []
     if args.system is not None:
         if messages and messages[0].get("role") == "system":
@@ -215,7 +215,6 @@ def chat_prompt(args, template: str, specials: dict) -> str:
                      for item in m["content"] if isinstance(item, dict) and (item.get("type") == "image" or "image" in item))
         content = [{"type": "image"} for _ in range(len(args.image) - placed)] + [{"type": "text", "text": args.prompt}]
         messages.append({"role": "user", "content": content if len(content) > 1 else args.prompt})
-    tools = read_tools(args.tools) if args.tools else None
     return render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials, tools=tools)
 
 
@@ -244,11 +243,58 @@ def chat_display(text: str) -> str:
     return "[thinking]\n" + text
 
 
-def chat_fields(tokenizer, output_ids: list, stops: list, thinking: bool) -> dict:
-    """The --json fields of a chat turn: its text split into reasoning and answer (stop tokens left out)."""
+def chat_fields(tokenizer, output_ids: list, stops: list, thinking: bool, tools: list | None = None) -> dict:
+    """The --json fields of a chat turn: its text split into reasoning and answer (stop tokens left out), and
+    the complete tool calls in the answer (parse_tool_calls)."""
     text = tokenizer.decode([i for i in output_ids if i not in stops], skip_special_tokens=False)
     reasoning, answer = split_thinking(text, thinking)
-    return {"chat": True, "thinking": thinking, "reasoning": reasoning, "content": answer}
+    return {"chat": True, "thinking": thinking, "reasoning": reasoning, "content": answer,
+            "tool_calls": parse_tool_calls(answer, tools)}
+
+
+# Qwen3.5's tool-call format, as its template writes an assistant's calls (and asks the model to):
+#     <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+# VALUE is written with Jinja's `string` filter, or as JSON for objects and lists, so it carries no type of
+# its own: the tool's JSON schema (from --tools) says how to read it back.
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\n(.*?)</function>\s*</tool_call>", re.S)
+PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n(.*?)\n</parameter>", re.S)
+
+
+def _tool_value(raw: str, kind):
+    """A parameter's text -> its value, read as the schema's JSON type `kind` (None: unknown). Text that does
+    not parse as that type is kept as the string it is, for the caller to validate, never guessed."""
+    if kind == "string":
+        return raw
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(raw.strip().lower(), raw)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    ok = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list), "null": lambda v: v is None}
+    if kind in ok:
+        return value if ok[kind](value) else raw
+    return value if not isinstance(value, str) else raw        # no schema: JSON when it is JSON
+
+
+def parse_tool_calls(text: str, tools: list | None = None) -> list:
+    """The complete tool calls in generated text -> [{"name": ..., "arguments": {...}}] in order (an unfinished
+    call at the end of the text is left out). Argument types follow the --tools schemas where they name the
+    parameter (see _tool_value)."""
+    schemas = {}
+    for tool in tools or []:
+        fn = tool.get("function", tool)
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            schemas[fn["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+    calls = []
+    for name, body in TOOL_CALL_RE.findall(text):
+        types = schemas.get(name.strip(), {})
+        args = {key.strip(): _tool_value(raw, types.get(key.strip())) for key, raw in PARAMETER_RE.findall(body)}
+        calls.append({"name": name.strip(), "arguments": args})
+    return calls
 
 
 def main(argv=None) -> int:
@@ -278,6 +324,7 @@ def main(argv=None) -> int:
                                      "(or use a checkpoint that ships a chat template)")
     if args.prompt is None and args.prompt_ids is None and not (chat and args.messages):
         raise dflash.GenerationError("give a prompt: --prompt TEXT, --prompt-ids IDS, or (chat) --messages FILE")
+    tools = read_tools(args.tools) if chat and args.tools else None
     if chat:
         if args.prompt_ids is not None:
             raise dflash.GenerationError("--prompt-ids are used as is and cannot be rendered as a chat; use --prompt or drop --chat")
@@ -286,7 +333,7 @@ def main(argv=None) -> int:
                                          "chat_template); drop --chat")
         if tokenizer is None:
             raise dflash.GenerationError(f"{target.path} has no tokenizer.json, which chat mode needs")
-        prompt_ids = tokenizer.encode(chat_prompt(args, template, specials), add_special_tokens=False).ids
+        prompt_ids = tokenizer.encode(chat_prompt(args, template, specials, tools), add_special_tokens=False).ids
     elif args.prompt is not None:
         if tokenizer is None:
             raise dflash.GenerationError(f"{target.path} has no tokenizer.json; pass --prompt-ids instead of --prompt")
@@ -350,7 +397,7 @@ def main(argv=None) -> int:
             "decode_tokens_per_s": tps, "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
             "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-            **(chat_fields(tokenizer, res.output_ids, stops, thinking) if chat else {"chat": False}),
+            **(chat_fields(tokenizer, res.output_ids, stops, thinking, tools) if chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths} for r in samples]}
                if args.num_samples > 1 else {}),
         }))

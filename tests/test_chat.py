@@ -279,3 +279,52 @@ def test_display_only_grows(pieces):
     full = generate.chat_display(text)
     for i in range(len(text) + 1):
         assert full.startswith(generate.chat_display(text[:i]))
+
+
+# --------------------------------------------------------------------------------------------------
+# tool calls in generated text
+# --------------------------------------------------------------------------------------------------
+
+TYPED_TOOL = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"}, "late": {"type": "boolean"},
+    "rooms": {"type": "array"}, "prefs": {"type": "object"}}}}}
+TEXT = st.text(st.characters(blacklist_characters="<\r", blacklist_categories=("Cs",)), max_size=12)
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | TEXT,
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
+ARGS = st.fixed_dictionaries({}, optional={
+    "city": TEXT, "nights": st.integers(-1000, 10**9), "budget": st.floats(-1e6, 1e6, allow_nan=False),
+    "late": st.booleans(), "rooms": st.lists(JSONISH, max_size=3), "prefs": st.dictionaries(TEXT, JSONISH, max_size=3)})
+
+
+@given(calls=st.lists(ARGS, min_size=1, max_size=3), content=st.sampled_from(["", "Booking now."]))
+def test_tool_calls_round_trip_through_the_template(template, calls, content):
+    """Tool calls rendered by Qwen3.5's template as an assistant turn, parsed back with the tool's schema ->
+    the same calls: names, argument names and typed values (strings stay strings, even "12" or "true")."""
+    tool_calls = [{"type": "function", "function": {"name": "book", "arguments": a}} for a in calls]
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": content, "tool_calls": tool_calls}]
+    text = generate.render_chat(template, msgs, add_generation_prompt=False, tools=[TYPED_TOOL])
+    answer = text.rsplit("<|im_start|>assistant\n", 1)[1]
+    assert generate.parse_tool_calls(answer, [TYPED_TOOL]) == [{"name": "book", "arguments": a} for a in calls]
+
+
+def test_tool_calls_without_schema_and_unfinished():
+    text = ("Sure.\n\n<tool_call>\n<function=f>\n<parameter=n>\n12\n</parameter>\n<parameter=s>\nhello\n</parameter>\n"
+            "<parameter=j>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=g>\n"
+            "<parameter=x>\n1\n")                                 # the second call was cut off: left out
+    assert generate.parse_tool_calls(text) == [{"name": "f", "arguments": {"n": 12, "s": "hello", "j": {"a": [1, 2]}}}]
+    typed = [{"name": "f", "parameters": {"properties": {"n": {"type": "string"}, "s": {"type": "integer"}}}}]
+    assert generate.parse_tool_calls(text, typed)[0]["arguments"] == {"n": "12", "s": "hello", "j": {"a": [1, 2]}}
+    assert generate.parse_tool_calls("no calls here") == []
+
+
+def test_json_reports_tool_calls(chat_ckpt):
+    """chat_fields (the --json fields of a chat turn) parses the answer's calls, not the reasoning's text."""
+    tok = chat_ckpt["tok"]
+    out = ("I should call it.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+           "<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    ids = tok.encode(out, add_special_tokens=False).ids
+    stops = [tok.token_to_id("<|im_end|>")]
+    fields = generate.chat_fields(tok, ids, stops, True, TOOLS)
+    assert fields["reasoning"] == "I should call it."
+    assert fields["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]
+    assert generate.chat_fields(tok, tok.encode("plain answer", add_special_tokens=False).ids, stops, False)["tool_calls"] == []
