@@ -290,6 +290,12 @@ def peak_copy_gb_s(n_bytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * n_bytes / seconds / 1e9
 
 
+def cudagraph_skips() -> int:
+    """How many compiled graphs inductor has declined to run as CUDA graphs in this process."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def preset_main(args, device) -> dict:
     """Time AR decode, verify and draft steps of a preset's shapes with the Engine (the same step functions and
     timings as the checkpoint benchmark), then print the step costs, the bandwidth and the projection."""
@@ -336,6 +342,8 @@ def preset_main(args, device) -> dict:
         "peak_copy_gb_s": peak, "bandwidth_fraction": fraction,
         "projected_tau": args.tau, "projected_dflash_tokens_per_s": projected, "projected_formula": formula,
         "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        # compiled steps that inductor ran kernel by kernel instead of as a CUDA graph (its log says why)
+        "cudagraph_skips": cudagraph_skips() if cuda and mode else None,
     }
     if cuda:   # the GPU bars of issue 4
         out["bars"] = {"decode_bandwidth_ge_75pct": fraction >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
@@ -354,6 +362,8 @@ def preset_summary(json_path: str) -> int:
     else:
         bw = f"{r['achieved_gb_s']:.1f} GB/s (no peak measured off CUDA)"
     mem = f"; max memory {r['max_memory_allocated_gb']:.1f} GB" if r["max_memory_allocated_gb"] is not None else ""
+    if r.get("cudagraph_skips"):
+        mem += f"; {r['cudagraph_skips']} compiled graphs NOT run as CUDA graphs (see inductor's log)"
     print(f"{r['preset']} on {r['device']}: decode {r['decode_ms']:.3f} ms = {bw}; verify {r['verify_over_decode']:.2f}x "
           f"decode; draft {r['draft_over_verify']:.1%} of verify; PROJECTED {r['projected_dflash_tokens_per_s']:.0f} tok/s "
           f"at tau {r['projected_tau']}{mem}")

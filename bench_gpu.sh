@@ -4,7 +4,8 @@
 #   steps compiled with CUDA graphs (mode reduce-overhead: no autotuning, so it compiles in minutes), timed by
 #   bench.py --preset. Bars: AR decode >= 75% of the measured copy bandwidth, verify (16 tokens) <= 1.3x decode,
 #   draft <= 15% of verify, PROJECTED DFlash tok/s at tau 5.60 >= 1000. First, tests/test_gpu.py: one host-device
-#   sync per draft-verify round (torch.cuda.set_sync_debug_mode) and DFlash == AR on the GPU.
+#   sync per draft-verify round (torch.cuda.set_sync_debug_mode), DFlash == AR on the GPU, and compiled steps
+#   replaying as CUDA graphs (inductor raises on any skip).
 # Usage: bash bench_gpu.sh            (ATTENTION=flex bash bench_gpu.sh for the FlexAttention path;
 #                                      MODE=max-autotune for autotuned kernels, slower to compile)
 # The same script on a CPU, as tests/test_bench_preset.py runs it (no bars there: they are GPU bars):
@@ -23,7 +24,7 @@ if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
     TESTS=PASS
-    timeout 120 python -m pytest -q tests/test_gpu.py 2>&1 | tee "$OUTDIR/test_gpu.log" || TESTS=FAIL
+    timeout 180 python -m pytest -q tests/test_gpu.py 2>&1 | tee "$OUTDIR/test_gpu.log" || TESTS=FAIL
     echo "  $TESTS  tests/test_gpu.py (one sync per round, DFlash == AR on the GPU)"
 else
     DTYPE=float32 PROMPT_LEN=64 TESTS=PASS
@@ -31,7 +32,7 @@ else
 fi
 FLAGS=()
 [ "$COMPILE" = 1 ] && FLAGS=(--compile --compile-mode "$MODE")
-timeout 540 python bench.py --preset "$PRESET" --random-weights --device "$DEVICE" --dtype "$DTYPE" \
+timeout 390 python bench.py --preset "$PRESET" --random-weights --device "$DEVICE" --dtype "$DTYPE" \
     "${FLAGS[@]}" --attention "$ATTENTION" --max-new-tokens 64 --prompt-len "$PROMPT_LEN" \
     | tee "$OUTDIR/bench_gpu_$ATTENTION.log"
 tail -n 1 "$OUTDIR/bench_gpu_$ATTENTION.log" > "$OUTDIR/bench_gpu_$ATTENTION.json"

@@ -238,6 +238,18 @@ def _no_c_shim_note(record: logging.LogRecord) -> bool:
     return "missing a c-shim implementation" not in record.getMessage()
 
 
+def mark_static_(cache) -> None:
+    """Mark every tensor of a TargetCache / DraftCache as a static address for torch.compile. On CUDA the
+    compiled steps replay as CUDA graphs (cudagraph trees), which run a graph that writes one of its inputs in
+    place only when that input is static; otherwise they skip the graph and launch kernel by kernel. Every
+    step writes the caches in place, so they are marked; unguarded, since cudagraph trees re-record a graph
+    whose static input moved (a cache reallocated for another capacity)."""
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t, guard=False)
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -286,6 +298,10 @@ class Engine:
             proposer.attention, proposer.block = attention, block_size
         if proposer is not None:
             proposer.reset(capacity)
+        if self._graphs:                     # CUDA graphs may write the caches in place (mark_static_)
+            mark_static_(self.cache)
+            if isinstance(proposer, DrafterProposer):
+                mark_static_(proposer.cache)
         self.sampling = Sampling()
         # RoPE position = cache position + rope_delta for every token after a prompt with images (vision.py);
         # 0 for text. A device tensor set per generation, so compiled steps read it instead of recompiling.
@@ -366,6 +382,8 @@ class Engine:
         self.reset()
         if use_draft:
             self.proposer.reset(self.capacity)       # a new sequence begins (cheap: caches are kept when they fit)
+            if self._graphs and isinstance(self.proposer, DrafterProposer):
+                mark_static_(self.proposer.cache)    # another Engine may have reallocated it
 
         # Prefill: the whole prompt, GDN chunked from a zero state; the first token is the argmax of the last logits.
         T0 = len(prompt_ids)

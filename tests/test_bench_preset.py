@@ -88,5 +88,7 @@ def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "56.0% of 4000 GB/s" in out and "FAIL  decode_bandwidth_ge_75pct" in out and "PASS  verify_le_1.3x_decode" in out
     r["bars"]["decode_bandwidth_ge_75pct"] = True
+    r["cudagraph_skips"] = 2
     path.write_text(json.dumps(r))
     assert bench.preset_summary(str(path)) == 0
+    assert "2 compiled graphs NOT run as CUDA graphs" in capsys.readouterr().out

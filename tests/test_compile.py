@@ -38,3 +38,24 @@ def test_compiled_sampling_equals_eager_and_follows_new_settings():
             got = compiled.run(p, 40, sampling=s, generator=torch.Generator().manual_seed(7))
             want = eager.run(p, 40, sampling=s, generator=torch.Generator().manual_seed(7))
             assert got.output_ids == want.output_ids, s
+
+
+def test_mark_static_covers_every_cache_tensor():
+    """Every tensor a compiled step may write in place (all of TargetCache's and DraftCache's) is marked, so
+    CUDA graphs can replay those steps (dflash.mark_static_; the replay itself is tests/test_gpu.py's)."""
+    import torch
+    from helpers import tiny_draft_config, tiny_target_config
+    import model as M
+    tcfg = tiny_target_config()
+    caches = [M.TargetCache(tcfg, 32, torch.float32, "cpu", max_block=8),
+              M.DraftCache(tiny_draft_config(tcfg), 32, torch.float32, "cpu")]
+    seen = 0
+    for cache in caches:
+        dflash.mark_static_(cache)
+        for layer in cache.layers:
+            for name, t in vars(layer).items():
+                if isinstance(t, torch.Tensor):
+                    assert getattr(t, "_dynamo_static_input_type", None) == "unguarded", (type(layer).__name__, name)
+                    seen += 1
+    n_gdn = sum(t != "full_attention" for t in tcfg.layer_types)
+    assert seen == 6 * n_gdn + 2 * (len(tcfg.layer_types) - n_gdn) + 2 * tiny_draft_config(tcfg).num_hidden_layers

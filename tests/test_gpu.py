@@ -48,3 +48,19 @@ def test_dflash_equals_ar_on_the_gpu():
     ar = dflash.run(target, prompt, 48, block_size=1, capacity=256)
     sp = dflash.run(target, prompt, 48, proposer=dflash.DrafterProposer(drafter, target), block_size=8, capacity=256)
     assert sp.output_ids == ar.output_ids
+
+
+def test_compiled_steps_replay_as_cuda_graphs():
+    """reduce-overhead on CUDA: every compiled step runs as a CUDA graph (inductor raises on any skip, e.g.
+    "mutated inputs" when a cache is not marked static: dflash.mark_static_), and the tokens are AR's."""
+    import torch._inductor.config as inductor_config
+    tcfg = tiny_target_config()
+    target = random_target(tcfg, 4, torch.float32).cuda()
+    drafter = random_drafter(tiny_draft_config(tcfg), 5, torch.float32).cuda()
+    prompt = list(range(7, 50))
+    ar = dflash.run(target, prompt, 40, block_size=1, capacity=160)
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        for proposer, block in ((dflash.DrafterProposer(drafter, target), 8), (None, 1)):
+            engine = dflash.Engine(target, proposer, block, 160, compile_mode="reduce-overhead")
+            engine.run(prompt, 24)                               # warm-up and recording
+            assert engine.run(prompt, 40).output_ids == ar.output_ids
