@@ -262,7 +262,12 @@ PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n(.*?)\n</parameter>", re.S)
 
 def _tool_value(raw: str, kind):
     """A parameter's text -> its value, read as the schema's JSON type `kind` (None: unknown). Text that does
-    not parse as that type is kept as the string it is, for the caller to validate, never guessed."""
+    not parse as that type is kept as the string it is, for the caller to validate, never guessed. A union
+    type (a list, e.g. ["string", "null"]) counts as unknown."""
+    if not isinstance(kind, str):
+        kind = None
+    if kind == "null" and raw.strip() in ("None", "null"):     # the template writes Python's None as "None"
+        return None
     if kind == "string":
         return raw
     if kind == "boolean":
@@ -287,7 +292,9 @@ def parse_tool_calls(text: str, tools: list | None = None) -> list:
     for tool in tools or []:
         fn = tool.get("function", tool)
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            props = (fn.get("parameters") or {}).get("properties") or {}
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            props = props if isinstance(props, dict) else {}
             schemas[fn["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
     calls = []
     for name, body in TOOL_CALL_RE.findall(text):

@@ -315,6 +315,11 @@ def test_tool_calls_without_schema_and_unfinished():
     typed = [{"name": "f", "parameters": {"properties": {"n": {"type": "string"}, "s": {"type": "integer"}}}}]
     assert generate.parse_tool_calls(text, typed)[0]["arguments"] == {"n": "12", "s": "hello", "j": {"a": [1, 2]}}
     assert generate.parse_tool_calls("no calls here") == []
+    odd = [{"name": "f", "parameters": {"properties": {"n": {"type": ["integer", "null"]}, "s": {"type": "null"}}}},
+           {"name": "g", "parameters": []}, {"function": "h"}]          # a union type, malformed schemas: no crash
+    assert generate.parse_tool_calls(text, odd)[0]["arguments"] == {"n": 12, "s": "hello", "j": {"a": [1, 2]}}
+    none = "<tool_call>\n<function=f>\n<parameter=s>\nNone\n</parameter>\n</function>\n</tool_call>"
+    assert generate.parse_tool_calls(none, odd) == [{"name": "f", "arguments": {"s": None}}]
 
 
 def test_json_reports_tool_calls(chat_ckpt):
