@@ -361,12 +361,12 @@ def preset_summary(json_path: str) -> int:
         bw = f"{r['achieved_gb_s']:.0f} GB/s = {r['bandwidth_fraction']:.1%} of {r['peak_copy_gb_s']:.0f} GB/s"
     else:
         bw = f"{r['achieved_gb_s']:.1f} GB/s (no peak measured off CUDA)"
-    mem = f"; max memory {r['max_memory_allocated_gb']:.1f} GB" if r["max_memory_allocated_gb"] is not None else ""
+    extra = f"; max memory {r['max_memory_allocated_gb']:.1f} GB" if r["max_memory_allocated_gb"] is not None else ""
     if r.get("cudagraph_skips"):
-        mem += f"; {r['cudagraph_skips']} compiled graphs NOT run as CUDA graphs (see inductor's log)"
+        extra += f"; {r['cudagraph_skips']} compiled graphs NOT run as CUDA graphs (see inductor's log)"
     print(f"{r['preset']} on {r['device']}: decode {r['decode_ms']:.3f} ms = {bw}; verify {r['verify_over_decode']:.2f}x "
           f"decode; draft {r['draft_over_verify']:.1%} of verify; PROJECTED {r['projected_dflash_tokens_per_s']:.0f} tok/s "
-          f"at tau {r['projected_tau']}{mem}")
+          f"at tau {r['projected_tau']}{extra}")
     bars = r.get("bars")
     if bars is None:
         print("  no bars: they are GPU bars (CUDA runs only)")

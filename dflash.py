@@ -298,10 +298,8 @@ class Engine:
             proposer.attention, proposer.block = attention, block_size
         if proposer is not None:
             proposer.reset(capacity)
-        if self._graphs:                     # CUDA graphs may write the caches in place (mark_static_)
-            mark_static_(self.cache)
-            if isinstance(proposer, DrafterProposer):
-                mark_static_(proposer.cache)
+        if self._graphs:                     # CUDA graphs may write the cache in place (mark_static_); the
+            mark_static_(self.cache)         # drafter's is marked in generate, after its reset
         self.sampling = Sampling()
         # RoPE position = cache position + rope_delta for every token after a prompt with images (vision.py);
         # 0 for text. A device tensor set per generation, so compiled steps read it instead of recompiling.
@@ -383,7 +381,7 @@ class Engine:
         if use_draft:
             self.proposer.reset(self.capacity)       # a new sequence begins (cheap: caches are kept when they fit)
             if self._graphs and isinstance(self.proposer, DrafterProposer):
-                mark_static_(self.proposer.cache)    # another Engine may have reallocated it
+                mark_static_(self.proposer.cache)    # (re)allocated by reset when another Engine resized it
 
         # Prefill: the whole prompt, GDN chunked from a zero state; the first token is the argmax of the last logits.
         T0 = len(prompt_ids)

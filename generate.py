@@ -298,9 +298,10 @@ def parse_tool_calls(text: str, tools: list | None = None) -> list:
             schemas[fn["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
     calls = []
     for name, body in TOOL_CALL_RE.findall(text):
-        types = schemas.get(name.strip(), {})
-        args = {key.strip(): _tool_value(raw, types.get(key.strip())) for key, raw in PARAMETER_RE.findall(body)}
-        calls.append({"name": name.strip(), "arguments": args})
+        name = name.strip()
+        types = schemas.get(name, {})
+        pairs = ((key.strip(), raw) for key, raw in PARAMETER_RE.findall(body))
+        calls.append({"name": name, "arguments": {key: _tool_value(raw, types.get(key)) for key, raw in pairs}})
     return calls
 
 

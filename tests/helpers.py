@@ -9,6 +9,7 @@ import random
 import torch
 
 import model as M
+from bench import zlab_module       # the z-lab package's model.py: one loader for bench and the tests
 
 
 def tiny_target_config(**kw) -> M.TargetConfig:
@@ -90,9 +91,6 @@ class OracleProposer:
             out[a] = (out[a] + 1 + self.rng.randrange(self.V - 1)) % self.V   # anything but the true token
         self.asked.append(a)
         return torch.tensor(out, dtype=torch.long)
-
-
-from bench import zlab_module  # noqa: E402  (the z-lab package's model.py; one loader for bench and tests)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -67,9 +67,9 @@ def test_bench_gpu_script_runs_on_cpu(tmp_path):
     the JSON, prints the summary, and has no bars to judge off CUDA."""
     import os
     import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from helpers import ROOT
     env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=str(tmp_path))
-    run = subprocess.run(["bash", os.path.join(root, "bench_gpu.sh")], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "SKIP  tests/test_gpu.py" in run.stdout and "no bars" in run.stdout
     r = json.loads((tmp_path / "bench_gpu_sdpa.json").read_text())
