@@ -96,6 +96,7 @@ class OracleProposer:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
 EMBEDDED_DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
+HAS_EMBEDDED_PAIR = os.path.exists(os.path.join(EMBEDDED_DRAFT, "model.safetensors"))
 
 
 def embedded_pair():

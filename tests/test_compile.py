@@ -1,13 +1,12 @@
 """torch.compile of the step functions: one graph per step kind, no recompiles after warm-up, same tokens."""
-import os
 
 import pytest
 
 import dflash
-from helpers import EMBEDDED_DRAFT, embedded_pair
+from helpers import HAS_EMBEDDED_PAIR, embedded_pair
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED_DRAFT, "model.safetensors")), reason="embedded pair not present")
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_no_recompiles_after_warmup_and_same_tokens():
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -24,7 +23,7 @@ def test_no_recompiles_after_warmup_and_same_tokens():
     assert res.output_ids == eager.output_ids
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED_DRAFT, "model.safetensors")), reason="embedded pair not present")
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_compiled_sampling_equals_eager_and_follows_new_settings():
     """Sampling constants are compiled into the sampling step: a generation with other constants must run a
     graph made for them (dynamo's guards), never the previous one. Same seed -> the eager engine's tokens."""

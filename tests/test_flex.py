@@ -4,7 +4,6 @@ Eager flex_attention on CPU evaluates only the mask_mod (it ignores the BlockMas
 lists are checked directly here (test_step_masks_*): the mask a fused kernel applies is (tile listed) AND
 mask_mod, and it must equal the SDPA path's boolean mask for every start position and step width. The
 compiled test runs inductor's CPU flex kernel, which does skip unlisted tiles."""
-import os
 import warnings
 
 import pytest
@@ -13,7 +12,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 import dflash
 import model as M
-from helpers import EMBEDDED_DRAFT, OracleProposer, embedded_pair, random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import HAS_EMBEDDED_PAIR, OracleProposer, embedded_pair, random_drafter, random_target, tiny_draft_config, tiny_target_config
 
 
 # eager flex_attention warns once that it is unfused; that is the point of running it here
@@ -148,7 +147,7 @@ def test_masks_built_once_per_engine(monkeypatch):
         dflash.Engine(target, None, 1, 100, attention="flash")
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED_DRAFT, "model.safetensors")), reason="embedded pair not present")
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_compiled_flex_no_recompiles_same_tokens():
     """torch.compile(fullgraph=True) of the flex steps: no recompiles after warm-up across a generation with
     varying acceptance lengths; tokens and proposals == the eager SDPA engine's. (Inductor's CPU flex kernel
