@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ import time
 import torch
 
 import dflash
+import checkpoint as ckpt
 import model as M
 from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES
 
@@ -83,17 +85,6 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     return ar_engine, sp_engine, time.perf_counter() - t0
 
 
-def zlab_module():
-    """The z-lab `dflash` package's model.py, loaded under another name: our dflash.py shadows the package."""
-    import importlib.metadata
-    import importlib.util
-    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")
-    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def step_ms(results, kind, attr):
     vals = [getattr(s, attr) for r in results for s in r.steps if s.kind == kind]
     return 1000 * statistics.median(vals) if vals else None
@@ -108,11 +99,11 @@ def main(argv=None):
         return preset_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
-    target = M.load_target(args.target, dtype, device)
-    drafter = M.load_drafter(args.draft, target.cfg, dtype, device)
+    target = ckpt.load_target(args.target, dtype, device)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     proposer = dflash.DrafterProposer(drafter, target)
     block = args.block_size or drafter.cfg.block_size
-    tok = M.load_tokenizer(target.path)
+    tok = ckpt.load_tokenizer(target.path)
 
     texts = list(args.prompt)
     if args.prompts:
@@ -125,7 +116,7 @@ def main(argv=None):
     else:
         import train
         prompts = train.heldout_prompts(tok, args.heldout)
-    stops = M.stop_token_ids(target.path, target.cfg)
+    stops = ckpt.stop_token_ids(target.path, target.cfg)
 
     capacity = max(len(p) for p in prompts) + max(args.max_new_tokens, 3 * block) + block   # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
@@ -380,6 +371,8 @@ def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     """Time the z-lab package's own loop (`dflash_generate` over transformers models) on the same checkpoints
     and prompts. Its output is not compared: that loop is not lossless on Qwen3.5 (notes 3)."""
     from transformers import AutoModelForCausalLM
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    from helpers import zlab_module     # the z-lab package's model.py (a test oracle, loaded by the tests' helper)
     zm = zlab_module()
     dtype = target.embed_tokens.weight.dtype
     hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).to(target.embed_tokens.weight.device).eval()

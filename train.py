@@ -22,14 +22,6 @@ Saved in the z-lab checkpoint format (config.json with dflash_config, model.safe
 
 Both jobs print periodic loss lines, checkpoint to <out>/train_state.pt, resume with --resume, use fixed
 seeds, and stop at --minutes (or --steps).
-
-`add-vision` (no training): turns a text checkpoint and its drafter into a multimodal pair, so the image path
-(vision.py, --image) runs end to end on a CPU in seconds:
-    python train.py add-vision --target checkpoints/tiny-qwen35 --draft checkpoints/tiny-qwen35-dflash --out /tmp/tiny-vl
-It writes <out>/target (model_type qwen3_5: the text weights under model.language_model.*, a small RANDOMLY
-initialised vision tower under model.visual.*, the tokenizer with <|vision_start|> <|vision_end|> <|image_pad|>
-added, a preprocessor_config.json) and <out>/draft (the same drafter, its vocab_size grown to match). The
-tower is untrained: the text after an image is the text model's, not a description of the image.
 """
 from __future__ import annotations
 
@@ -46,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import checkpoint as ckpt
 import model as M
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -121,65 +114,6 @@ def token_stream(tokenizer, split: str) -> torch.Tensor:
         if text:
             ids += tokenizer.encode(text).ids + [eot]
     return torch.tensor(ids, dtype=torch.long)
-
-
-# ==================================================================================================
-# Saving in the real formats
-# ==================================================================================================
-
-def save_target(model: M.Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
-    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text)."""
-    from safetensors.torch import save_file
-    cfg = model.cfg
-    tensors = {}
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        t = p.detach().to(dtype).contiguous()
-        if name.endswith("conv_weight"):
-            name, t = name.replace("conv_weight", "conv1d.weight"), t[:, None, :].contiguous()
-        tensors[name if name.startswith("lm_head") else "model." + name] = t
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
-        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
-        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "layer_types": cfg.layer_types,
-        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.partial_rotary_factor,
-                            "mrope_section": cfg.mrope_section, "mrope_interleaved": True},
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "eos_token_id": eos, "dtype": str(dtype).replace("torch.", ""),
-    }
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2)
-
-
-def save_drafter(drafter: M.DFlashDrafter, out: str, dtype=torch.bfloat16) -> None:
-    """The z-lab DFlashDraftModel layout: a Qwen3 config plus dflash_config; tensor names without prefix."""
-    from safetensors.torch import save_file
-    cfg = drafter.cfg
-    tensors = {n: p.detach().to(dtype).contiguous() for n, p in drafter.state_dict().items()}
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": 32768, "tie_word_embeddings": False,
-        "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id,
-                          "block_size": cfg.block_size},
-        "dtype": str(dtype).replace("torch.", ""),
-    }
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2)
 
 
 # ==================================================================================================
@@ -324,9 +258,9 @@ def train_target(args):
                   f"{tps:,.0f} tok/s  {(time.time() - t0) / 60:.1f} min", flush=True)
         if step % args.save_every == 0:
             save_state(state_path, model, opt, step)
-            save_target(model, args.out)
+            ckpt.save_target(model, args.out)
     save_state(state_path, model, opt, step)
-    save_target(model, args.out)
+    ckpt.save_target(model, args.out)
     held = eval_loss(model, held_ids)
     summary = {"job": "target", "steps": step, "minutes": (time.time() - t0) / 60, "final_train_loss_ema": ema,
                "heldout_loss": held, "params": sum(p.numel() for p in model.parameters())}
@@ -454,7 +388,7 @@ def grow_drafter_(big: M.DFlashDrafter, small: M.DFlashDrafter) -> None:
 def train_draft(args):
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
-    target = M.load_target(args.target, torch.float32)
+    target = ckpt.load_target(args.target, torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
     from tokenizers import Tokenizer
@@ -483,7 +417,7 @@ def train_draft(args):
     state_path = os.path.join(args.out, "train_state.pt")
     step = 0
     if args.init_from and not (args.resume and os.path.exists(state_path)):
-        grow_drafter_(drafter, M.load_drafter(args.init_from, target.cfg, torch.float32))
+        grow_drafter_(drafter, ckpt.load_drafter(args.init_from, target.cfg, torch.float32))
         print(f"initialised from {args.init_from}: its layers first, the new ones adding nothing yet", flush=True)
     if args.resume and os.path.exists(state_path):
         step, _ = load_state(state_path, drafter, opt)
@@ -505,93 +439,14 @@ def train_draft(args):
                   f"lr {opt.param_groups[0]['lr']:.2e}  {(time.time() - t0) / 60:.1f} min", flush=True)
         if step % args.save_every == 0:
             save_state(state_path, drafter, opt, step)
-            save_drafter(drafter, args.out)
+            ckpt.save_drafter(drafter, args.out)
     save_state(state_path, drafter, opt, step)
-    save_drafter(drafter, args.out)
+    ckpt.save_drafter(drafter, args.out)
     summary = {"job": "draft", "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
                "params": sum(p.numel() for p in drafter.parameters())}
     with open(os.path.join(args.out, "training.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
     print(json.dumps(summary), flush=True)
-
-
-# ==================================================================================================
-# add-vision: a multimodal checkpoint from a text one (random tower), to exercise the image path
-# ==================================================================================================
-
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-
-
-def add_vision(args):
-    import shutil
-
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-
-    import vision
-    target = M.load_target(args.target, torch.float32)
-    cfg = target.cfg
-    tok = Tokenizer.from_file(os.path.join(target.path, "tokenizer.json"))
-    tok.add_special_tokens(VISION_TOKENS)
-    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
-    V = tok.get_vocab_size()
-    g = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():                 # new embedding rows like the old ones; lm_head rows 0 (never preferred)
-        emb = target.embed_tokens.weight
-        extra = torch.randn(V - cfg.vocab_size, cfg.hidden_size, generator=g) * emb.std()
-        embed = torch.cat([emb, extra])
-        head = torch.cat([target.lm_head.weight, torch.zeros(V - cfg.vocab_size, cfg.hidden_size)])
-    vcfg = vision.VisionConfig(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, out_hidden_size=cfg.hidden_size,
-                               num_position_embeddings=64, image_token_id=ids["<|image_pad|>"],
-                               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    tower = vision.VisionTower(vcfg)
-    with torch.no_grad():
-        for name, p in tower.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-
-    out_t, out_d = os.path.join(args.out, "target"), os.path.join(args.out, "draft")
-    os.makedirs(out_t, exist_ok=True)
-    tensors = {}
-    for name, p in target.state_dict().items():
-        if name.endswith("conv_weight"):
-            name, p = name.replace("conv_weight", "conv1d.weight"), p[:, None, :]
-        if name in ("embed_tokens.weight", "lm_head.weight"):
-            p = embed if name == "embed_tokens.weight" else head
-        tensors[name if name == "lm_head.weight" else "model.language_model." + name] = p.to(torch.bfloat16).contiguous()
-    for name, p in tower.state_dict().items():
-        if name == "patch_embed.proj.weight":          # stored as the checkpoint's Conv3d kernel [D, C, Tp, p, p]
-            p = p.view(vcfg.hidden_size, vcfg.in_channels, vcfg.temporal_patch_size, vcfg.patch_size, vcfg.patch_size)
-        tensors["model.visual." + name] = p.to(torch.bfloat16).contiguous()
-    save_file(tensors, os.path.join(out_t, "model.safetensors"), metadata={"format": "pt"})
-    text = M.read_config(target.path)
-    text.update(model_type="qwen3_5_text", vocab_size=V)
-    text.pop("architectures", None)
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-              "vision_config": {"model_type": "qwen3_5_vision", "hidden_act": "gelu_pytorch_tanh",
-                                **{k: getattr(vcfg, k) for k in vision.VisionConfig.KEYS}},
-              "image_token_id": vcfg.image_token_id, "vision_start_token_id": vcfg.vision_start_token_id,
-              "vision_end_token_id": vcfg.vision_end_token_id, "tie_word_embeddings": cfg.tie_word_embeddings}
-    with open(os.path.join(out_t, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2)
-    with open(os.path.join(out_t, "preprocessor_config.json"), "w") as fh:   # small images: at most 64 tokens each
-        json.dump({"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
-                   "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-                   "size": {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}}, fh, indent=2)
-    tok.save(os.path.join(out_t, "tokenizer.json"))
-    if args.draft:
-        os.makedirs(out_d, exist_ok=True)
-        shutil.copy(os.path.join(args.draft, "model.safetensors"), out_d)
-        dcfg = M.read_config(args.draft)
-        dcfg["vocab_size"] = V          # the drafter has no embedding or lm_head of its own: only the number changes
-        with open(os.path.join(out_d, "config.json"), "w") as fh:
-            json.dump(dcfg, fh, indent=2)
-    print(f"wrote {out_t}" + (f" and {out_d}" if args.draft else "") + f"; image prompt: "
-          f"{''.join(VISION_TOKENS[:1] + VISION_TOKENS[2:] + VISION_TOKENS[1:2])} (image_pad id {vcfg.image_token_id})")
 
 
 def main(argv=None):
@@ -629,15 +484,9 @@ def main(argv=None):
     d.add_argument("--anchors", type=int, default=32)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=2e-3)
-    v = sub.add_parser("add-vision", help="a multimodal pair from a text pair (random vision tower; no training)")
-    v.add_argument("--target", required=True)
-    v.add_argument("--draft", default=None)
-    v.add_argument("--out", required=True)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"target": train_target, "draft": train_draft, "add-vision": add_vision}[args.job](args)
+    {"target": train_target, "draft": train_draft}[args.job](args)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import checkpoint as ckpt
 import model as M
 
 
@@ -113,7 +114,7 @@ class ImageProcessorConfig:
         f = os.path.join(path, "preprocessor_config.json")
         if not os.path.exists(f):
             return cls()
-        raw = M.read_json(f)
+        raw = ckpt.read_json(f)
         size = raw.get("size") or {}
         cfg = cls()
         for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
@@ -320,19 +321,19 @@ class VisionTower(nn.Module):
 def load_vision(path: str, dtype=torch.float32, device="cpu") -> tuple:
     """The vision tower of a multimodal Qwen3.5 checkpoint (`model.visual.*`) and its image processor
     settings -> (VisionTower, ImageProcessorConfig)."""
-    path = M.resolve_dir(path)
-    cfg = VisionConfig.from_dict(M.read_config(path))
+    path = ckpt.resolve_dir(path)
+    cfg = VisionConfig.from_dict(ckpt.read_config(path))
     with torch.device("meta"):
         tower = VisionTower(cfg)
     tower.to_empty(device="cpu")
     prefix = "model.visual."
-    tensors = {k[len(prefix):]: t for k, t in M.read_safetensors(path, keep=lambda k: k.startswith(prefix)).items()}
+    tensors = {k[len(prefix):]: t for k, t in ckpt.read_safetensors(path, keep=lambda k: k.startswith(prefix)).items()}
     if not tensors:
         raise M.CheckpointError(f"{path} has a vision_config but no model.visual.* tensors; re-download the full checkpoint")
     w = tensors.get("patch_embed.proj.weight")
     if w is not None and w.dim() == 5:                     # the Conv3d kernel [D, C, Tp, p, p] -> Linear [D, C*Tp*p*p]
         tensors["patch_embed.proj.weight"] = w.reshape(w.shape[0], -1)
-    M.load_into(tower, tensors, dtype, "vision tower")
+    ckpt.load_into(tower, tensors, dtype, "vision tower")
     tower.inv_freq = vision_inv_freq(cfg)          # a non-persistent buffer: to_empty left it uninitialised
     pc = ImageProcessorConfig.from_dir(path)
     if (pc.patch_size, pc.temporal_patch_size, pc.merge_size) != (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):

@@ -8,8 +8,19 @@ import random
 
 import torch
 
+import checkpoint as ckpt
 import model as M
-from bench import zlab_module       # the z-lab package's model.py: one loader for bench and the tests
+
+
+def zlab_module():
+    """The z-lab `dflash` package's model.py, loaded under another name: our dflash.py shadows the package."""
+    import importlib.metadata
+    import importlib.util
+    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_target_config(**kw) -> M.TargetConfig:
@@ -101,9 +112,9 @@ HAS_EMBEDDED_PAIR = os.path.exists(os.path.join(EMBEDDED_DRAFT, "model.safetenso
 
 def embedded_pair():
     """The embedded target and drafter in float32, and two Python prompts of different lengths (token ids)."""
-    target = M.load_target(EMBEDDED_TARGET, torch.float32)
-    drafter = M.load_drafter(EMBEDDED_DRAFT, target.cfg, torch.float32)
-    tok = M.load_tokenizer(EMBEDDED_TARGET)
+    target = ckpt.load_target(EMBEDDED_TARGET, torch.float32)
+    drafter = ckpt.load_drafter(EMBEDDED_DRAFT, target.cfg, torch.float32)
+    tok = ckpt.load_tokenizer(EMBEDDED_TARGET)
     p1 = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(").ids
     p2 = tok.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def").ids
     return target, drafter, p1, p2

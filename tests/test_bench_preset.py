@@ -5,6 +5,7 @@ import json
 import torch
 
 import bench
+import checkpoint as ckpt
 import model as M
 
 
@@ -17,7 +18,7 @@ def test_9b_preset_shapes_match_the_spec():
     assert sum(p.numel() for p in target.parameters()) == 8_953_803_264
     assert tcfg.layer_types.count("full_attention") == 8 and tcfg.rotary_dim == 64
     assert dcfg.target_layer_ids == [1, 8, 15, 22, 29] and dcfg.num_hidden_layers == 5 and dcfg.block_size == 16
-    dcfg.check_fits(tcfg)
+    ckpt.check_fits(dcfg, tcfg)
 
 
 def test_tiny_preset_runs_and_reports(capsys):
@@ -45,7 +46,7 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     lo, hi = last["speedup_quartiles"]
     assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
     assert sum(last["acceptance_histogram"]) > 0 and len(last["acceptance_histogram"]) == last["block_size"]
-    target = M.load_target(bench.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
+    target = ckpt.load_target(bench.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
     assert last["weight_bytes_per_decode"] == bench.weight_bytes_per_decode(target)
     expected = last["weight_bytes_per_decode"] / (last["decode_ms"] / 1000) / 1e9
     assert abs(last["achieved_gb_s"] - expected) < 1e-6 * expected
@@ -56,7 +57,7 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
 def test_heldout_prompts_extend_without_changing_the_first():
     """More prompts than held-out files: further windows of the same files; the first ones do not move."""
     import train
-    tok = M.load_tokenizer(bench.DEFAULT_TARGET)
+    tok = ckpt.load_tokenizer(bench.DEFAULT_TARGET)
     few, many = train.heldout_prompts(tok, 8), train.heldout_prompts(tok, 64)
     assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64
     assert all(30 <= len(p) <= 60 for p in many)

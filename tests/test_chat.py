@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import dflash
+import chat
 import generate
 from helpers import save_hf_causal_lm
 
@@ -97,9 +98,9 @@ def test_render_equals_transformers(chat_ckpt, template, name, thinking, gen_pro
     msgs = CONVERSATIONS[name]
     kw = dict(add_generation_prompt=gen_prompt, enable_thinking=thinking)
     ref = chat_ckpt["hf_tok"].apply_chat_template(msgs, tokenize=False, **kw)
-    tpl, specials = generate.load_chat_template(chat_ckpt["path"])
+    tpl, specials = chat.load_chat_template(chat_ckpt["path"])
     assert tpl == template
-    ours = generate.render_chat(tpl, msgs, special_tokens=specials, **kw)
+    ours = chat.render_chat(tpl, msgs, special_tokens=specials, **kw)
     assert ours == ref
     ref_ids = chat_ckpt["hf_tok"].apply_chat_template(msgs, tokenize=True, return_dict=False, **kw)
     assert chat_ckpt["tok"].encode(ours, add_special_tokens=False).ids == list(ref_ids)
@@ -107,7 +108,7 @@ def test_render_equals_transformers(chat_ckpt, template, name, thinking, gen_pro
 
 def test_render_matches_the_documented_shapes(template):
     """Independent of transformers: the shapes in qwen35-spec.md section 9, written out by hand."""
-    r = lambda msgs, **kw: generate.render_chat(template, msgs, **kw)
+    r = lambda msgs, **kw: chat.render_chat(template, msgs, **kw)
     user = [{"role": "user", "content": " hi "}]
     assert r(user) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
     assert r(user, enable_thinking=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -127,17 +128,17 @@ def test_render_matches_the_documented_shapes(template):
 ])
 def test_refused_conversation_is_one_clear_error(template, msgs, words):
     with pytest.raises(dflash.GenerationError) as e:
-        generate.render_chat(template, msgs)
+        chat.render_chat(template, msgs)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_template_from_tokenizer_config_and_bad_template(tmp_path, template):
     with open(tmp_path / "tokenizer_config.json", "w") as fh:
         json.dump({"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}, fh)
-    assert generate.load_chat_template(str(tmp_path))[0] == template
-    assert generate.load_chat_template(str(tmp_path / "..")) == (None, {})
+    assert chat.load_chat_template(str(tmp_path))[0] == template
+    assert chat.load_chat_template(str(tmp_path / "..")) == (None, {})
     with pytest.raises(Exception) as e:
-        generate.render_chat("{% if %}", [{"role": "user", "content": "a"}])
+        chat.render_chat("{% if %}", [{"role": "user", "content": "a"}])
     assert "does not parse" in str(e.value) and "--no-chat" in str(e.value)
 
 
@@ -152,10 +153,10 @@ def test_render_with_tools_equals_transformers(chat_ckpt, template, name, thinki
     msgs = CONVERSATIONS[name]
     kw = dict(add_generation_prompt=True, enable_thinking=thinking)
     ref = chat_ckpt["hf_tok"].apply_chat_template(msgs, tools=TOOLS, tokenize=False, **kw)
-    ours = generate.render_chat(template, msgs, special_tokens=generate.load_chat_template(chat_ckpt["path"])[1],
+    ours = chat.render_chat(template, msgs, special_tokens=chat.load_chat_template(chat_ckpt["path"])[1],
                                 tools=TOOLS, **kw)
     assert ours == ref and "# Tools" in ours and '"name": "now"' in ours and "Météo" in ours
-    assert generate.render_chat(template, msgs, tools=[], **kw) == generate.render_chat(template, msgs, **kw)
+    assert chat.render_chat(template, msgs, tools=[], **kw) == chat.render_chat(template, msgs, **kw)
 
 
 def run_json(capsys, *args) -> dict:
@@ -260,15 +261,15 @@ def test_stream_shows_reasoning_and_answer_apart(chat_ckpt):
     ids = tok.encode("Two and two.\n</think>\n\nIt is 4.", add_special_tokens=False).ids + [im_end]
     for chunk in (1, 3, len(ids)):          # one token per step, accepted runs of 3, everything at once
         out = Out()
-        s = generate.TextStream(tok, out=out, hide=[im_end], render=generate.chat_display)
+        s = generate.TextStream(tok, out=out, hide=[im_end], render=chat.chat_display)
         for i in range(0, len(ids), chunk):
             s.push(ids[i:i + chunk])
         s.close()
         assert out.text == "[thinking]\nTwo and two.\n\n[answer]\nIt is 4.\n"
-    fields = generate.chat_fields(tok, ids, [im_end], thinking=True)
+    fields = chat.chat_fields(tok, ids, [im_end], thinking=True)
     assert (fields["reasoning"], fields["content"]) == ("Two and two.", "It is 4.")
-    assert generate.split_thinking("no tag yet", True) == ("no tag yet", "")
-    assert generate.split_thinking("a</think>b", False) == ("", "a</think>b")
+    assert chat.split_thinking("no tag yet", True) == ("no tag yet", "")
+    assert chat.split_thinking("a</think>b", False) == ("", "a</think>b")
 
 
 @given(st.lists(st.sampled_from(["a", "é", "\n", "</think>", "</", "think", ">", "<"]), max_size=12))
@@ -276,9 +277,9 @@ def test_display_only_grows(pieces):
     """The stream prints the display's new tail at each step, so the display of any prefix of the text
     must be a prefix of the display of the whole text."""
     text = "".join(pieces)
-    full = generate.chat_display(text)
+    full = chat.chat_display(text)
     for i in range(len(text) + 1):
-        assert full.startswith(generate.chat_display(text[:i]))
+        assert full.startswith(chat.chat_display(text[:i]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,24 +303,24 @@ def test_tool_calls_round_trip_through_the_template(template, calls, content):
     the same calls: names, argument names and typed values (strings stay strings, even "12" or "true")."""
     tool_calls = [{"type": "function", "function": {"name": "book", "arguments": a}} for a in calls]
     msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": content, "tool_calls": tool_calls}]
-    text = generate.render_chat(template, msgs, add_generation_prompt=False, tools=[TYPED_TOOL])
+    text = chat.render_chat(template, msgs, add_generation_prompt=False, tools=[TYPED_TOOL])
     answer = text.rsplit("<|im_start|>assistant\n", 1)[1]
-    assert generate.parse_tool_calls(answer, [TYPED_TOOL]) == [{"name": "book", "arguments": a} for a in calls]
+    assert chat.parse_tool_calls(answer, [TYPED_TOOL]) == [{"name": "book", "arguments": a} for a in calls]
 
 
 def test_tool_calls_without_schema_and_unfinished():
     text = ("Sure.\n\n<tool_call>\n<function=f>\n<parameter=n>\n12\n</parameter>\n<parameter=s>\nhello\n</parameter>\n"
             "<parameter=j>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=g>\n"
             "<parameter=x>\n1\n")                                 # the second call was cut off: left out
-    assert generate.parse_tool_calls(text) == [{"name": "f", "arguments": {"n": 12, "s": "hello", "j": {"a": [1, 2]}}}]
+    assert chat.parse_tool_calls(text) == [{"name": "f", "arguments": {"n": 12, "s": "hello", "j": {"a": [1, 2]}}}]
     typed = [{"name": "f", "parameters": {"properties": {"n": {"type": "string"}, "s": {"type": "integer"}}}}]
-    assert generate.parse_tool_calls(text, typed)[0]["arguments"] == {"n": "12", "s": "hello", "j": {"a": [1, 2]}}
-    assert generate.parse_tool_calls("no calls here") == []
+    assert chat.parse_tool_calls(text, typed)[0]["arguments"] == {"n": "12", "s": "hello", "j": {"a": [1, 2]}}
+    assert chat.parse_tool_calls("no calls here") == []
     odd = [{"name": "f", "parameters": {"properties": {"n": {"type": ["integer", "null"]}, "s": {"type": "null"}}}},
            {"name": "g", "parameters": []}, {"function": "h"}]          # a union type, malformed schemas: no crash
-    assert generate.parse_tool_calls(text, odd)[0]["arguments"] == {"n": 12, "s": "hello", "j": {"a": [1, 2]}}
+    assert chat.parse_tool_calls(text, odd)[0]["arguments"] == {"n": 12, "s": "hello", "j": {"a": [1, 2]}}
     none = "<tool_call>\n<function=f>\n<parameter=s>\nNone\n</parameter>\n</function>\n</tool_call>"
-    assert generate.parse_tool_calls(none, odd) == [{"name": "f", "arguments": {"s": None}}]
+    assert chat.parse_tool_calls(none, odd) == [{"name": "f", "arguments": {"s": None}}]
 
 
 def test_json_reports_tool_calls(chat_ckpt):
@@ -329,7 +330,7 @@ def test_json_reports_tool_calls(chat_ckpt):
            "<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call><|im_end|>")
     ids = tok.encode(out, add_special_tokens=False).ids
     stops = [tok.token_to_id("<|im_end|>")]
-    fields = generate.chat_fields(tok, ids, stops, True, TOOLS)
+    fields = chat.chat_fields(tok, ids, stops, True, TOOLS)
     assert fields["reasoning"] == "I should call it."
     assert fields["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]
-    assert generate.chat_fields(tok, tok.encode("plain answer", add_special_tokens=False).ids, stops, False)["tool_calls"] == []
+    assert chat.chat_fields(tok, tok.encode("plain answer", add_special_tokens=False).ids, stops, False)["tool_calls"] == []

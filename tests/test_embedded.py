@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dflash
+import checkpoint as ckpt
 import model as M
 import train
 
@@ -18,9 +19,9 @@ DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
 
 @pytest.fixture(scope="module")
 def pair():
-    target = M.load_target(TARGET, torch.float32)
-    drafter = M.load_drafter(DRAFT, target.cfg, torch.float32)
-    return target, drafter, M.load_tokenizer(TARGET)
+    target = ckpt.load_target(TARGET, torch.float32)
+    drafter = ckpt.load_drafter(DRAFT, target.cfg, torch.float32)
+    return target, drafter, ckpt.load_tokenizer(TARGET)
 
 
 def test_embedded_pair_is_lossless_and_accepts(pair):

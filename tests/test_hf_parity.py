@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import dflash
+import checkpoint as ckpt
 import model as M
 from helpers import save_hf_causal_lm, save_hf_conditional
 
@@ -45,7 +46,7 @@ def cached_logits(ours, ids, split):
 @pytest.mark.parametrize("which", ["causal", "conditional"])
 def test_logits_match_transformers(which, request):
     path, hf = request.getfixturevalue(which)
-    ours = M.load_target(str(path), torch.float32)
+    ours = ckpt.load_target(str(path), torch.float32)
     ids = prompt(150, ours.cfg.vocab_size)          # crosses the 64-token chunk boundary twice
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
@@ -59,7 +60,7 @@ def test_logits_match_transformers(which, request):
 def test_features_are_layer_outputs(causal):
     """feats of layer l == HF hidden_states[l + 1] (the output of decoder layer l; notes 1, vLLM PR #40727)."""
     path, hf = causal
-    ours = M.load_target(str(path), torch.float32)
+    ours = ckpt.load_target(str(path), torch.float32)
     ids = prompt(40, ours.cfg.vocab_size, 3)
     with torch.no_grad():
         hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
@@ -72,7 +73,7 @@ def test_features_are_layer_outputs(causal):
 def test_a_norm_slip_would_show(causal):
     """Sanity of the comparison itself: treating zero-centred norm weights as plain weights moves the logits."""
     path, hf = causal
-    ours = M.load_target(str(path), torch.float32)
+    ours = ckpt.load_target(str(path), torch.float32)
     ids = prompt(20, ours.cfg.vocab_size)
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
@@ -84,7 +85,7 @@ def test_a_norm_slip_would_show(causal):
 @pytest.mark.parametrize("which", ["causal", "conditional"])
 def test_greedy_equals_transformers_generate(which, request):
     path, hf = request.getfixturevalue(which)
-    ours = M.load_target(str(path), torch.float32)
+    ours = ckpt.load_target(str(path), torch.float32)
     ids = prompt(70, ours.cfg.vocab_size, 5)
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,

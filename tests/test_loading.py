@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dflash
+import checkpoint as ckpt
 import model as M
 from helpers import edit_json, save_hf_causal_lm, save_hf_conditional, save_zlab_drafter
 
@@ -100,16 +101,16 @@ def one_line_error(excinfo, *words):
 # --------------------------------------------------------------------------------------------------
 
 def test_single_file_matches_transformers(store):
-    target = M.load_target(store["causal"])
+    target = ckpt.load_target(store["causal"])
     torch.testing.assert_close(our_logits(target), hf_logits(store["hf"]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("n_shards", [2, 3])
 def test_sharded_checkpoint_equals_single_file(store, tmp_path, n_shards):
-    single = M.load_target(store["causal"])
+    single = ckpt.load_target(store["causal"])
     path = shard_checkpoint(store["causal"], tmp_path / "sharded", n_shards)
     assert not os.path.exists(os.path.join(path, "model.safetensors"))
-    sharded = M.load_target(path)
+    sharded = ckpt.load_target(path)
     # every tensor came from some shard: the weights and the logits are bit-identical
     for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items()):
         assert torch.equal(a, b), name
@@ -127,7 +128,7 @@ def test_multimodal_layout_sharded_with_mtp(store, tmp_path):
     mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.zeros(64),
            "mtp.layers.0.self_attn.q_proj.weight": torch.randn(128, 64), "model.mtp.norm.weight": torch.zeros(64)}
     path = shard_checkpoint(store["cond"], tmp_path / "cond_sharded", 3, extra=mtp)
-    target = M.load_target(path)
+    target = ckpt.load_target(path)
     torch.testing.assert_close(our_logits(target), hf_logits(store["hf_cond"]), atol=1e-4, rtol=1e-4)
     assert not any("visual" in n or "mtp" in n for n, _ in target.named_parameters())
 
@@ -136,7 +137,7 @@ def test_unknown_tensor_is_still_refused(store, tmp_path):
     """Skipping mtp./visual. is a whitelist: any other tensor the architecture lacks is an error."""
     path = shard_checkpoint(store["causal"], tmp_path / "extra", 2, extra={"model.layers.0.mlp.extra.weight": torch.zeros(3)})
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "layers.0.mlp.extra.weight", "does not use")
 
 
@@ -145,8 +146,8 @@ def test_bf16_file_loads_as_rounded_weights(store, tmp_path, dtype):
     path = copy_ckpt(store["causal"], tmp_path / "bf16")
     f = os.path.join(path, "model.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
-    from_bf16 = M.load_target(path, dtype)
-    rounded = M.load_target(store["causal"], dtype)
+    from_bf16 = ckpt.load_target(path, dtype)
+    rounded = ckpt.load_target(store["causal"], dtype)
     with torch.no_grad():
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).to(dtype))
@@ -157,13 +158,13 @@ def test_bf16_file_loads_as_rounded_weights(store, tmp_path, dtype):
         assert torch.equal(sd_a[name], sd_b[name]), name
     assert torch.equal(our_logits(from_bf16), our_logits(rounded))
     # and rounding did happen: the fp32 file gives other weights
-    assert not torch.equal(M.load_target(store["causal"], dtype).lm_head.weight, from_bf16.lm_head.weight)
+    assert not torch.equal(ckpt.load_target(store["causal"], dtype).lm_head.weight, from_bf16.lm_head.weight)
 
 
 def test_bf16_model_keeps_gdn_decay_in_fp32(store):
     """With dtype bfloat16 every weight is bf16 except A_log and dt_bias, which keep the file's fp32 values."""
     full = load_file(os.path.join(store["causal"], "model.safetensors"))
-    target = M.load_target(store["causal"], torch.bfloat16)
+    target = ckpt.load_target(store["causal"], torch.bfloat16)
     kept = 0
     for name, p in target.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
@@ -178,14 +179,14 @@ def test_bf16_model_keeps_gdn_decay_in_fp32(store):
 def test_tied_embeddings(tmp_path):
     hf = save_hf_causal_lm(tmp_path / "tied", seed=4, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
-    target = M.load_target(str(tmp_path / "tied"))
+    target = ckpt.load_target(str(tmp_path / "tied"))
     assert target.lm_head.weight is target.embed_tokens.weight
     torch.testing.assert_close(our_logits(target), hf_logits(hf), atol=1e-4, rtol=1e-4)
 
 
 def test_drafter_loads_and_generation_is_lossless(store):
-    target = M.load_target(store["causal"])
-    drafter = M.load_drafter(store["draft"], target.cfg)
+    target = ckpt.load_target(store["causal"])
+    drafter = ckpt.load_drafter(store["draft"], target.cfg)
     assert drafter.cfg.target_layer_ids == [0, 2] and drafter.cfg.block_size == 8
     ar = dflash.run(target, IDS, 12)
     sp = dflash.run(target, IDS, 12, proposer=dflash.DrafterProposer(drafter, target), block_size=8)
@@ -195,8 +196,8 @@ def test_drafter_loads_and_generation_is_lossless(store):
 def test_drafter_with_repeated_target_layer(tmp_path, store):
     """z-lab's default spacing gives [1, 1] for a 2-layer drafter on a 4-layer target: both slots get layer 1."""
     save_zlab_drafter(tmp_path / "d", target_layers=4, vocab=97, hidden=64)
-    target = M.load_target(store["causal"])
-    drafter = M.load_drafter(str(tmp_path / "d"), target.cfg)
+    target = ckpt.load_target(store["causal"])
+    drafter = ckpt.load_drafter(str(tmp_path / "d"), target.cfg)
     assert drafter.cfg.target_layer_ids == [1, 1]
     sp = dflash.run(target, IDS, 6, proposer=dflash.DrafterProposer(drafter, target), block_size=4)
     assert sp.output_ids == dflash.run(target, IDS, 6).output_ids
@@ -213,18 +214,18 @@ def test_repo_id_fetches_only_what_we_read(store, monkeypatch):
 
     def fake_snapshot_download(repo_id, *args, allow_patterns=None, **kw):
         calls.append(repo_id)
-        assert not args and allow_patterns == M.HUB_PATTERNS
+        assert not args and allow_patterns == ckpt.HUB_PATTERNS
         return local[repo_id]
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    target = M.load_target("org/tiny-target")
-    drafter = M.load_drafter("org/tiny-draft", target.cfg)
+    target = ckpt.load_target("org/tiny-target")
+    drafter = ckpt.load_drafter("org/tiny-draft", target.cfg)
     assert calls == ["org/tiny-target", "org/tiny-draft"]
     assert target.path == store["causal"] and drafter.path == store["draft"]
     torch.testing.assert_close(our_logits(target), hf_logits(store["hf"]), atol=1e-4, rtol=1e-4)
 
     def wanted(f):
-        return any(fnmatch.fnmatch(f, p) for p in M.HUB_PATTERNS)
+        return any(fnmatch.fnmatch(f, p) for p in ckpt.HUB_PATTERNS)
     for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "model.safetensors", "model-00001-of-00004.safetensors", "model.safetensors.index.json"]:
         assert wanted(f), f
@@ -243,7 +244,7 @@ def test_repo_id_fetch_failure_is_one_line(monkeypatch, exc):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target("org/unreachable")
+        ckpt.load_target("org/unreachable")
     one_line_error(e, "org/unreachable", type(exc).__name__)
 
 
@@ -256,7 +257,7 @@ def test_missing_folder_that_is_not_a_repo_id(monkeypatch, name):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", never)
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(name)
+        ckpt.load_target(name)
     one_line_error(e, name, "not a folder")
 
 
@@ -269,7 +270,7 @@ def test_stop_token_ids(store, tmp_path):
     gen = os.path.join(path, "generation_config.json")
 
     def stops():
-        return M.stop_token_ids(path, M.TargetConfig.from_dict(M.read_config(path)))
+        return ckpt.stop_token_ids(path, ckpt.target_config(ckpt.read_config(path)))
 
     assert stops() == []                                            # tiny config: eos None everywhere
     edit_json(os.path.join(path, "config.json"), lambda c: c.update(eos_token_id=9))
@@ -298,18 +299,18 @@ def test_stop_ids_of_the_multimodal_config(store, tmp_path):
         c["eos_token_id"] = None
         c["text_config"]["eos_token_id"] = [5, 6]
     edit_json(os.path.join(path, "config.json"), set_eos)
-    cfg = M.TargetConfig.from_dict(M.read_config(path))
-    assert M.stop_token_ids(path, cfg) == [5, 6]
+    cfg = ckpt.target_config(ckpt.read_config(path))
+    assert ckpt.stop_token_ids(path, cfg) == [5, 6]
 
 
 def test_stop_ids_end_generation(store, tmp_path):
-    target = M.load_target(store["causal"])
+    target = ckpt.load_target(store["causal"])
     ref = dflash.run(target, IDS, 12).output_ids
     stop = ref[5]
     path = copy_ckpt(store["causal"], tmp_path / "t")
     edit_json(os.path.join(path, "generation_config.json"), lambda c: c.update(eos_token_id=[stop]))
-    target = M.load_target(path)
-    out = dflash.run(target, IDS, 12, M.stop_token_ids(path, target.cfg)).output_ids
+    target = ckpt.load_target(path)
+    out = dflash.run(target, IDS, 12, ckpt.stop_token_ids(path, target.cfg)).output_ids
     assert out == ref[:ref.index(stop) + 1]
 
 
@@ -321,7 +322,7 @@ def test_missing_model_safetensors(store, tmp_path):
     path = copy_ckpt(store["causal"], tmp_path / "t")
     os.remove(os.path.join(path, "model.safetensors"))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "model.safetensors")
 
 
@@ -329,7 +330,7 @@ def test_missing_config(store, tmp_path):
     path = copy_ckpt(store["causal"], tmp_path / "t")
     os.remove(os.path.join(path, "config.json"))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "config.json")
 
 
@@ -337,7 +338,7 @@ def test_missing_shard(store, tmp_path):
     path = shard_checkpoint(store["causal"], tmp_path / "s", 3)
     os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "model-00002-of-00003.safetensors", "missing")
 
 
@@ -347,7 +348,7 @@ def test_bad_index(store, tmp_path, content):
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
         fh.write(content)
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "model.safetensors.index.json")
 
 
@@ -363,7 +364,7 @@ def test_truncated_safetensors(store, tmp_path, sharded, keep):
     with open(f, "wb") as fh:
         fh.write(data[:int(len(data) * keep) if isinstance(keep, float) else keep])
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, name, "truncated")
 
 
@@ -374,13 +375,13 @@ def test_missing_and_misshapen_tensors(store, tmp_path):
     del tensors["model.layers.1.linear_attn.A_log"]
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "layers.1.linear_attn.A_log", "lacks")
 
     path = copy_ckpt(store["causal"], tmp_path / "u")
     edit_json(os.path.join(path, "config.json"), lambda c: c.update(intermediate_size=80))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "shape", "mlp")
 
 
@@ -390,7 +391,7 @@ def test_config_not_json(store, tmp_path, content):
     with open(os.path.join(path, "config.json"), "w", encoding="latin-1") as fh:
         fh.write(content)
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "config.json")
 
 
@@ -401,7 +402,7 @@ def test_unsupported_target_model_type(store, tmp_path, model_type, words):
     path = copy_ckpt(store["causal"], tmp_path / "t")
     edit_json(os.path.join(path, "config.json"), lambda c: c.update(model_type=model_type))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, *words)
 
 
@@ -410,7 +411,7 @@ def test_moe_by_its_fields(store, tmp_path):
     path = copy_ckpt(store["cond"], tmp_path / "c")
     edit_json(os.path.join(path, "config.json"), lambda c: c["text_config"].update(num_experts=8, num_experts_per_tok=2))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "mixture-of-experts")
 
 
@@ -424,7 +425,7 @@ def test_missing_target_config_field(store, tmp_path, field):
         c["rope_parameters"].pop(field, None)
     edit_json(os.path.join(path, "config.json"), drop)
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, field)
 
 
@@ -432,7 +433,7 @@ def test_missing_text_config(store, tmp_path):
     path = copy_ckpt(store["cond"], tmp_path / "c")
     edit_json(os.path.join(path, "config.json"), lambda c: c.pop("text_config"))
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "text_config")
 
 
@@ -448,7 +449,7 @@ def test_non_default_rope_type(store, tmp_path, rope_key, rope):
         c.update({rope_key: rope, "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     edit_json(os.path.join(path, "config.json"), set_rope)
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(path)
+        ckpt.load_target(path)
     one_line_error(e, "rope_type", rope.get("rope_type", rope.get("type")))
 
 
@@ -457,9 +458,9 @@ def test_corrupt_tokenizer(store, tmp_path):
     with open(os.path.join(path, "tokenizer.json"), "w") as fh:
         fh.write("{not a tokenizer")
     with pytest.raises(M.CheckpointError) as e:
-        M.load_tokenizer(path)
+        ckpt.load_tokenizer(path)
     one_line_error(e, "tokenizer.json")
-    assert M.load_tokenizer(store["causal"]) is None
+    assert ckpt.load_tokenizer(store["causal"]) is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,9 +479,9 @@ def test_drafter_that_does_not_fit(store, tmp_path, kw, words):
     args = dict(target_layers=4, vocab=97, hidden=64, layer_ids=[0, 2])
     args.update(kw)
     save_zlab_drafter(tmp_path / "d", **args)
-    target = M.load_target(store["causal"])
+    target = ckpt.load_target(store["causal"])
     with pytest.raises(M.CheckpointError) as e:
-        M.load_drafter(str(tmp_path / "d"), target.cfg)
+        ckpt.load_drafter(str(tmp_path / "d"), target.cfg)
     one_line_error(e, *words)
 
 
@@ -499,19 +500,19 @@ def test_drafter_that_does_not_fit(store, tmp_path, kw, words):
 def test_bad_drafter_config(store, tmp_path, edit, words):
     path = copy_ckpt(store["draft"], tmp_path / "d")
     edit_json(os.path.join(path, "config.json"), edit)
-    target = M.load_target(store["causal"])
+    target = ckpt.load_target(store["causal"])
     with pytest.raises(M.CheckpointError) as e:
-        M.load_drafter(path, target.cfg)
+        ckpt.load_drafter(path, target.cfg)
     one_line_error(e, *words)
 
 
 def test_target_and_drafter_swapped(store):
-    target = M.load_target(store["causal"])
+    target = ckpt.load_target(store["causal"])
     with pytest.raises(M.CheckpointError) as e:
-        M.load_drafter(store["causal"], target.cfg)
+        ckpt.load_drafter(store["causal"], target.cfg)
     one_line_error(e, "drafter model_type", "qwen3_5_text")
     with pytest.raises(M.CheckpointError) as e:
-        M.load_target(store["draft"])
+        ckpt.load_target(store["draft"])
     one_line_error(e, "target model_type", "qwen3")
 
 
@@ -521,8 +522,8 @@ def test_target_and_drafter_swapped(store):
 
 @pytest.fixture(scope="module")
 def pair(store):
-    target = M.load_target(store["causal"])
-    return target, dflash.DrafterProposer(M.load_drafter(store["draft"], target.cfg), target)
+    target = ckpt.load_target(store["causal"])
+    return target, dflash.DrafterProposer(ckpt.load_drafter(store["draft"], target.cfg), target)
 
 
 def test_cache_too_short(pair):
@@ -543,7 +544,7 @@ def test_cache_too_short(pair):
 def test_over_max_position_embeddings(store, tmp_path):
     path = copy_ckpt(store["causal"], tmp_path / "t")
     edit_json(os.path.join(path, "config.json"), lambda c: c.update(max_position_embeddings=16))
-    target = M.load_target(path)
+    target = ckpt.load_target(path)
     with pytest.raises(dflash.GenerationError) as e:
         dflash.run(target, IDS, 7)
     one_line_error(e, "max_position_embeddings 16")

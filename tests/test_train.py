@@ -3,6 +3,7 @@ import os
 
 import torch
 
+import checkpoint as ckpt
 import model as M
 import train
 from helpers import random_target, tiny_target_config, tiny_draft_config, zlab_module
@@ -77,15 +78,15 @@ def test_saved_formats_load_in_transformers_and_zlab(tmp_path):
     target = random_target(tcfg, 2, torch.float32)
     tdir, ddir = tmp_path / "t", tmp_path / "d"
     os.makedirs(tdir), os.makedirs(ddir)
-    train.save_target(target, str(tdir), torch.float32)
+    ckpt.save_target(target, str(tdir), torch.float32)
     drafter = M.DFlashDrafter(tiny_draft_config(tcfg, block_size=8, head_dim=8))
     train.init_weights_(drafter, 3)
-    train.save_drafter(drafter, str(ddir), torch.float32)
+    ckpt.save_drafter(drafter, str(ddir), torch.float32)
 
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32).eval()
     ids = torch.randint(0, 40, (1, 30), generator=torch.Generator().manual_seed(0))
-    ours = M.load_target(str(tdir), torch.float32)
+    ours = ckpt.load_target(str(tdir), torch.float32)
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         got, feats = ours(ids, torch.arange(30), feature_layers=tuple(drafter.cfg.target_layer_ids))
@@ -94,7 +95,7 @@ def test_saved_formats_load_in_transformers_and_zlab(tmp_path):
     zm = zlab_module()
     zd = zm.DFlashDraftModel.from_pretrained(str(ddir), dtype=torch.float32).eval()
     assert list(zd.target_layer_ids) == drafter.cfg.target_layer_ids and zd.mask_token_id == drafter.cfg.mask_token_id
-    ours_d = M.load_drafter(str(ddir), ours.cfg, torch.float32)
+    ours_d = ckpt.load_drafter(str(ddir), ours.cfg, torch.float32)
     block = torch.full((1, 8), drafter.cfg.mask_token_id)
     block[0, 0] = 5
     emb = ours.embed_tokens(block)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import checkpoint as ckpt
 import model as M
 import vision as V
 from helpers import hf_text_config, randomize_hf_norms_
@@ -57,7 +58,7 @@ def mm(tmp_path_factory):
                    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}, fh)
     tower, pc = V.load_vision(str(d))
     assert (pc.min_pixels, pc.max_pixels) == (SMALL["min_pixels"], SMALL["max_pixels"])
-    return {"hf": hf, "path": str(d), "tower": tower, "pc": pc, "target": M.load_target(str(d))}
+    return {"hf": hf, "path": str(d), "tower": tower, "pc": pc, "target": ckpt.load_target(str(d))}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def test_ar_with_images_equals_transformers_generate(mm):
 def mm64(mm):
     """The same checkpoint in float64 (exact DFlash == AR comparisons) with a random drafter for it."""
     from helpers import random_drafter, tiny_draft_config
-    target = M.load_target(mm["path"], torch.float64)
+    target = ckpt.load_target(mm["path"], torch.float64)
     tower, pc = V.load_vision(mm["path"], torch.float64)
     pc.min_pixels, pc.max_pixels = SMALL["min_pixels"], SMALL["max_pixels"]
     drafter = random_drafter(tiny_draft_config(target.cfg, hidden_size=64, head_dim=16, mask_token_id=96), seed=5)
@@ -271,32 +272,32 @@ def test_cli_image_prompt_ids(mm, tmp_path, capsys):
 
 
 def test_chat_puts_images_before_the_text(tmp_path):
-    import argparse
+    import chat
     import generate
     tpl = open(generate.os.path.join(generate.HERE, "tests", "fixtures", "qwen35_chat_template.jinja")).read()
-    a = argparse.Namespace(messages=None, system=None, prompt="What is shown?", image=["a.png", "b.png"], no_think=False)
+    a = dict(prompt="What is shown?", n_images=2)
     pad = "<|vision_start|><|image_pad|><|vision_end|>"
-    assert generate.chat_prompt(a, tpl, {}) == ("<|im_start|>user\n" + pad * 2 +
+    assert chat.chat_prompt(tpl, {}, **a) == ("<|im_start|>user\n" + pad * 2 +
                                                 "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
     # an earlier turn from --messages that holds an image takes the first file; the new turn opens with the rest
     f = generate.os.path.join(str(tmp_path), "m.json")
     with open(f, "w") as fh:
         json.dump([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "A?"}]},
                    {"role": "assistant", "content": "B."}], fh)
-    a.messages = f
-    assert generate.chat_prompt(a, tpl, {}) == (
+    a["messages_file"] = f
+    assert chat.chat_prompt(tpl, {}, **a) == (
         "<|im_start|>user\n" + pad + "A?<|im_end|>\n<|im_start|>assistant\nB.<|im_end|>\n<|im_start|>user\n" + pad +
         "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
 
 
 def test_add_vision_pair_runs_and_matches_transformers(tmp_path, capsys):
-    """train.py add-vision: the embedded pair with a random tower. transformers loads the result, and
+    """tests/make_tiny_vl.py: the embedded pair with a random tower. transformers loads the result, and
     --image generation (DFlash and AR) equals its greedy generate with pixel_values."""
     import generate
-    import train
+    import make_tiny_vl
     from transformers import Qwen3_5ForConditionalGeneration
     root = generate.HERE + "/checkpoints/"
-    train.main(["add-vision", "--target", root + "tiny-qwen35", "--draft", root + "tiny-qwen35-dflash",
+    make_tiny_vl.main(["--target", root + "tiny-qwen35", "--draft", root + "tiny-qwen35-dflash",
                 "--out", str(tmp_path), "--threads", "1"])
     random_image(150, 110, 9).save(tmp_path / "pic.png")
     base = ["--target", str(tmp_path / "target"), "--image", str(tmp_path / "pic.png"), "--max-new-tokens", "24",

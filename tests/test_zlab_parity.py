@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import checkpoint as ckpt
 import model as M
 from helpers import save_hf_causal_lm, save_zlab_drafter, zlab_module
 
@@ -12,7 +13,7 @@ TOL = 1e-4
 def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     hf = save_hf_causal_lm(path, seed=3, num_hidden_layers=8)
-    return M.load_target(str(path), torch.float32), hf
+    return ckpt.load_target(str(path), torch.float32), hf
 
 
 @pytest.mark.parametrize("n_layers,layer_ids", [(3, None), (1, None), (2, [0, 5])])
@@ -22,7 +23,7 @@ def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
     zm = zlab_module()
     ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=V, hidden=H, n_layers=n_layers, block_size=8,
                             layer_ids=layer_ids)
-    ours = M.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
     # default spacing (notes 1) is the same rule as the package's
     assert ours.cfg.target_layer_ids == list(ref.target_layer_ids)
     if layer_ids is None:

@@ -1,0 +1,375 @@
+"""Checkpoints in the real Hugging Face formats: config.json parsing, safetensors (one file or shards), Hub ids,
+the tensor-name layouts of Qwen3.5 and of z-lab drafters, tokenizer and stop ids; loading and saving.
+
+    load_target(path)            Qwen3.5 (`qwen3_5` composite or `qwen3_5_text`) -> model.Qwen35
+    load_drafter(path, cfg)      z-lab DFlashDraftModel -> model.DFlashDrafter, checked against the target
+    save_target / save_drafter   the same formats back (transformers and the z-lab package load them)
+
+Tensor names: docs/qwen35.md#checkpoint-tensor-names.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn as nn
+
+from model import (CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig, default_target_layer_ids, inv_freq,
+                   mrope_columns)
+
+SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _need(d: dict, key: str, where: str):
+    if key not in d:
+        raise CheckpointError(f"{where} is missing the field '{key}'; re-export the checkpoint with its full config.json")
+    return d[key]
+
+
+
+
+def target_config(raw: dict) -> TargetConfig:
+    """config.json of a Qwen3.5 checkpoint (composite qwen3_5 or text-only qwen3_5_text) -> TargetConfig,
+    read by explicit keys (docs/qwen35.md#config)."""
+    mt = raw.get("model_type")
+    if mt in MOE_TYPES or "num_experts" in raw.get("text_config", raw):
+        raise CheckpointError(f"model_type '{mt}' is a mixture-of-experts model; dflash-fast supports the dense Qwen3.5 models only")
+    if mt == "qwen3_5":
+        tc = dict(_need(raw, "text_config", "config.json of a qwen3_5 model"))
+    elif mt == "qwen3_5_text":
+        tc = dict(raw)
+    else:
+        raise CheckpointError(f"unsupported target model_type '{mt}'; expected one of {SUPPORTED_TARGET_TYPES} (a Qwen3.5 checkpoint)")
+    where = "the target's text config"
+    n_layers = _need(tc, "num_hidden_layers", where)
+    layer_types = tc.get("layer_types")
+    if layer_types is None:  # HF default: full attention every `full_attention_interval` layers
+        every = tc.get("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+    rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))   # legacy rope_scaling spells it "type"
+    if rope_type != "default":
+        raise CheckpointError(f"rope_type '{rope_type}' is not supported; only default (unscaled) RoPE is implemented")
+    theta = rope.get("rope_theta", tc.get("rope_theta"))
+    if theta is None:
+        raise CheckpointError(f"{where} has no rope_theta (in rope_parameters or at top level)")
+    eos = raw.get("eos_token_id")
+    if eos is None:  # a composite config may write a null top-level eos next to the text config's real one
+        eos = tc.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return TargetConfig(
+        vocab_size=_need(tc, "vocab_size", where),
+        hidden_size=_need(tc, "hidden_size", where),
+        intermediate_size=_need(tc, "intermediate_size", where),
+        num_hidden_layers=n_layers,
+        num_attention_heads=_need(tc, "num_attention_heads", where),
+        num_key_value_heads=_need(tc, "num_key_value_heads", where),
+        head_dim=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"],
+        linear_num_key_heads=_need(tc, "linear_num_key_heads", where),
+        linear_num_value_heads=_need(tc, "linear_num_value_heads", where),
+        linear_key_head_dim=_need(tc, "linear_key_head_dim", where),
+        linear_value_head_dim=_need(tc, "linear_value_head_dim", where),
+        linear_conv_kernel_dim=_need(tc, "linear_conv_kernel_dim", where),
+        layer_types=list(layer_types),
+        rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        partial_rotary_factor=rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25)),
+        mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
+        max_position_embeddings=tc.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+        eos_token_id=eos,
+        image_token_id=int(raw.get("image_token_id", 248056)),
+    )
+
+
+# Keys a z-lab drafter may carry in `dflash_config` (or at top level). Anything else in `dflash_config`
+# changes the architecture (e.g. DFlash2's dynamic convolutions) and is refused instead of ignored.
+DRAFT_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
+              "output_multiplier", "final_logit_softcapping", "num_target_layers")
+
+
+
+def draft_config(raw: dict) -> DraftConfig:
+    """config.json of a z-lab DFlash drafter -> DraftConfig (docs/method.md#the-drafter)."""
+    arch = raw.get("architectures") or []
+    if any("DFlash2" in a for a in arch):
+        raise CheckpointError(f"architecture {arch} (DFlash2) is not supported; dflash-fast serves DFlashDraftModel checkpoints")
+    if raw.get("model_type") not in ("qwen3", None):
+        raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
+    kinds = set(raw.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"} or raw.get("use_sliding_window"):
+        raise CheckpointError(f"drafter layer types {sorted(kinds)} (sliding window) are not supported; DFlash drafters use full non-causal attention")
+    dc = raw.get("dflash_config") or {}
+    unknown = sorted(set(dc) - set(DRAFT_KEYS))
+    if unknown:
+        raise CheckpointError(f"unknown dflash_config keys {unknown}; this drafter variant is not supported (known: {', '.join(DRAFT_KEYS)})")
+
+    def draft_value(key, default=None):
+        return dc.get(key, raw.get(key, default))
+
+    where = "the drafter's config.json"
+    n_layers = _need(raw, "num_hidden_layers", where)
+    n_target = draft_value("num_target_layers")
+    layer_ids = draft_value("target_layer_ids")
+    if layer_ids is None:
+        if n_target is None:
+            raise CheckpointError("the drafter config has neither target_layer_ids nor num_target_layers; add one of them")
+        layer_ids = default_target_layer_ids(n_target, n_layers)
+    mask = draft_value("mask_token_id")
+    if mask is None:
+        raise CheckpointError("the drafter config has no mask_token_id (in dflash_config or at top level)")
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"drafter rope_type '{rope_type}' is not supported; only default RoPE")
+    softcap = draft_value("final_logit_softcapping")
+    return DraftConfig(
+        hidden_size=_need(raw, "hidden_size", where),
+        intermediate_size=_need(raw, "intermediate_size", where),
+        num_hidden_layers=n_layers,
+        num_attention_heads=_need(raw, "num_attention_heads", where),
+        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        vocab_size=_need(raw, "vocab_size", where),
+        target_layer_ids=[int(i) for i in layer_ids],
+        mask_token_id=int(mask),
+        block_size=int(draft_value("block_size", 16)),
+        num_target_layers=n_target,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1000000.0))),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+        output_multiplier=float(draft_value("output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+    )
+
+
+def check_fits(draft: DraftConfig, target: TargetConfig) -> None:
+    """A drafter built for another target fails here, before it can propose nonsense."""
+    fix = "use the drafter trained for this target"
+    if draft.hidden_size != target.hidden_size:
+        raise CheckpointError(f"drafter hidden_size {draft.hidden_size} != target hidden_size {target.hidden_size}; {fix}")
+    if draft.vocab_size != target.vocab_size:
+        raise CheckpointError(f"drafter vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}; {fix}")
+    if draft.num_target_layers is not None and draft.num_target_layers != target.num_hidden_layers:
+        raise CheckpointError(f"drafter was built for a {draft.num_target_layers}-layer target, this one has {target.num_hidden_layers}; {fix}")
+    bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise CheckpointError(f"drafter target_layer_ids {bad} do not exist in a {target.num_hidden_layers}-layer target; {fix}")
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise CheckpointError(f"drafter mask_token_id {draft.mask_token_id} is outside the target vocab (0..{target.vocab_size - 1}); {fix}")
+
+
+HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "preprocessor_config.json", "*.safetensors", "model.safetensors.index.json"]
+
+
+def resolve_dir(name: str) -> str:
+    """A local folder, or a Hugging Face repo id fetched with huggingface_hub (only the files we read)."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise CheckpointError(f"{name} is a file; pass the checkpoint folder that holds config.json")
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise CheckpointError(f"{name} is not a folder here and not a Hugging Face repo id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(name, allow_patterns=HUB_PATTERNS)
+    except Exception as e:  # offline, unknown repo, gated repo: one line that says which
+        raise CheckpointError(f"could not fetch {name} from the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              "download it first and pass the local folder") from None
+
+
+def read_json(f: str) -> dict:
+    """A JSON object from file f; anything else (bad JSON, bad encoding, a list) is a one-line CheckpointError."""
+    try:
+        with open(f, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f} holds a JSON {type(d).__name__}, not an object; re-download the checkpoint")
+    return d
+
+
+def read_config(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    if not os.path.exists(f):
+        raise CheckpointError(f"{path} has no config.json; point at a checkpoint folder")
+    return read_json(f)
+
+
+def read_safetensors(path: str, keep=None) -> dict:
+    """All tensors of a checkpoint folder (those whose name `keep(name)` accepts, when given): one
+    model.safetensors, or the shards named by model.safetensors.index.json. Missing or truncated files
+    fail with the file's name."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map naming the shards; re-download the checkpoint")
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        f = os.path.join(path, name)
+        if not os.path.exists(f):
+            raise CheckpointError(f"shard {name} named in the index is missing from {path}; re-download the checkpoint")
+        try:
+            with safe_open(f, framework="pt") as fh:
+                for key in fh.keys():
+                    if keep is None or keep(key):     # unread tensors (the vision tower, MTP) cost no memory
+                        tensors[key] = fh.get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{f} is truncated or corrupt ({type(e).__name__}); re-download it") from None
+    return tensors
+
+
+def _target_key(name: str) -> str | None:
+    """Checkpoint name -> our parameter name; None for tensors text-only decoding does not use."""
+    if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
+
+
+def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
+    """Copy checkpoint tensors into `module`, converting dtype; every parameter must be present with its shape."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{what} checkpoint lacks {', '.join(missing[:3])}{more}; it does not match its config.json")
+    unexpected = sorted(set(tensors) - set(params))
+    if unexpected:
+        raise CheckpointError(f"{what} checkpoint has tensors this architecture does not use: {', '.join(unexpected[:3])}")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = tensors[name]
+            if name.endswith("conv_weight") and t.dim() == 3:
+                t = t[:, 0, :]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
+            p.data = t.to(torch.float64 if dtype == torch.float64 else torch.float32) if name.endswith(keep_fp32) else t.to(dtype)
+
+
+def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
+    path = resolve_dir(path)
+    cfg = target_config(read_config(path))
+    with torch.device("meta"):
+        model = Qwen35(cfg)
+    model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    tensors = {_target_key(name): t for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (spec 10).
+    load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
+    model.inv_freq = inv_freq(cfg.rotary_dim, cfg.rope_theta)
+    model.mrope_cols = mrope_columns(cfg.mrope_section, cfg.rotary_dim // 2)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.path = path
+    return model.to(device).eval()
+
+
+def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> DFlashDrafter:
+    path = resolve_dir(path)
+    cfg = draft_config(read_config(path))
+    check_fits(cfg, target_cfg)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model.to_empty(device="cpu")
+    tensors = {(k[len("model."):] if k.startswith("model.") else k): t for k, t in read_safetensors(path).items()}
+    load_into(model, tensors, dtype, "drafter")
+    model.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta)
+    model.path = path
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer.json via `tokenizers`, or None when the folder has none."""
+    f = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(f):
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(f)
+    except Exception as e:  # tokenizers raises a bare Exception with serde's message
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{f} cannot be read ({msg}); re-download it or pass --prompt-ids") from None
+
+
+def stop_token_ids(path: str, cfg: TargetConfig) -> list:
+    """Stop ids from generation_config.json when present, else config.json's eos_token_id (spec 9)."""
+    f = os.path.join(path, "generation_config.json")
+    if os.path.exists(f):
+        eos = read_json(f).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return list(cfg.eos_token_id)
+
+
+def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
+    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text)."""
+    from safetensors.torch import save_file
+    cfg = model.cfg
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = p.detach().to(dtype).contiguous()
+        if name.endswith("conv_weight"):
+            name, t = name.replace("conv_weight", "conv1d.weight"), t[:, None, :].contiguous()
+        tensors[name if name.startswith("lm_head") else "model." + name] = t
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "layer_types": cfg.layer_types,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor,
+                            "mrope_section": cfg.mrope_section, "mrope_interleaved": True},
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "eos_token_id": eos, "dtype": str(dtype).replace("torch.", ""),
+    }
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+
+
+def save_drafter(drafter: DFlashDrafter, out: str, dtype=torch.bfloat16) -> None:
+    """The z-lab DFlashDraftModel layout: a Qwen3 config plus dflash_config; tensor names without prefix."""
+    from safetensors.torch import save_file
+    cfg = drafter.cfg
+    tensors = {n: p.detach().to(dtype).contiguous() for n, p in drafter.state_dict().items()}
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": 32768, "tie_word_embeddings": False,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id,
+                          "block_size": cfg.block_size},
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
