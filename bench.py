@@ -30,7 +30,7 @@ import torch
 import dflash
 import checkpoint as ckpt
 import model as M
-from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES
+from generate import ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
 PRESETS = ("qwen3.5-9b", "tiny-9b-shape")
@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode with --compile (default max-autotune)")
     p.add_argument("--vs-reference", action="store_true",
                    help="also time the z-lab reference loop (dflash package + transformers) on the same checkpoints")
-    p.add_argument("--attention", choices=dflash.ATTENTION, default="sdpa", help="attention of the cached steps (see generate.py)")
+    p.add_argument("--onednn", action="store_true", help="oneDNN products of a few rows on a float32 CPU (see generate.py)")
+    p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa", help="attention of the cached steps (see generate.py)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="time the steps of these shapes instead of checkpoints: qwen3.5-9b (real 9B text shapes + a 5-layer "
                         "block-16 drafter), tiny-9b-shape (the same layer pattern and heads at 1/32 of the width, for CPU)")
@@ -77,8 +78,8 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     compilation, CUDA graph capture, allocator and lazy init, excluded from the figures.
     -> (ar_engine, dflash_engine, warm-up seconds)."""
     mode = args.compile_mode if args.compile else None
-    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, attention=args.attention)
-    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, attention=args.attention)
+    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, masks=ATTENTION[args.attention])
+    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, masks=ATTENTION[args.attention])
     t0 = time.perf_counter()
     ar_engine.run(prompt, 8, stops)
     sp_engine.run(prompt, 3 * block, stops)
@@ -101,6 +102,8 @@ def main(argv=None):
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target = ckpt.load_target(args.target, dtype, device)
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    if args.onednn:
+        use_onednn(target, drafter)
     proposer = dflash.DrafterProposer(drafter, target)
     block = args.block_size or drafter.cfg.block_size
     tok = ckpt.load_tokenizer(target.path)
@@ -124,7 +127,7 @@ def main(argv=None):
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
 
     # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
-    eager_engine = dflash.Engine(target, proposer, block, capacity, attention=args.attention) if mode else None
+    eager_engine = dflash.Engine(target, proposer, block, capacity, masks=ATTENTION[args.attention]) if mode else None
     if eager_engine is not None:
         eager_engine.run(prompts[0], 3 * block, stops)
 
@@ -190,7 +193,7 @@ def main(argv=None):
         "decode_ms": decode_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
         "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
         "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
-        "compile_mode": mode, "attention": args.attention,
+        "compile_mode": mode, "attention": args.attention, "onednn": args.onednn,
     }))
 
 
@@ -303,6 +306,8 @@ def preset_main(args, device) -> dict:
     prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
     capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
+    if args.onednn:
+        use_onednn(target, drafter)
     proposer = dflash.DrafterProposer(drafter, target)
     ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompt, ())
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
@@ -324,7 +329,7 @@ def preset_main(args, device) -> dict:
     print(f"PROJECTED (not measured) DFlash at tau {args.tau:.2f}: {projected:.1f} tok/s; AR measured {1000 / decode_ms:.1f} tok/s")
     print(f"  {formula}")
     out = {
-        "preset": args.preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": args.attention,
+        "preset": args.preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": args.attention, "onednn": args.onednn,
         "compile_mode": mode, "compile_seconds": warmup_seconds if mode else 0.0, "block_size": block,
         "prompt_len": prompt_len, "max_new_tokens": new,
         "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,

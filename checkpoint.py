@@ -15,8 +15,8 @@ import os
 import torch
 import torch.nn as nn
 
-from model import (CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig, default_target_layer_ids, inv_freq,
-                   mrope_columns)
+from kernels import state_dtype
+from model import CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig, default_target_layer_ids
 
 SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -259,7 +259,7 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
                 t = t[:, 0, :]
             if tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
-            p.data = t.to(torch.float64 if dtype == torch.float64 else torch.float32) if name.endswith(keep_fp32) else t.to(dtype)
+            p.data = t.to(state_dtype(dtype)) if name.endswith(keep_fp32) else t.to(dtype)
 
 
 def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
@@ -268,17 +268,13 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     with torch.device("meta"):
         model = Qwen35(cfg)
     model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: tie them again
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights_()             # to_empty gives every module a new Parameter of its own: tie them again
     tensors = {_target_key(name): t for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (spec 10).
     load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
-    model.inv_freq = inv_freq(cfg.rotary_dim, cfg.rope_theta)
-    model.mrope_cols = mrope_columns(cfg.mrope_section, cfg.rotary_dim // 2)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.init_buffers_()
     model.path = path
     return model.to(device).eval()
 
@@ -292,7 +288,7 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
     model.to_empty(device="cpu")
     tensors = {(k[len("model."):] if k.startswith("model.") else k): t for k, t in read_safetensors(path).items()}
     load_into(model, tensors, dtype, "drafter")
-    model.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta)
+    model.init_buffers_()
     model.path = path
     return model.to(device).eval()
 

@@ -24,6 +24,7 @@ import torch
 
 import chat
 import dflash
+import flex
 import checkpoint as ckpt
 import model as M
 import vision
@@ -32,6 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
 DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# The attention backend of the cached steps, chosen here only: the masks class the Engine builds once.
+ATTENTION = {"sdpa": M.DenseMasks, "flex": flex.FlexMasks}
 
 
 def parse_args(argv=None):
@@ -66,13 +69,25 @@ def parse_args(argv=None):
     p.add_argument("--draft-window", type=int, default=None, help="drafts see only the last W context positions (long prompts)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
-    p.add_argument("--attention", choices=dflash.ATTENTION, default="sdpa",
+    p.add_argument("--onednn", action="store_true",
+                   help="float32 on a CPU: products of a few rows (verify, draft) through oneDNN on prepacked weights "
+                        "(onednn.py; faster on some CPUs, not on others: see the README)")
+    p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                    help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
     args = p.parse_args(argv)
     if args.draft is None:
         args.draft = DEFAULT_DRAFT if args.target == DEFAULT_TARGET else "none"
     return args
+
+
+def use_onednn(*modules) -> None:
+    """--onednn: swap the linears of the loaded, final models for oneDNN ones (onednn.py, optional; a no-op where
+    it does not apply: not float32, not a CPU, no oneDNN in this torch, or too little free memory)."""
+    import onednn
+    for m in modules:
+        if m is not None:
+            onednn.swap_linears_(m)
 
 
 def parse_ids(text: str) -> list:
@@ -129,6 +144,8 @@ def main(argv=None) -> int:
     proposer = None
     if args.draft.lower() != "none":
         proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target, args.draft_window)
+    if args.onednn:
+        use_onednn(target, proposer.drafter if proposer else None)
     load_seconds = time.perf_counter() - t0
 
     template, specials = chat.load_chat_template(target.path)
@@ -176,7 +193,7 @@ def main(argv=None) -> int:
     print_ids = None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True))   # when there is no stream
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
     engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                           attention=args.attention)
+                           masks=ATTENTION[args.attention])
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         t0 = time.perf_counter()

@@ -1,5 +1,4 @@
-"""Kernels of the Gated DeltaNet layer, each fast form next to a naive twin that is its spec, and (at the end)
-the CPU matrix products of a few rows through oneDNN.
+"""Kernels of the Gated DeltaNet layer, each fast form next to a naive twin that is its spec.
 
 Glossary (code name -> symbol in the Gated DeltaNet paper / ../shared/qwen35-spec.md section 4):
     q, k        q̂_t, k̂_t  L2-normalised query and key (q already scaled by dk**-0.5)
@@ -33,9 +32,10 @@ import torch.nn.functional as F
 SHORT_CALL = 64      # calls of at most this many tokens (decode, verify) take the small-call conv path
 
 
-def _state_dtype(x: torch.Tensor) -> torch.dtype:
-    """The recurrent state runs in float32, or float64 when the whole model runs in float64."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The one precision rule: recurrent states (and norms, and the GDN decay parameters) are computed in
+    float32, or in float64 when the whole model runs in float64 (the exact mode)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     q, k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]
     -> o [B,T,Hv,dv], writes [B,T,Hv,dv] (e_t of each token), final [B,Hv,dk,dv] (the state after the last
     token: what an AR decode step keeps at once); all in the state dtype."""
-    sd = _state_dtype(v)
+    sd = state_dtype(v.dtype)
     q, k = _expand_heads(q, k, v.shape[2])
     q, k, v, g, beta = (x.to(sd) for x in (q, k, v, g, beta))
     s = state.to(sd)
@@ -81,7 +81,7 @@ def state_after(k, writes, g, state, n):
     k [B,T,Hk,dk]; writes [B,T,Hv,dv]; g [B,T,Hv]; state [B,Hv,dk,dv] (S_0, the state before the call);
     n an int or a 0-d LongTensor (on the device: no host sync) -> [B,Hv,dk,dv] in the state dtype.
     Rows past T may hold anything (a stale, longer call): only rows j < n are read."""
-    sd = _state_dtype(writes)
+    sd = state_dtype(writes.dtype)
     k = _to_value_heads(k, writes.shape[2])
     T = writes.shape[1]
     gamma = g.to(sd).cumsum(1)                                        # [B,T,Hv]
@@ -97,7 +97,7 @@ def state_after(k, writes, g, state, n):
 def naive_gated_delta_rule(q, k, v, g, beta, state):
     """Twin of `recurrent_gated_delta_rule`: loops over batch, head and token, written in the
     matrix form S_t = alpha_t (I - beta_t k k^T) S_{t-1} + beta_t k v^T. Same signature and result."""
-    sd = _state_dtype(v)
+    sd = state_dtype(v.dtype)
     B, T, Hv, dv = v.shape
     dk = q.shape[-1]
     group = Hv // q.shape[2]
@@ -133,7 +133,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
         V' = U - W S                                 O = (e^gamma Q) S + ((Q K^T) * D) V'
         S <- e^gamma_last S + (e^(gamma_last - gamma) K)^T V'
     The tail is padded with g = 0, beta = 0, k = v = 0: such a token neither decays nor writes."""
-    sd = _state_dtype(v)
+    sd = state_dtype(v.dtype)
     B, T, Hv, dv = v.shape
     q, k = _expand_heads(q, k, Hv)
     C = chunk_size
@@ -173,7 +173,7 @@ def block_gated_delta_rule(q, k, v, g, beta, state):
     signature of `recurrent_gated_delta_rule` and its first two results (o and the writes V' = U - W S_0).
     A handful of batched matmuls instead of T sequential steps: on a GPU or a CPU running small models,
     the sequential loop is what makes a verify step cost more than a decode step."""
-    sd = _state_dtype(v)
+    sd = state_dtype(v.dtype)
     B, T, Hv, dv = v.shape
     q, k = _expand_heads(q, k, Hv)
     q, k, v = (x.to(sd).transpose(1, 2) for x in (q, k, v))          # [B,H,T,d]
@@ -223,87 +223,3 @@ def naive_causal_conv1d(x, weight, conv_state):
     for i in range(K):
         y = y + window[:, i:i + T] * weight[:, i].to(x.dtype)
     return F.silu(y), window
-
-
-# --------------------------------------------------------------------------------------------------
-# CPU matrix products of a few rows (verify, draft) through oneDNN with prepacked weights.
-# --------------------------------------------------------------------------------------------------
-# On a CPU, torch's float32 nn.Linear runs MKL's sgemm. For products of a few rows (a 16-token verify, a
-# 15-query draft) oneDNN's float32 kernel on a weight reordered once into its blocked layout is 2-3x faster
-# on the AVX-512 machine these numbers come from (2 threads: [16, 256] x [256, 768] 28 vs 60 us; the
-# [16, 256] x [256, 4096] lm_head 90 vs 283 us), while single rows (AR decode) are as fast or faster in MKL.
-# Same float32 maths, summed in another order (the last bits differ, as between any two GEMM kernels).
-# model.pack_for_cpu_ makes the packed copies (float32 CPU inference only; they cost the weights' size
-# again); set ONEDNN_LINEAR = False to keep MKL everywhere.
-
-ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
-FEW_ROWS = 64            # products of 2..FEW_ROWS rows take the packed path; longer prefills stay in MKL
-PACK_ROWS = 16           # the row count the weights are blocked for (the verify block)
-
-
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> its oneDNN copy in the blocked layout for PACK_ROWS-row products."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-
-
-def onednn_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
-    """x [..., K] float32 on the CPU; packed = onednn_pack(weight [n_out, K]); bias [n_out] or None
-    -> x weight^T + bias [..., n_out]. Eager code calls this directly (no custom-op dispatch)."""
-    if x.dim() > 3 or not x.is_contiguous():          # the oneDNN op takes 2-D or 3-D contiguous rows
-        return onednn_linear_impl(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, n_out).view(*x.shape[:-1], n_out)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@torch.library.custom_op("dflash_fast::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
-    """onednn_linear_impl as an op torch.compile can trace (dynamo cannot trace the opaque packed tensor
-    into the oneDNN op itself); lower_onednn_linear turns it back into a direct kernel call in compiled code."""
-    return onednn_linear_impl(x, packed, bias, n_out)
-
-
-@onednn_linear.register_fake
-def _(x, packed, bias, n_out):
-    return x.new_empty(*x.shape[:-1], n_out)
-
-
-_LOWERED = False
-
-
-def lower_onednn_linear() -> bool:
-    """Let inductor emit a direct call of the oneDNN kernel for onednn_linear (in its C++ wrapper:
-    aoti_torch_cpu__linear_pointwise) instead of a call back into Python through the dispatcher. The
-    round trip through the Python custom op costs microseconds per call, and a compiled draft + verify
-    round makes ~58 of these products (here compiled / eager DFlash went from 1.45x to 1.66x with this).
-    Inductor's own lowering of the oneDNN op accepts only weights it packed itself (with freezing), so this
-    one builds the same IR node (LinearUnary) for ours. It uses inductor internals of the torch this
-    project pins; where they are missing the op keeps its dispatcher call (slower, same results). So does
-    a graph that inductor's FX graph cache kept from before this lowering existed (the cache key does not
-    cover lowerings): a fresh TORCHINDUCTOR_CACHE_DIR clears that. Idempotent. -> whether it is in place."""
-    global _LOWERED
-    if _LOWERED:
-        return True
-    try:
-        from torch._inductor import ir
-        from torch._inductor.lowering import register_lowering, view
-        from torch._inductor.mkldnn_ir import LinearUnary, _create_output_node
-    except ImportError:
-        return False
-
-    def lowering(x, packed, bias, n_out):
-        size = list(x.get_size())
-        if len(size) > 3:                  # the oneDNN op takes 2-D or 3-D rows (as onednn_linear_impl)
-            x = view(x, [-1, size[-1]])
-        x = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(x))
-        inputs = [x, ir.ExternKernel.realize_input(packed)]      # opaque oneDNN tensor: passed as it is
-        constant_args = ["none", [-1], ""]                       # no fused activation
-        if bias is None:
-            constant_args.insert(0, None)
-        else:
-            inputs.append(ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(bias)))
-        layout = ir.FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=list(x.get_size()[:-1]) + [n_out])
-        out = ir.TensorBox.create(_create_output_node(LinearUnary(layout, inputs, constant_args)))
-        return view(out, size[:-1] + [n_out]) if len(size) > 3 else out
-
-    register_lowering(torch.ops.dflash_fast.onednn_linear.default)(lowering)
-    _LOWERED = True
-    return True

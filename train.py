@@ -312,11 +312,11 @@ def regenerate(target: M.Qwen35, prompts: torch.Tensor, new_tokens: int) -> torc
     """Greedy continuations of a batch of equal-length prompts [N, P] -> [N, new_tokens] through the static caches."""
     N, P = prompts.shape
     cache = M.TargetCache(target.cfg, P + new_tokens, torch.float32, "cpu", batch=N)
-    logits, _ = target(prompts, torch.arange(P), cache, "chunked", last_logits_only=True)
+    logits, _ = target(prompts, torch.arange(P), cache, last_logits_only=True)
     nxt = logits[:, -1].argmax(-1)
     out = [nxt]
     for t in range(P, P + new_tokens - 1):
-        logits, _ = target(nxt[:, None], torch.tensor([t]), cache, "decode")
+        logits, _ = target(nxt[:, None], torch.tensor([t]), cache)
         nxt = logits[:, -1].argmax(-1)
         out.append(nxt)
     return torch.stack(out, 1)
@@ -356,7 +356,7 @@ def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, 
         emb = target.embed_tokens(blocks.flatten(1)) * cfg.input_embedding_scale   # shared, frozen
     bpos = (anchors[:, :, None] + torch.arange(B)).flatten(1)              # [N, nA*B]
     mask = training_mask(anchors, B, S, seqs.device)
-    h = drafter(emb, feats, bpos, torch.arange(S), None, mask)              # [N, nA*B, H]
+    h = drafter(emb, feats, bpos, torch.arange(S), mask)             # [N, nA*B, H]
     h = h.view(N, n_anchors, B, -1)[:, :, 1:]                               # position 0 is not trained
     logits = drafter.draft_logits(h, target.lm_head)                        # through the frozen lm_head
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(N, n_anchors, B - 1)

@@ -1,6 +1,7 @@
 """Tiny random models and stand-in proposers shared by the tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import random
 import torch
 
 import checkpoint as ckpt
+import kernels
 import model as M
 
 
@@ -72,6 +74,21 @@ def random_drafter(cfg: M.DraftConfig, seed=0, dtype=torch.float64) -> M.DFlashD
     return randomize_(M.DFlashDrafter(cfg), seed).to(dtype).eval()
 
 
+@contextlib.contextmanager
+def verify_kernel(target: M.Qwen35, kernel: str):
+    """Verify calls of `target` inside the block run GDN with `kernel`: "block" (the closed form, the default)
+    or "recurrent" (the step-by-step reference, the same maths token by token)."""
+    rule = {"block": kernels.block_gated_delta_rule, "recurrent": kernels.recurrent_gated_delta_rule}[kernel]
+    layers = [m for m in target.modules() if isinstance(m, M.GatedDeltaNet)]
+    for m in layers:
+        m.block_rule = rule
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.block_rule
+
+
 class OracleProposer:
     """Stand-in drafter: offers the true continuation (known from an AR run) with one corruption at a chosen
     index, so a verify step accepts exactly that many proposals. The acceptance length of step i cycles
@@ -85,7 +102,7 @@ class OracleProposer:
         self.max_block_size = max_block_size
         self.plan, self.asked = [], []
 
-    def reset(self, capacity):
+    def reset(self, capacity, masks):
         self.plan = []
 
     def prefill(self, feats, pos):

@@ -1,4 +1,4 @@
-"""FlexAttention inference path (attention="flex") against the SDPA path.
+"""The FlexAttention masks (flex.FlexMasks, --attention flex) against the SDPA path (model.DenseMasks).
 
 Eager flex_attention on CPU evaluates only the mask_mod (it ignores the BlockMask's tile lists), so the tile
 lists are checked directly here (test_step_masks_*): the mask a fused kernel applies is (tile listed) AND
@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 import dflash
+import flex
 import model as M
 from helpers import HAS_EMBEDDED_PAIR, OracleProposer, embedded_pair, random_drafter, random_target, tiny_draft_config, tiny_target_config
 
@@ -32,15 +33,16 @@ def kernel_mask(step) -> torch.Tensor:
 @pytest.mark.parametrize("capacity", [300, 256])
 def test_step_masks_target(capacity):
     """Prefill (from 0, over one and several tiles), decode and verify (straddling tile borders)."""
-    bm = M.causal_block_mask(capacity, "cpu")
+    bm = flex.causal_block_mask(capacity, "cpu")
     kpos = torch.arange(capacity)
     calls = [(0, T) for T in (1, 100, 128, 129, 256, 260) if T <= capacity]
     calls += [(s, T) for T in (1, 5, 16) for s in range(1, capacity - T + 1, 7)]
     calls += [(s, 16) for s in (112, 113, 120, 127, 240, capacity - 16)]                 # straddles / the end
     for s, T in calls:
         pos = torch.arange(s, s + T)
-        want = kpos[None, :] <= pos[:, None]                                             # the SDPA path's rule
-        assert torch.equal(kernel_mask(M.causal_rows(bm, pos)), want), (s, T)
+        want = M.DenseMasks(capacity).target(pos)                                        # the SDPA path's rule
+        assert torch.equal(want, kpos[None, :] <= pos[:, None])
+        assert torch.equal(kernel_mask(flex.causal_rows(bm, pos)), want), (s, T)
 
 
 @pytest.mark.parametrize("window", [None, 1, 20, 130])
@@ -48,17 +50,18 @@ def test_step_masks_draft(window):
     """Draft: context [start - W, start) and the whole block, for every start; W None = all context."""
     capacity = 290
     for block in (16, 5):
-        bm = M.draft_block_mask(capacity, block, window, "cpu")
+        bm = flex.draft_block_mask(capacity, block, window, "cpu")
         kpos = torch.arange(capacity)
         for s in range(1, capacity - block + 1, 3):
             seen = kpos < s
             if window is not None:
                 seen &= kpos >= s - window
             want = torch.cat([seen[None].expand(block, -1), torch.ones(block, block, dtype=torch.bool)], 1)
-            got = kernel_mask(M.draft_rows(bm, torch.tensor(s), block, window))
+            got = kernel_mask(flex.draft_rows(bm, torch.tensor(s), block, window))
             assert torch.equal(got, want), (s, block, window)
+            assert torch.equal(M.DenseMasks(capacity, block, window).draft(torch.tensor(s), block), want)
     with pytest.raises(ValueError, match="built for 5"):
-        M.draft_rows(bm, torch.tensor(10), 16, window)
+        flex.draft_rows(bm, torch.tensor(10), 16, window)
 
 
 @torch.no_grad()
@@ -70,14 +73,12 @@ def test_attention_outputs_equal():
     pos = torch.arange(start, start + T)
     x = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     outs = []
-    for att in ("sdpa", "flex"):
+    for masks in (M.DenseMasks(C), flex.FlexMasks(C, T, None, "cpu")):
         cache = M.TargetCache(cfg, C, torch.float64, "cpu")
         torch.manual_seed(1)
         cache.layers[0].k.normal_(), cache.layers[0].v.normal_()                     # a filled cache, stale tail
-        if att == "flex":
-            cache.layers[0].block_mask = M.causal_block_mask(C, "cpu")
         cos, sin = target.rope(pos, x.dtype)
-        outs.append(target.layers[0].self_attn(x, cos, sin, pos, cache.layers[0]))
+        outs.append(target.layers[0].self_attn(x, cos, sin, pos, masks.target(pos), cache.layers[0]))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
 
     dcfg = tiny_draft_config(cfg, num_hidden_layers=1)
@@ -85,13 +86,12 @@ def test_attention_outputs_equal():
     feats = torch.randn(1, T, len(dcfg.target_layer_ids) * cfg.hidden_size, dtype=torch.float64)
     emb = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64)
     outs = []
-    for att, window in (("sdpa", None), ("flex", None), ("sdpa", 7), ("flex", 7)):
+    for kind, window in ((M.DenseMasks, None), (flex.FlexMasks, None), (M.DenseMasks, 7), (flex.FlexMasks, 7)):
         cache = M.DraftCache(dcfg, C, torch.float64, "cpu")
         torch.manual_seed(2)
         cache.layers[0].k.normal_(), cache.layers[0].v.normal_()
-        if att == "flex":
-            cache.layers[0].block_mask = M.draft_block_mask(C, T, window, "cpu")
-        outs.append(drafter(emb, feats, pos, pos - T, cache, window=window))
+        drafter.append_context(feats, pos - T, cache)
+        outs.append(drafter.draft(emb, pos, cache, kind(C, T, window, "cpu").draft(pos[0], T)))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
     torch.testing.assert_close(outs[2], outs[3], rtol=0, atol=1e-12)
     assert not torch.allclose(outs[0], outs[2])                                          # the window matters
@@ -105,11 +105,11 @@ def test_same_tokens_ar_and_dflash():
     drafter = random_drafter(tiny_draft_config(cfg), 1)
     prompt = torch.randint(0, cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(5)).tolist()
     runs = {}
-    for att in ("sdpa", "flex"):
-        runs[att, "ar"] = dflash.run(target, prompt, 30, attention=att)
+    for att, masks in (("sdpa", M.DenseMasks), ("flex", flex.FlexMasks)):
+        runs[att, "ar"] = dflash.run(target, prompt, 30, masks=masks)
         for window in (None, 9):
             proposer = dflash.DrafterProposer(drafter, target, window)
-            runs[att, window] = dflash.run(target, prompt, 30, proposer=proposer, block_size=16, attention=att)
+            runs[att, window] = dflash.run(target, prompt, 30, proposer=proposer, block_size=16, masks=masks)
     for key in ("ar", None, 9):
         assert runs["flex", key].output_ids == runs["sdpa", key].output_ids
         assert runs["flex", key].draft_ids == runs["sdpa", key].draft_ids
@@ -124,9 +124,9 @@ def test_every_acceptance_length(block):
     target = random_target(cfg, 2)
     prompt = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     n_new = 1 + sum(range(1, block + 1)) + block                 # enough for one whole plan: lengths 0..B-1 each once
-    ar = dflash.run(target, prompt, n_new, attention="sdpa")
+    ar = dflash.run(target, prompt, n_new)
     oracle = OracleProposer(len(prompt), ar.output_ids, cfg.vocab_size, seed=block)
-    sp = dflash.run(target, prompt, n_new, proposer=oracle, block_size=block, attention="flex")
+    sp = dflash.run(target, prompt, n_new, proposer=oracle, block_size=block, masks=flex.FlexMasks)
     assert sp.output_ids == ar.output_ids
     assert set(oracle.asked) == set(range(block))
 
@@ -134,17 +134,15 @@ def test_every_acceptance_length(block):
 def test_masks_built_once_per_engine(monkeypatch):
     calls = []
     for name in ("causal_block_mask", "draft_block_mask"):
-        real = getattr(M, name)
-        monkeypatch.setattr(M, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        real = getattr(flex, name)
+        monkeypatch.setattr(flex, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     cfg = tiny_target_config()
     target = random_target(cfg, 0)
     proposer = dflash.DrafterProposer(random_drafter(tiny_draft_config(cfg), 1), target)
-    eng = dflash.Engine(target, proposer, 8, 100, attention="flex")
+    eng = dflash.Engine(target, proposer, 8, 100, masks=flex.FlexMasks)
     for n in (5, 20):
         eng.run([1, 2, 3], n)
     assert sorted(calls) == ["causal_block_mask", "draft_block_mask"]
-    with pytest.raises(dflash.GenerationError, match="attention"):
-        dflash.Engine(target, None, 1, 100, attention="flash")
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -156,7 +154,7 @@ def test_compiled_flex_no_recompiles_same_tokens():
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     target, drafter, p1, p2 = embedded_pair()
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", attention="flex")
+    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", masks=flex.FlexMasks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eng.run(p1, 40)                   # warm-up: compiles each step once

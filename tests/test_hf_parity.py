@@ -28,16 +28,16 @@ def prompt(n, vocab, seed=0):
 
 def cached_logits(ours, ids, split):
     """Prefill `split` tokens (chunked), then one token at a time through the static caches, alternating the
-    AR decode mode and a one-token verify + commit (both paths a generation takes)."""
+    AR decode (the cache advances) and a one-token verify + commit (both paths a generation takes)."""
     T = ids.shape[1]
     cache = M.TargetCache(ours.cfg, T, torch.float32, "cpu")
-    out, _ = ours(ids[:, :split], torch.arange(split), cache, "chunked")
+    out, _ = ours(ids[:, :split], torch.arange(split), cache)
     outs = [out]
     for t in range(split, T):
         if t % 2:
-            l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "decode")
+            l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache)
         else:
-            l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "block")
+            l, _ = ours(ids[:, t:t + 1], torch.arange(t, t + 1), cache, verify=True)
             cache.commit(torch.tensor(1))
         outs.append(l)
     return torch.cat(outs, 1)

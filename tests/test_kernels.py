@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import kernels
 import model as M
-from helpers import random_target, tiny_target_config
+from helpers import random_target, tiny_target_config, verify_kernel
 
 
 def gdn_inputs(seed, B, T, Hk, Hv, dk, dv, dtype=torch.float64):
@@ -130,18 +130,19 @@ def test_rolled_back_state_equals_never_seen(seed, prompt_len, T, data, kernel):
     b = M.TargetCache(target.cfg, cap, torch.float64, "cpu")
     with torch.no_grad():
         for c in (a, b):
-            target(ids[:, :prompt_len], torch.arange(prompt_len), c, "chunked")
-        target(ids[:, prompt_len:], torch.arange(prompt_len, prompt_len + T), a, kernel)
+            target(ids[:, :prompt_len], torch.arange(prompt_len), c)
+        with verify_kernel(target, kernel):
+            target(ids[:, prompt_len:], torch.arange(prompt_len, prompt_len + T), a, verify=True)
         a.commit(torch.tensor(k))
         for t in range(prompt_len, prompt_len + k):
-            target(ids[:, t:t + 1], torch.arange(t, t + 1), b, "decode")
+            target(ids[:, t:t + 1], torch.arange(t, t + 1), b)
         for (ca, ra), (cb, rb) in zip(gdn_states(a), gdn_states(b)):
             torch.testing.assert_close(ca, cb, rtol=0, atol=1e-12)
             torch.testing.assert_close(ra, rb, rtol=0, atol=1e-12)
         # and the next token's logits agree (the attention cache's stale entries are invisible)
         nxt = ids[:, prompt_len + k - 1:prompt_len + k]
-        la, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), a, "decode")
-        lb, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), b, "decode")
+        la, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), a)
+        lb, _ = target(nxt * 0 + 5, torch.tensor([prompt_len + k]), b)
         torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
 
 
@@ -151,9 +152,9 @@ def test_prefill_then_decode_equals_full_forward():
     with torch.no_grad():
         full, _ = target(ids, torch.arange(100))
         cache = M.TargetCache(target.cfg, 100, torch.float64, "cpu")
-        l1, _ = target(ids[:, :70], torch.arange(70), cache, "chunked")
+        l1, _ = target(ids[:, :70], torch.arange(70), cache)
         outs = [l1]
         for t in range(70, 100):
-            l, _ = target(ids[:, t:t + 1], torch.arange(t, t + 1), cache, "decode")
+            l, _ = target(ids[:, t:t + 1], torch.arange(t, t + 1), cache)
             outs.append(l)
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)

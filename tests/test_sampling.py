@@ -98,7 +98,7 @@ class GreedyTargetProposer:
             self.MEMO[key] = int(logits[0, -1].argmax())
         return self.MEMO[key]
 
-    def reset(self, capacity):
+    def reset(self, capacity, masks):
         self.seq, self.last_props, self.last_start = list(self.prompt), [], None
 
     def prefill(self, feats, pos):

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import dflash
 import model as M
-from helpers import OracleProposer, random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import OracleProposer, random_drafter, random_target, tiny_draft_config, tiny_target_config, verify_kernel
 
 
 @st.composite
@@ -52,8 +52,8 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
         assert ar.output_ids[-1] == stop and ar.output_ids.count(stop) == 1
     oracle = OracleProposer(len(prompt), ar.output_ids, V, seed)
     sp = dflash.run(target, prompt, max_new, stops, oracle, block)
-    sp_rec = dflash.run(target, prompt, max_new, stops, OracleProposer(len(prompt), ar.output_ids, V, seed), block,
-                        verify_gdn="recurrent")
+    with verify_kernel(target, "recurrent"):
+        sp_rec = dflash.run(target, prompt, max_new, stops, OracleProposer(len(prompt), ar.output_ids, V, seed), block)
     drafter = random_drafter(tiny_draft_config(target.cfg, target_layer_ids=[seed % target.cfg.num_hidden_layers],
                                                num_target_layers=None, hidden_size=target.cfg.hidden_size), seed, dtype)
     real = dflash.run(target, prompt, max_new, stops, dflash.DrafterProposer(drafter, target), block)
@@ -137,7 +137,7 @@ def test_engine_drafts_equal_drafter_from_scratch(block, seed):
             blk = torch.full((1, block), dcfg.mask_token_id)
             blk[0, 0] = seq[0, start]
             mask = torch.ones(block, start + block, dtype=torch.bool)
-            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), None, mask)
+            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), mask)
             assert drafter.draft_logits(h[0, 1:], target.lm_head).argmax(-1).tolist() == step.draft_ids
 
 

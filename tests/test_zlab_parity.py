@@ -47,7 +47,8 @@ def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
             block[0, 0] = ids[0, start] if start < ids.shape[1] else 1
             emb = ours_t.embed_tokens(block)
             ctx = feats[:, ctx_lo:start]
-            h = ours(emb, ctx, torch.arange(start, start + B), torch.arange(ctx_lo, start), cache)
+            ours.append_context(ctx, torch.arange(ctx_lo, start), cache)
+            h = ours.draft(emb, torch.arange(start, start + B), cache, M.DenseMasks(64).draft(torch.tensor(start), B))
             ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=emb,
                         position_ids=torch.arange(ctx_lo, start + B)[None], past_key_values=ref_cache, use_cache=True)
             zm._crop_to(ref_cache, start)        # as the package's own loop does
