@@ -202,7 +202,7 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------------------------------
 
 def preset_configs(name: str) -> tuple:
-    """-> (TargetConfig, DraftConfig). qwen3.5-9b: the text model of ../shared/qwen35-spec.md sections 1 and 10
+    """-> (TargetConfig, DraftConfig). qwen3.5-9b: the text model of docs/qwen35.md#config
     (32 layers [GDN x3, attention] x 8, hidden 4096, FFN 12288, 16 q / 4 kv heads of 256, 16 / 32 linear heads of
     128, vocab 248320) and a 5-layer block-16 drafter reading target layers 1, 8, 15, 22, 29 (as
     FSCCS/Qwen3.5-9B-MMFlash and z-lab/Qwen3.5-9B-DFlash do). The drafter's layer widths (32 q / 8 kv heads of
@@ -341,7 +341,7 @@ def preset_main(args, device) -> dict:
         # compiled steps that inductor ran kernel by kernel instead of as a CUDA graph (its log says why)
         "cudagraph_skips": cudagraph_skips() if cuda and mode else None,
     }
-    if cuda:   # the GPU bars of issue 4
+    if cuda:   # the GPU bars (README, "GPU checks")
         out["bars"] = {"decode_bandwidth_ge_75pct": fraction >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
                        "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
     print(json.dumps(out))
@@ -374,7 +374,7 @@ def preset_summary(json_path: str) -> int:
 
 def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     """Time the z-lab package's own loop (`dflash_generate` over transformers models) on the same checkpoints
-    and prompts. Its output is not compared: that loop is not lossless on Qwen3.5 (notes 3)."""
+    and prompts. Its output is not compared: that loop is not lossless on Qwen3.5 (docs/method.md#rollback-on-a-hybrid-target)."""
     from transformers import AutoModelForCausalLM
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from helpers import zlab_module     # the z-lab package's model.py (a test oracle, loaded by the tests' helper)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All GPU checks of issue 4 on one GPU (sized for one H200, within 10 minutes):
+# All GPU checks on one GPU (sized for one H200, within 10 minutes):
 #   the real Qwen3.5-9B text shapes + a 5-layer block-16 drafter, random bf16 weights built on the device,
 #   steps compiled with CUDA graphs (mode reduce-overhead: no autotuning, so it compiles in minutes), timed by
 #   bench.py --preset. Bars: AR decode >= 75% of the measured copy bandwidth, verify (16 tokens) <= 1.3x decode,

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from kernels import state_dtype
-from model import CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig, default_target_layer_ids
+from model import CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig
 
 SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -89,6 +89,14 @@ def target_config(raw: dict) -> TargetConfig:
 DRAFT_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
               "output_multiplier", "final_logit_softcapping", "num_target_layers")
 
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:
+    """Evenly spaced target layers between 1 and L-3 (z-lab's rule); [L // 2] for a one-layer drafter."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 def draft_config(raw: dict) -> DraftConfig:
@@ -272,7 +280,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     tensors = {_target_key(name): t for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (spec 10).
+    # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
     load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
     model.init_buffers_()
     model.path = path
@@ -307,7 +315,7 @@ def load_tokenizer(path: str):
 
 
 def stop_token_ids(path: str, cfg: TargetConfig) -> list:
-    """Stop ids from generation_config.json when present, else config.json's eos_token_id (spec 9)."""
+    """Stop ids from generation_config.json when present, else config.json's eos_token_id (docs/qwen35.md#tokenizer-chat-template-and-stop-tokens)."""
     f = os.path.join(path, "generation_config.json")
     if os.path.exists(f):
         eos = read_json(f).get("eos_token_id")

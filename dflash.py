@@ -1,22 +1,14 @@
 """The DFlash draft-verify loop, exactly lossless, and plain autoregressive decoding through the same caches:
-the baseline it must equal token for token. The method: docs/method.md.
+the baseline it must equal token for token. The method, step by step: docs/method.md#one-round.
 
-One round (Engine.round), with `last` the last committed token at position `start`:
-    draft    the drafter reads the target features of the tokens committed since its last call, then
-             proposes block_size - 1 tokens for the block [last, MASK, ...] at positions start .. start+B-1
-    verify   the target runs [last, proposals] at those positions; GDN layers keep each token's state write
-    accept   posterior = the target's choice at each block position (greedy: argmax); the leading proposals
-             equal to it are accepted, then one more token of the target's (the bonus); all cut at a stop
-             token or at max_new_tokens
-    commit   TargetCache.commit(n): each GDN state becomes the state after the n committed tokens, built from
-             the state before the verify and the writes of those tokens only (the rollback); stale attention
-             K/V are masked and later overwritten
-The verify pass's features at the block positions feed the next draft (the rejected rows stay hidden).
+Engine.round is one round: DRAFT (the proposer's block_size - 1 tokens after `last`, the last committed
+token), VERIFY (the target over [last, proposals]; GDN layers keep each token's state write), ACCEPT (the
+leading proposals equal to the target's choices, plus one token of the target's: the bonus; cut at a stop
+token or at max_new_tokens) and COMMIT (TargetCache.commit(n): the rollback of the GDN states).
 
-A proposer is anything with `max_block_size`, `feature_layers` (target layers whose outputs it reads),
-`reset(capacity, masks)` (a new sequence begins), `prefill(feats, pos)` (the prompt's features) and
-`propose(last, start, feats, feat_pos, n)`. DrafterProposer wraps the DFlash drafter; the tests use
-stand-ins that offer known continuations with chosen corruptions, to force every acceptance length.
+A proposer has `max_block_size`, `feature_layers` (the target layers whose outputs it reads), `reset(capacity,
+masks)`, `prefill(feats, pos)` and `propose(last, start, feats, feat_pos, n)`: DrafterProposer wraps the
+DFlash drafter; the tests use stand-ins that force every acceptance length.
 """
 from __future__ import annotations
 
@@ -226,11 +218,9 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
 # ==================================================================================================
 
 def mark_static_(cache) -> None:
-    """Mark every tensor of a TargetCache / DraftCache as a static address for torch.compile. On CUDA the
-    compiled steps replay as CUDA graphs (cudagraph trees), which run a graph that writes one of its inputs in
-    place only when that input is static; otherwise they skip the graph and launch kernel by kernel. Every
-    step writes the caches in place, so they are marked; unguarded, since cudagraph trees re-record a graph
-    whose static input moved (a cache reallocated for another capacity)."""
+    """Mark every cache tensor as a static address for torch.compile: CUDA graphs (cudagraph trees) replay a
+    graph that writes an input in place only when that input is static, and every step writes the caches.
+    Unguarded: cudagraph trees re-record a graph whose static input moved (a cache of another capacity)."""
     for layer in cache.layers:
         for t in vars(layer).values():
             if isinstance(t, torch.Tensor):
@@ -283,7 +273,7 @@ class Engine:
         decode_step  (tok [1,1], pos [1])                      -> logits [V]        AR; commits its token
         verify_step  (block [1,B], pos [B], u, expo)           -> posterior [B], accepted [], feats [1,B,F]
         draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B]) -> proposals [B-1]
-        commit       (n [1])                                   -> the GDN states after the n-th block token
+        commit       (n [], a 0-d tensor)                      -> the GDN states after the n-th block token
     Everything that varies per step is a device tensor, so after warm-up nothing recompiles. Prefill (one
     call per prompt, any length) stays eager."""
 
@@ -450,9 +440,8 @@ class Engine:
         return time.perf_counter()
 
     def _upload(self, values: list) -> torch.Tensor:
-        """Host ints -> a LongTensor on the device, without a host-device sync: on CUDA through a pinned buffer
-        and a non-blocking copy (a plain torch.tensor(..., device="cuda") waits for the stream). The buffer is
-        rewritten only after the next host read (the round's one sync) has waited for this copy."""
+        """Host ints -> a LongTensor on the device without a sync: on CUDA a non-blocking copy from a pinned
+        buffer, rewritten only after the next host read (the round's one sync) has waited for this copy."""
         if self.device.type != "cuda":
             return torch.tensor(values, device=self.device)
         if self._host is None:

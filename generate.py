@@ -1,4 +1,4 @@
-"""Command line: greedy DFlash speculative decoding (or plain AR with --draft none) on a Qwen3.5 target.
+"""Command line: DFlash speculative decoding (greedy or sampled; plain AR with --draft none) on a Qwen3.5 target.
 
     python generate.py --prompt "def fibonacci(n):"                       # embedded tiny pair, offline
     python generate.py --target Qwen/Qwen3.5-9B --draft z-lab/Qwen3.5-9B-DFlash --prompt "..." --device cuda

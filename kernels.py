@@ -1,6 +1,7 @@
-"""Kernels of the Gated DeltaNet layer, each fast form next to a naive twin that is its spec.
+"""Kernels of the Gated DeltaNet layer. Each is tested against a naive twin written as the maths reads
+(tests/test_kernels.py).
 
-Glossary (code name -> symbol in the Gated DeltaNet paper / ../shared/qwen35-spec.md section 4):
+Glossary (code name -> symbol in the Gated DeltaNet paper, Yang et al. 2024; docs/qwen35.md#gated-deltanet):
     q, k        q̂_t, k̂_t  L2-normalised query and key (q already scaled by dk**-0.5)
     v           v_t        value
     g           g_t        log decay, g <= 0; the state is multiplied by alpha_t = exp(g_t)
@@ -12,7 +13,7 @@ Shapes at every boundary:
     q, k   [B, T, Hk, dk]      v [B, T, Hv, dv]      g, beta [B, T, Hv]
     state  [B, Hv, dk, dv]     o [B, T, Hv, dv]      writes  [B, T, Hv, dv]      states [B, T, Hv, dk, dv]
 
-The delta rule per token (spec 4.6): S' = alpha S; e = beta (v - S'^T k); S = S' + k e^T; o = S^T q.
+The delta rule per token: S' = alpha S; e = beta (v - S'^T k); S = S' + k e^T; o = S^T q.
 The output reads the UPDATED state, so the current token sees itself. `e` is the token's WRITE: unrolled,
     S_t = e^gamma_t S_0 + sum_{j <= t} e^(gamma_t - gamma_j) k_j e_j^T,      gamma_t = g_1 + ... + g_t
 so the state after ANY prefix of a call follows from (k, writes, g) and the state before the call.
@@ -40,14 +41,9 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
     """[B,T,Hk,d] -> [B,T,Hv,d]: key heads shared by groups of value heads, value head h uses key head
-    h // group (repeat_interleave, not tile; spec 4.5)."""
+    h // group (repeat_interleave, not tile)."""
     group = hv // x.shape[2]
     return x.repeat_interleave(group, dim=2) if group > 1 else x
-
-
-def _expand_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k to the value heads (`_to_value_heads`)."""
-    return _to_value_heads(q, hv), _to_value_heads(k, hv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,7 +57,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     -> o [B,T,Hv,dv], writes [B,T,Hv,dv] (e_t of each token), final [B,Hv,dk,dv] (the state after the last
     token: what an AR decode step keeps at once); all in the state dtype."""
     sd = state_dtype(v.dtype)
-    q, k = _expand_heads(q, k, v.shape[2])
+    q, k = _to_value_heads(q, v.shape[2]), _to_value_heads(k, v.shape[2])
     q, k, v, g, beta = (x.to(sd) for x in (q, k, v, g, beta))
     s = state.to(sd)
     outs, writes = [], []
@@ -94,33 +90,8 @@ def state_after(k, writes, g, state, n):
             + torch.einsum("bth,bthk,bthv->bhkv", w, k.to(sd), writes))
 
 
-def naive_gated_delta_rule(q, k, v, g, beta, state):
-    """Twin of `recurrent_gated_delta_rule`: loops over batch, head and token, written in the
-    matrix form S_t = alpha_t (I - beta_t k k^T) S_{t-1} + beta_t k v^T. Same signature and result."""
-    sd = state_dtype(v.dtype)
-    B, T, Hv, dv = v.shape
-    dk = q.shape[-1]
-    group = Hv // q.shape[2]
-    o = torch.zeros(B, T, Hv, dv, dtype=sd, device=v.device)
-    states = torch.zeros(B, T, Hv, dk, dv, dtype=sd, device=v.device)
-    eye = torch.eye(dk, dtype=sd, device=v.device)
-    for b in range(B):
-        for h in range(Hv):
-            s = state[b, h].to(sd)
-            for t in range(T):
-                kt = k[b, t, h // group].to(sd)
-                qt = q[b, t, h // group].to(sd)
-                vt = v[b, t, h].to(sd)
-                alpha = torch.exp(g[b, t, h].to(sd))
-                bt = beta[b, t, h].to(sd)
-                s = alpha * (eye - bt * torch.outer(kt, kt)) @ s + bt * torch.outer(kt, vt)
-                o[b, t, h] = s.T @ qt
-                states[b, t, h] = s
-    return o, states
-
-
 # --------------------------------------------------------------------------------------------------
-# Chunked form: the same maths, C tokens per sequential step (spec 4, "Chunked form").
+# Chunked form: the same maths, C tokens per sequential step (docs/qwen35.md#gated-deltanet).
 # --------------------------------------------------------------------------------------------------
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
@@ -135,7 +106,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     The tail is padded with g = 0, beta = 0, k = v = 0: such a token neither decays nor writes."""
     sd = state_dtype(v.dtype)
     B, T, Hv, dv = v.shape
-    q, k = _expand_heads(q, k, Hv)
+    q, k = _to_value_heads(q, Hv), _to_value_heads(k, Hv)
     C = chunk_size
     pad = (-T) % C
     # [B, H, T, d] in the state dtype, padded to a multiple of C, then split into N chunks of C.
@@ -175,7 +146,7 @@ def block_gated_delta_rule(q, k, v, g, beta, state):
     the sequential loop is what makes a verify step cost more than a decode step."""
     sd = state_dtype(v.dtype)
     B, T, Hv, dv = v.shape
-    q, k = _expand_heads(q, k, Hv)
+    q, k = _to_value_heads(q, Hv), _to_value_heads(k, Hv)
     q, k, v = (x.to(sd).transpose(1, 2) for x in (q, k, v))          # [B,H,T,d]
     g, beta = (x.to(sd).transpose(1, 2) for x in (g, beta))          # [B,H,T]
     s0 = state.to(sd)
@@ -194,7 +165,7 @@ def block_gated_delta_rule(q, k, v, g, beta, state):
 
 
 # --------------------------------------------------------------------------------------------------
-# Causal depthwise convolution with a carried window (spec 4.1).
+# Causal depthwise convolution with a carried window.
 # --------------------------------------------------------------------------------------------------
 
 def causal_conv1d(x, weight, conv_state):
@@ -204,22 +175,12 @@ def causal_conv1d(x, weight, conv_state):
     -> u [B,T,C], window [B,K-1+T,C] = cat(conv_state, x). Rows n..n+K-2 of the window are the conv
     state after the first n tokens of x, which is how a partial acceptance is committed.
     Decode and verify (a few tokens) take the K taps as one multiply-sum over a sliding view of the window,
-    several times cheaper there than F.conv1d (9 vs 84 us per call measured on a CPU); prefill keeps
-    F.conv1d, whose memory stays O(T C) where the sliding view's product would be O(T C K)."""
+    which avoids F.conv1d's per-call overhead on such small inputs; prefill keeps F.conv1d, whose memory stays
+    O(T C) where the sliding view's product would be O(T C K)."""
     T, K = x.shape[1], weight.shape[1]
     window = torch.cat([conv_state.to(x.dtype), x], dim=1)
     if T <= SHORT_CALL:
         y = (window.unfold(1, K, 1) * weight.to(x.dtype)).sum(-1)   # [B,T,C,K] -> [B,T,C]
     else:
         y = F.conv1d(window.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=weight.shape[0]).transpose(1, 2)
-    return F.silu(y), window
-
-
-def naive_causal_conv1d(x, weight, conv_state):
-    """Twin of `causal_conv1d`: an explicit sum over the K taps."""
-    T, K = x.shape[1], weight.shape[1]
-    window = torch.cat([conv_state.to(x.dtype), x], dim=1)
-    y = torch.zeros_like(x)
-    for i in range(K):
-        y = y + window[:, i:i + T] * weight[:, i].to(x.dtype)
     return F.silu(y), window

@@ -41,7 +41,7 @@ class CheckpointError(ValueError):
 
 @dataclass
 class TargetConfig:
-    """The text model of a dense Qwen3.5 checkpoint (every size differs only in these numbers; spec 1)."""
+    """The text model of a dense Qwen3.5 checkpoint (every size differs only in these numbers)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -86,17 +86,9 @@ class TargetConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:
-    """Evenly spaced target layers between 1 and L-3 (notes 1); [L // 2] for a one-layer drafter."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
 @dataclass
 class DraftConfig:
-    """A z-lab DFlash drafter: Qwen3 decoder layers with the target's features injected as K/V (notes 1)."""
+    """A z-lab DFlash drafter: Qwen3 decoder layers with the target's features injected as K/V (docs/method.md#the-drafter)."""
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int

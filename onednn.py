@@ -11,10 +11,10 @@ What it holds:
     linear, linear_op the product itself: a direct call for eager code, and a custom op torch.compile can trace.
     lower_linear_op   an inductor lowering so compiled code calls the oneDNN kernel itself, not the custom op.
 
-Why it is optional: torch's float32 products on a CPU run MKL's sgemm. On one AMD EPYC AVX-512 machine
-oneDNN's kernel on a prepacked weight was 2-3x faster for products of a few rows (and no faster for a single
-row, which is why AR decode stays in F.linear); on an Intel Xeon AVX-512 machine it was no faster for 16 rows
-and slower for one. Whether it pays depends on the CPU, and the copies cost the weights' size in memory
+Why it is optional: torch's float32 products on a CPU run MKL's sgemm. On some CPUs oneDNN's kernel on a
+prepacked weight is much faster for products of a few rows (and no faster for a single row, which is why AR
+decode stays in F.linear); on others it is no faster, or slower (the README's table of measurements names
+the CPUs). Whether it pays depends on the CPU, and the copies cost the weights' size in memory
 again, so it is off by default: generate.py and bench.py apply it with --onednn. The maths is the same float32
 maths summed in another order (the last bits differ, as between any two GEMM kernels). Only that flag's code
 imports this file: deleting the file and the flag leaves a working project.

@@ -8,7 +8,7 @@ trained on the Python standard library's own source, which every machine with Py
 into train / held-out by a hash of their name. Saved in the real checkpoint format (config.json with
 model_type qwen3_5_text, model.safetensors with HF names, tokenizer.json), so transformers loads it too.
 
-`draft`: the DFlash recipe of ../shared/dflash-notes.md section 5:
+`draft`: the DFlash recipe (docs/method.md#training-the-drafter):
   - data: prompts from the training split with responses REGENERATED greedily by the target (the drafter
     learns the target's own distribution, which is what it is asked to predict at inference);
   - anchors: random positions inside each response; anchor a opens the block [tok[a], MASK x (B-1)] at
@@ -408,7 +408,7 @@ def train_draft(args):
     cfg = M.DraftConfig(
         hidden_size=target.cfg.hidden_size, intermediate_size=args.draft_intermediate, num_hidden_layers=args.draft_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=target.cfg.vocab_size,
-        target_layer_ids=args.target_layers or M.default_target_layer_ids(L, args.draft_layers),
+        target_layer_ids=args.target_layers or ckpt.default_target_layer_ids(L, args.draft_layers),
         mask_token_id=tok.token_to_id("<|mask|>"), block_size=args.block_size, num_target_layers=L,
         rope_theta=10000.0)
     drafter = M.DFlashDrafter(cfg)
@@ -470,7 +470,7 @@ def main(argv=None):
     d = sub.choices["draft"]
     d.add_argument("--target", required=True)
     d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--gamma", type=float, default=7.0, help="loss decay: 7 for block 16, 5 for 10, 4 for 8 (notes 5)")
+    d.add_argument("--gamma", type=float, default=7.0, help="loss decay: 7 for block 16, 5 for 10, 4 for 8 (the DFlash paper)")
     d.add_argument("--draft-layers", type=int, default=1)
     d.add_argument("--draft-intermediate", type=int, default=768)
     d.add_argument("--init-from", default=None,

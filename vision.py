@@ -3,7 +3,7 @@
 The drafter never sees pixels: images reach it only through the target's hidden states (its context
 features), and it keeps plain 1-D positions. Everything here runs once, before prefill.
 
-Glossary (../shared/qwen35-spec.md section 8):
+Glossary (docs/qwen35.md#vision-tower-and-multimodal-positions):
     p       patch side in pixels (16)              m      spatial merge size (2): m x m patches -> one token
     Tp      temporal patch size (2): a still image is repeated to 2 frames, so each patch is C*Tp*p*p values
     gh, gw  the image's patch grid (pixels / p)    grid   (t, gh, gw) with t = 1 for images

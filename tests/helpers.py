@@ -38,7 +38,7 @@ def tiny_target_config(**kw) -> M.TargetConfig:
 def tiny_draft_config(target: M.TargetConfig, **kw) -> M.DraftConfig:
     base = dict(hidden_size=target.hidden_size, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
-                target_layer_ids=M.default_target_layer_ids(target.num_hidden_layers, 2),
+                target_layer_ids=ckpt.default_target_layer_ids(target.num_hidden_layers, 2),
                 mask_token_id=target.vocab_size - 1, block_size=16, num_target_layers=target.num_hidden_layers,
                 rope_theta=10000.0)
     base.update(kw)

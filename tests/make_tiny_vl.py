@@ -1,5 +1,6 @@
-"""Builds a tiny multimodal pair from a text pair, so the image path (vision.py, --image) runs end to end on a
-CPU in seconds. A test fixture, and a way to try --image without downloading a real checkpoint:
+"""Builds a tiny multimodal pair (a random vision tower) from a text pair, to run --image on a CPU.
+
+The image path (vision.py, --image) then runs end to end on a CPU in seconds. A test fixture, and a way to try --image without downloading a real checkpoint:
 
     python tests/make_tiny_vl.py --target checkpoints/tiny-qwen35 --draft checkpoints/tiny-qwen35-dflash --out /tmp/tiny-vl
 

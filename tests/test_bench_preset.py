@@ -10,7 +10,7 @@ import model as M
 
 
 def test_9b_preset_shapes_match_the_spec():
-    """Built on the meta device (no memory): the parameter count of spec section 10 (8,953,803,264 for the
+    """Built on the meta device (no memory): the parameter count of docs/qwen35.md#config (8,953,803,264 for the
     text model) and the drafter's target layers 1, 8, 15, 22, 29 at block 16."""
     tcfg, dcfg = bench.preset_configs("qwen3.5-9b")
     with torch.device("meta"):

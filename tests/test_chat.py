@@ -107,7 +107,7 @@ def test_render_equals_transformers(chat_ckpt, template, name, thinking, gen_pro
 
 
 def test_render_matches_the_documented_shapes(template):
-    """Independent of transformers: the shapes in qwen35-spec.md section 9, written out by hand."""
+    """Independent of transformers: the shapes of docs/qwen35.md#tokenizer-chat-template-and-stop-tokens, written out by hand."""
     r = lambda msgs, **kw: chat.render_chat(template, msgs, **kw)
     user = [{"role": "user", "content": " hi "}]
     assert r(user) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"

@@ -1,5 +1,5 @@
 """Checks that need a CUDA device (skipped elsewhere; bench_gpu.sh runs them): one host-device sync per
-draft-verify round (issue 4), and DFlash == AR on the GPU in float64."""
+draft-verify round, and DFlash == AR on the GPU in float64."""
 import warnings
 
 import pytest

@@ -58,7 +58,7 @@ def test_logits_match_transformers(which, request):
 
 
 def test_features_are_layer_outputs(causal):
-    """feats of layer l == HF hidden_states[l + 1] (the output of decoder layer l; notes 1, vLLM PR #40727)."""
+    """feats of layer l == HF hidden_states[l + 1] (the output of decoder layer l; vllm-project/vllm#40727)."""
     path, hf = causal
     ours = ckpt.load_target(str(path), torch.float32)
     ids = prompt(40, ours.cfg.vocab_size, 3)

@@ -10,6 +10,43 @@ import model as M
 from helpers import random_target, tiny_target_config, verify_kernel
 
 
+# The naive twins: loops written as the maths reads, the spec the fast kernels are checked against.
+
+def naive_gated_delta_rule(q, k, v, g, beta, state):
+    """Twin of `recurrent_gated_delta_rule`: loops over batch, head and token, written in the
+    matrix form S_t = alpha_t (I - beta_t k k^T) S_{t-1} + beta_t k v^T. Same signature and result."""
+    sd = kernels.state_dtype(v.dtype)
+    B, T, Hv, dv = v.shape
+    dk = q.shape[-1]
+    group = Hv // q.shape[2]
+    o = torch.zeros(B, T, Hv, dv, dtype=sd, device=v.device)
+    states = torch.zeros(B, T, Hv, dk, dv, dtype=sd, device=v.device)
+    eye = torch.eye(dk, dtype=sd, device=v.device)
+    for b in range(B):
+        for h in range(Hv):
+            s = state[b, h].to(sd)
+            for t in range(T):
+                kt = k[b, t, h // group].to(sd)
+                qt = q[b, t, h // group].to(sd)
+                vt = v[b, t, h].to(sd)
+                alpha = torch.exp(g[b, t, h].to(sd))
+                bt = beta[b, t, h].to(sd)
+                s = alpha * (eye - bt * torch.outer(kt, kt)) @ s + bt * torch.outer(kt, vt)
+                o[b, t, h] = s.T @ qt
+                states[b, t, h] = s
+    return o, states
+
+
+def naive_causal_conv1d(x, weight, conv_state):
+    """Twin of `causal_conv1d`: an explicit sum over the K taps."""
+    T, K = x.shape[1], weight.shape[1]
+    window = torch.cat([conv_state.to(x.dtype), x], dim=1)
+    y = torch.zeros_like(x)
+    for i in range(K):
+        y = y + window[:, i:i + T] * weight[:, i].to(x.dtype)
+    return F.silu(y), window
+
+
 def gdn_inputs(seed, B, T, Hk, Hv, dk, dv, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, T, Hk, dk, generator=g, dtype=dtype), dim=-1) * dk ** -0.5
@@ -39,7 +76,7 @@ def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
     o_r, writes, last = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     states = all_states(k, writes, g, s0)
     torch.testing.assert_close(last, states[:, -1], rtol=0, atol=1e-12)
-    o_n, states_n = kernels.naive_gated_delta_rule(q, k, v, g, beta, s0)
+    o_n, states_n = naive_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
     o_b, writes_b = kernels.block_gated_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], s0)
     torch.testing.assert_close(o_b, o_r[:, :64], rtol=0, atol=1e-10)
@@ -51,7 +88,7 @@ def test_chunked_equals_block_equals_recurrent_equals_naive(shape, seed, chunk):
 
 
 def test_chunked_equals_recurrent_float32():
-    """The float32 noise level of spec 4 (about 1e-6 on outputs of order 1)."""
+    """The float32 noise level of the chunked form (about 1e-6 on outputs of order 1)."""
     q, k, v, g, beta, s0 = gdn_inputs(1, 2, 200, 2, 6, 16, 24, torch.float32)
     o_r, writes, last = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     o_c, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0)
@@ -83,7 +120,7 @@ def test_state_after_reads_only_the_committed_rows(T, extra, seed, data):
     stale_w = torch.cat([writes, 1e30 * torch.ones(1, extra, 4, 8, dtype=writes.dtype)], 1)
     stale_g = torch.cat([g[:, :T], -1e4 * torch.ones(1, extra, 4, dtype=g.dtype)], 1)
     got = kernels.state_after(k, stale_w, stale_g, s0, torch.tensor(n))
-    _, states_n = kernels.naive_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0)
+    _, states_n = naive_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0)
     torch.testing.assert_close(got, states_n[:, -1], rtol=0, atol=1e-10)
 
 
@@ -95,7 +132,7 @@ def test_conv_equals_naive_and_splits(T, C, K, seed):
     w = torch.randn(C, K, generator=g, dtype=torch.float64)
     state = torch.randn(2, K - 1, C, generator=g, dtype=torch.float64)
     y, win = kernels.causal_conv1d(x, w, state)
-    y_n, win_n = kernels.naive_causal_conv1d(x, w, state)
+    y_n, win_n = naive_causal_conv1d(x, w, state)
     torch.testing.assert_close(y, y_n)
     assert torch.equal(win, win_n)
     # the conv state after n tokens is window rows n .. n+K-2; continuing from it equals the whole run

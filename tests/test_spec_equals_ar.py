@@ -28,7 +28,7 @@ def target_configs(draw):
 
 
 def first_divergence_is_near_tie(target, prompt, ar_out, other_out, tol):
-    """float32: where two correct runs differ, the reference must be at a near-tie there (notes 2).
+    """float32: where two correct runs differ, the reference must be at a near-tie there (docs/method.md#exactness-and-precision).
     Teacher-forced float64 re-run of the same weights over prompt + the AR tokens before the divergence."""
     i = next(k for k, (a, b) in enumerate(zip(ar_out, other_out)) if a != b)
     t64 = M.Qwen35(target.cfg)

@@ -128,7 +128,7 @@ def test_rope_positions_equal_get_rope_index(mm, pieces, sizes):
 
 
 def test_rope_positions_documented_example():
-    """qwen35-spec.md section 8: [a b c <vs> img x6 (grid 1x4x6) <ve> d e]."""
+    """docs/qwen35.md#vision-tower-and-multimodal-positions: [a b c <vs> img x6 (grid 1x4x6) <ve> d e]."""
     ids = [1, 2, 3, VS] + [IMG] * 6 + [VE, 4, 5]
     pos, delta = V.rope_positions(ids, IMG, [(1, 4, 6)], 2)
     assert pos.tolist() == [[0, 1, 2, 3, 4, 4, 4, 4, 4, 4, 7, 8, 9],

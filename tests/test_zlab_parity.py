@@ -24,7 +24,7 @@ def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
     ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=V, hidden=H, n_layers=n_layers, block_size=8,
                             layer_ids=layer_ids)
     ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
-    # default spacing (notes 1) is the same rule as the package's
+    # default spacing (docs/method.md#the-drafter) is the same rule as the package's
     assert ours.cfg.target_layer_ids == list(ref.target_layer_ids)
     if layer_ids is None:
         assert ours.cfg.target_layer_ids == zm.build_target_layer_ids(8, n_layers)
@@ -59,7 +59,7 @@ def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
 
 
 def test_off_by_one_layer_would_show(tmp_path, target):
-    """The features of layer l and l+1 differ, so the test above would catch an off-by-one (vLLM PR #40727)."""
+    """The features of layer l and l+1 differ, so the test above would catch an off-by-one (vllm-project/vllm#40727)."""
     ours_t, _ = target
     ids = torch.randint(0, ours_t.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -1,0 +1,93 @@
+"""The repository stands alone and stays readable: no references to texts a reader who clones it does not have,
+every docs/ link points at a real section, and the three core files stay small, plain PyTorch."""
+import ast
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE = ("model.py", "kernels.py", "dflash.py")
+
+
+def tracked_text_files() -> list:
+    """Every tracked file that is text (tokenizer.json is the BPE vocabulary: arbitrary source text, skipped)."""
+    try:
+        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    out = []
+    for name in names:
+        if name.endswith(("tokenizer.json", ".safetensors")):
+            continue
+        try:
+            with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+                out.append((name, fh.read()))
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+    return out
+
+
+# A reference to a private text, or to this project's own tracker. Public threads are cited as owner/repo#N.
+FORBIDDEN = re.compile(r"\.\./shared|qwen35-spec|dflash-notes|\b(issue|issues|PR|pull request)\s+#?\d+|\b(spec|notes)\s+(section\s+)?\d",
+                       re.IGNORECASE)
+
+
+def test_no_reference_to_texts_outside_the_repository():
+    bad = []
+    for name, text in tracked_text_files():
+        for i, line in enumerate(text.splitlines(), 1):
+            m = FORBIDDEN.search(line)
+            if m:
+                bad.append(f"{name}:{i}: {m.group(0)!r}")
+    assert not bad, "cite docs/ sections, papers or owner/repo#N instead:\n" + "\n".join(bad)
+
+
+def test_the_check_above_can_fail():
+    for line in ("see ../shared/notes", "fixed in issue 4", "issue #12", "(spec 4.6)", "notes 3", "PR #169", "spec section 10"):
+        assert FORBIDDEN.search(line), line
+    for line in ("z-lab/dflash#66", "vllm-project/vllm#40727", "docs/method.md#sampling", "the spec says"):
+        assert not FORBIDDEN.search(line), line
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_docs_links_point_at_sections():
+    anchors = {}
+    for doc in os.listdir(os.path.join(ROOT, "docs")):
+        with open(os.path.join(ROOT, "docs", doc), encoding="utf-8") as fh:
+            anchors[doc] = {anchor(line.lstrip("#")) for line in fh if line.startswith("#")}
+    bad = []
+    for name, text in tracked_text_files():
+        for doc, frag in re.findall(r"docs/(\w+\.md)#([\w\-]+)", text):
+            if doc not in anchors or frag not in anchors[doc]:
+                bad.append(f"{name}: docs/{doc}#{frag}")
+    assert not bad, "links to missing sections:\n" + "\n".join(bad)
+
+
+def test_core_files_are_small_and_plain():
+    total = 0
+    for name in CORE:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+            src = fh.read()
+        total += src.count("\n")
+        assert not re.search(r"onednn|mkldnn", src, re.IGNORECASE), f"{name}: CPU-specific speed paths belong in onednn.py"
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{name}: {node.name} is {length} lines (keep functions to about 60)"
+    assert total <= 1300, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,300)"
+
+
+def test_optional_modules_are_imported_only_where_selected():
+    """onednn.py and flex.py can be deleted with their flags: the core never imports them."""
+    for name in CORE + ("checkpoint.py", "chat.py", "train.py", "vision.py"):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not imported & {"onednn", "flex"}, f"{name} imports {imported & {'onednn', 'flex'}}"
