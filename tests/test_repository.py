@@ -19,7 +19,7 @@ def tracked_text_files() -> list:
         pytest.skip("not a git checkout")
     out = []
     for name in names:
-        if name.endswith(("tokenizer.json", ".safetensors")):
+        if name.endswith(("tokenizer.json", ".safetensors")) or name == "tests/test_repository.py":   # (this file names the patterns)
             continue
         try:
             with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
