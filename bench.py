@@ -30,7 +30,7 @@ import torch
 import dflash
 import checkpoint as ckpt
 import model as M
-from generate import ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, use_onednn
+from generate import ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
 PRESETS = ("qwen3.5-9b", "tiny-9b-shape")
@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="torch.compile the step functions (compile time reported apart)")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode with --compile (default max-autotune)")
+    p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compile on a CPU: inductor's C++ wrapper (see generate.py)")
     p.add_argument("--vs-reference", action="store_true",
                    help="also time the z-lab reference loop (dflash package + transformers) on the same checkpoints")
     p.add_argument("--onednn", action="store_true", help="oneDNN products of a few rows on a float32 CPU (see generate.py)")
@@ -78,8 +80,9 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     compilation, CUDA graph capture, allocator and lazy init, excluded from the figures.
     -> (ar_engine, dflash_engine, warm-up seconds)."""
     mode = args.compile_mode if args.compile else None
-    ar_engine = dflash.Engine(target, None, 1, capacity, compile_mode=mode, masks=ATTENTION[args.attention])
-    sp_engine = dflash.Engine(target, proposer, block, capacity, compile_mode=mode, masks=ATTENTION[args.attention])
+    kw = dict(compile_mode=mode, masks=ATTENTION[args.attention], compile_options=compile_options(args, target.embed_tokens.weight.device))
+    ar_engine = dflash.Engine(target, None, 1, capacity, **kw)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw)
     t0 = time.perf_counter()
     ar_engine.run(prompt, 8, stops)
     sp_engine.run(prompt, 3 * block, stops)
@@ -193,7 +196,7 @@ def main(argv=None):
         "decode_ms": decode_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
         "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
         "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
-        "compile_mode": mode, "attention": args.attention, "onednn": args.onednn,
+        "compile_mode": mode, "attention": args.attention, "onednn": args.onednn, "cpp_wrapper": bool(mode and args.cpp_wrapper),
     }))
 
 

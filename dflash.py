@@ -12,7 +12,6 @@ DFlash drafter; the tests use stand-ins that force every acceptance length.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -63,9 +62,7 @@ class Result:
         return counts
 
 
-# ==================================================================================================
-# Sampling (docs/method.md#sampling)
-# ==================================================================================================
+# ---- Sampling (docs/method.md#sampling) ----------------------------------------------------------
 
 @dataclass(frozen=True)
 class Sampling:
@@ -132,9 +129,7 @@ def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Te
     return accepted, draw(resid, expo)
 
 
-# ==================================================================================================
-# The proposer
-# ==================================================================================================
+# ---- The proposer --------------------------------------------------------------------------------
 
 class DrafterProposer:
     """The real proposer: the DFlash drafter with its context cache, sharing the target's embedding and lm_head."""
@@ -213,9 +208,7 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
     return capacity
 
 
-# ==================================================================================================
-# The engine
-# ==================================================================================================
+# ---- The engine ----------------------------------------------------------------------------------
 
 def mark_static_(cache) -> None:
     """Mark every cache tensor as a static address for torch.compile: CUDA graphs (cudagraph trees) replay a
@@ -230,12 +223,6 @@ def mark_static_(cache) -> None:
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def _no_c_shim_note(record: logging.LogRecord) -> bool:
-    """Drops inductor's note that an op (here linalg_solve_triangular) has no C shim in the C++ wrapper and
-    runs through its proxy executor: expected and harmless, but printed on every CPU compilation."""
-    return "missing a c-shim implementation" not in record.getMessage()
 
 
 class _Sequence:
@@ -278,9 +265,9 @@ class Engine:
     call per prompt, any length) stays eager."""
 
     def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
-                 compile_mode: str | None = None, masks=DenseMasks):
+                 compile_mode: str | None = None, masks=DenseMasks, compile_options: dict | None = None):
         """masks: the class of the cached calls' masks, model.DenseMasks (SDPA) or flex.FlexMasks, built here once
-        over the static caches."""
+        over the static caches. compile_options: inductor options added to the mode's (cppwrapper.py's)."""
         self.target, self.proposer = target, proposer
         self.block, self.capacity = block_size if proposer is not None else 1, capacity
         check_block_size(self.block, proposer)
@@ -301,17 +288,15 @@ class Engine:
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
         self.draft_step = proposer.propose if proposer is not None else None
         if compile_mode is not None:
-            self._compile(compile_mode)
+            self._compile(compile_mode, compile_options or {})
 
-    def _compile(self, mode: str) -> None:
-        """Wrap the step functions in torch.compile with the mode's inductor options; on a CPU also inductor's
-        C++ wrapper (these steps are small graphs, where the Python wrapper's per-kernel calls cost a lot)."""
+    def _compile(self, mode: str, extra: dict) -> None:
+        """Wrap the step functions in torch.compile(fullgraph=True, dynamic=False) with the mode's inductor options.
+        Each distinct decoder layer is compiled once and called per layer (the layers' nested compile regions)."""
         from torch._inductor import list_mode_options
-        options = dict(list_mode_options(mode, False))
+        options = {**list_mode_options(mode, False), **extra}
         if self.device.type == "cpu":
-            options["cpp_wrapper"] = True
             options.pop("triton.cudagraphs", None)      # max-autotune's CUDA graphs: nothing to capture on a CPU
-            logging.getLogger("torch._inductor.ir").addFilter(_no_c_shim_note)
         if self._graphs:
             mark_static_(self.cache)        # the drafter's cache is marked in generate, after its reset
         opts = dict(options=options, fullgraph=True, dynamic=False)

@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-window", type=int, default=None, help="drafts see only the last W context positions (long prompts)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
+    p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
     p.add_argument("--onednn", action="store_true",
                    help="float32 on a CPU: products of a few rows (verify, draft) through oneDNN on prepacked weights "
                         "(onednn.py; faster on some CPUs, not on others: see the README)")
@@ -79,6 +81,14 @@ def parse_args(argv=None):
     if args.draft is None:
         args.draft = DEFAULT_DRAFT if args.target == DEFAULT_TARGET else "none"
     return args
+
+
+def compile_options(args, device) -> dict:
+    """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (cppwrapper.py), unless --no-cpp-wrapper."""
+    if not (args.cpp_wrapper and torch.device(device).type == "cpu"):
+        return {}
+    import cppwrapper
+    return cppwrapper.options()
 
 
 def use_onednn(*modules) -> None:
@@ -193,7 +203,7 @@ def main(argv=None) -> int:
     print_ids = None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True))   # when there is no stream
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
     engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                           masks=ATTENTION[args.attention])
+                           masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         t0 = time.perf_counter()

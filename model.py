@@ -77,8 +77,7 @@ class TargetConfig:
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise CheckpointError(f"partial_rotary_factor {self.partial_rotary_factor} gives an invalid rotary dim {self.rotary_dim}")
         if sum(self.mrope_section) != self.rotary_dim // 2:
-            # The interleaved layout needs one section entry per frequency column; for 1-D text positions
-            # the sections do not matter, so fall back to all-T rather than refuse a valid checkpoint.
+            # sections that do not cover the rotary dims do not matter for text: all-T rather than refuse
             self.mrope_section = [self.rotary_dim // 2, 0, 0]
 
     @property
@@ -284,9 +283,15 @@ class GDNCache:
         """The rollback: keep the first n tokens (1 <= n <= T; an int, or a device tensor: no host sync) of the kept verify call.
         S becomes the state after token n (kernels.state_after: S before the call plus the writes of tokens
         < n only); the conv state becomes window rows n .. n+K-2."""
-        n = torch.as_tensor(n, device=self.rec.device).reshape(1)
-        self.rec.copy_(kernels.state_after(self.keys, self.writes, self.decay, self.rec, n))
-        self.conv.copy_(self.window.index_select(1, n + torch.arange(self.conv.shape[1], device=n.device)))
+        _commit_state(*vars(self).values(), torch.as_tensor(n, device=self.rec.device).reshape(1))
+
+
+@torch.compiler.nested_compile_region           # compiled once, called per GDN layer (see DecoderLayer.forward)
+def _commit_state(conv, rec, keys, writes, decay, window, n):
+    rec.copy_(kernels.state_after(keys, writes, decay, rec, n))
+    rows = n + torch.arange(conv.shape[1], device=n.device)
+    conv.copy_(window.index_select(1, rows))
+    return rows                                  # (a compile region must return a tensor that is not an input)
 
 
 class GatedAttention(nn.Module):
@@ -393,6 +398,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, pos, mask, cache, verify: bool):
+        """The cache goes to `step` as plain tensors, so torch.compile traces one layer of each kind and calls it for
+        every layer of that kind instead of compiling all L of them (a nested compile region; eager: a plain call)."""
+        return self.step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
+
+    @torch.compiler.nested_compile_region
+    def step(self, x, cos, sin, pos, mask, verify: bool, *cache):
+        cache = (GDNCache if self.layer_type == "linear_attention" else AttnCache)(*cache) if cache else None
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             x = x + self.linear_attn(h, cache, verify)
@@ -551,7 +563,11 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def draft(self, x, rope, cache: AttnCache, mask):
-        x = x + self.self_attn.draft(self.input_layernorm(x), rope, cache, mask)
+        return self.draft_step(x, *rope, mask, cache.k, cache.v)
+
+    @torch.compiler.nested_compile_region            # one compiled body for every layer (DecoderLayer.forward)
+    def draft_step(self, x, cos, sin, mask, k, v):
+        x = x + self.self_attn.draft(self.input_layernorm(x), (cos, sin), AttnCache(k, v), mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

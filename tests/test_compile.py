@@ -1,19 +1,39 @@
 """torch.compile of the step functions: one graph per step kind, no recompiles after warm-up, same tokens."""
 
+import re
+
 import pytest
 
+import cppwrapper
 import dflash
 from helpers import HAS_EMBEDDED_PAIR, embedded_pair
 
 
+def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
+    """In inductor's generated code of a step: the compiled region bodies it defines, and how often it calls them."""
+    pattern = r"auto (\w+) = \[&\]\(" if wrapper == "cpp" else r"\ndef (\w*subgraph_\d+)\("
+    bodies = re.findall(pattern, code)
+    return bodies, sum(code.count(f"{b}(") for b in bodies) - (0 if wrapper == "cpp" else len(bodies))
+
+
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-def test_no_recompiles_after_warmup_and_same_tokens():
+@pytest.mark.parametrize("wrapper", ["python", "cpp"])
+def test_no_recompiles_after_warmup_and_same_tokens(wrapper, tmp_path, monkeypatch):
+    """Both inductor wrappers (cppwrapper.py's C++ one is the CPU default of the command lines): each distinct
+    decoder layer is compiled once and called per layer, no recompiles after warm-up, tokens == eager."""
     import torch._dynamo
     from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # fresh code, not a cached graph
     torch._dynamo.reset()
     target, drafter, p1, p2 = embedded_pair()
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default")
-    eng.run(p1, 40)                                                       # warm-up: compiles each step once
+    options = cppwrapper.options() if wrapper == "cpp" else {}
+    assert options.get("cpp_wrapper", False) == (wrapper == "cpp")
+    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", compile_options=options)
+    _, codes = run_and_get_code(eng.run, p1, 40)                          # warm-up: compiles each step once
+    verify = max(codes, key=len)                                          # the verify step: the whole target
+    bodies, calls = region_bodies_and_calls(verify, wrapper)
+    assert len(bodies) == len(set(target.cfg.layer_types)) and calls == target.cfg.num_hidden_layers, (bodies, calls)
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         res = eng.run(p2, 120)                                            # another prompt length, many acceptance lengths

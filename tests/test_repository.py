@@ -84,10 +84,11 @@ def test_core_files_are_small_and_plain():
 
 
 def test_optional_modules_are_imported_only_where_selected():
-    """onednn.py and flex.py can be deleted with their flags: the core never imports them."""
+    """onednn.py, flex.py and cppwrapper.py can be deleted with their flags: the core never imports them."""
     for name in CORE + ("checkpoint.py", "chat.py", "train.py", "vision.py"):
         with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
             tree = ast.parse(fh.read())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert not imported & {"onednn", "flex"}, f"{name} imports {imported & {'onednn', 'flex'}}"
+        optional = {"onednn", "flex", "cppwrapper"}
+        assert not imported & optional, f"{name} imports {imported & optional}"
