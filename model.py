@@ -115,9 +115,7 @@ class DraftConfig:
             raise CheckpointError("drafter target_layer_ids is empty")
 
 
-# ==================================================================================================
-# Building blocks
-# ==================================================================================================
+# ---- Building blocks -----------------------------------------------------------------------------
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim, in float32 (float64 in a float64 run): the core of every
@@ -244,9 +242,7 @@ class DenseMasks:
         return draft_visible(self.capacity, self.window, start, kv_idx)[None, :].expand(n, -1)
 
 
-# ==================================================================================================
-# Target: Qwen3.5 hybrid
-# ==================================================================================================
+# ---- Target: Qwen3.5 hybrid ----------------------------------------------------------------------
 
 @dataclass
 class AttnCache:
@@ -509,9 +505,7 @@ class Qwen35(nn.Module):
         return self.lm_head(h), feats
 
 
-# ==================================================================================================
-# Drafter: DFlash block diffusion (docs/method.md#the-drafter)
-# ==================================================================================================
+# ---- Drafter: DFlash block diffusion (docs/method.md#the-drafter) --------------------------------
 
 class DraftAttention(nn.Module):
     """Qwen3 attention with KV injection: Q from the block only; K, V from [context ; block]; k_norm on both;
