@@ -276,18 +276,12 @@ class GDNCache:
         self.window[:, :window.shape[1]].copy_(window)
 
     def commit(self, n) -> None:
-        """The rollback: keep the first n tokens (1 <= n <= T; an int, or a device tensor: no host sync) of the kept verify call.
-        S becomes the state after token n (kernels.state_after: S before the call plus the writes of tokens
-        < n only); the conv state becomes window rows n .. n+K-2."""
-        _commit_state(*vars(self).values(), torch.as_tensor(n, device=self.rec.device).reshape(1))
-
-
-@torch.compiler.nested_compile_region           # compiled once, called per GDN layer (see DecoderLayer.forward)
-def _commit_state(conv, rec, keys, writes, decay, window, n):
-    rec.copy_(kernels.state_after(keys, writes, decay, rec, n))
-    rows = n + torch.arange(conv.shape[1], device=n.device)
-    conv.copy_(window.index_select(1, rows))
-    return rows                                  # (a compile region must return a tensor that is not an input)
+        """The rollback: keep the first n tokens (1 <= n <= T; an int, or a device tensor: no host sync) of the
+        kept verify call. S becomes the state after token n (kernels.state_after: S before the call plus the
+        writes of tokens < n only); the conv state becomes window rows n .. n+K-2."""
+        n = torch.as_tensor(n, device=self.rec.device).reshape(1)
+        self.rec.copy_(kernels.state_after(self.keys, self.writes, self.decay, self.rec, n))
+        self.conv.copy_(self.window.index_select(1, n + torch.arange(self.conv.shape[1], device=n.device)))
 
 
 class GatedAttention(nn.Module):
@@ -395,7 +389,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, pos, mask, cache, verify: bool):
         """The cache goes to `step` as plain tensors, so torch.compile traces one layer of each kind and calls it for
-        every layer of that kind instead of compiling all L of them (a nested compile region; eager: a plain call)."""
+        every layer of that kind instead of compiling all L of them (a nested compile region; eager: a plain call).
+        Inductor (torch 2.13) does not track what a region writes: its output must be used, and nothing else in
+        the same compiled step may read what it writes (true here: each layer alone touches its cache)."""
         return self.step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
 
     @torch.compiler.nested_compile_region
