@@ -181,15 +181,18 @@ class PackedLinear(nn.Linear):
         return w.numel() * w.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (self.packed is not None and x.dtype == torch.float32 and w.dtype == torch.float32
-                and x.device.type == "cpu" and w.device.type == "cpu"
-                and 1 < x.numel() // max(x.shape[-1], 1) <= FEW_ROWS and not torch.is_grad_enabled()):
-            if torch.compiler.is_compiling():     # the staleness check is not traced (module docstring)
-                return linear_op(x, self.packed, self.bias, self.out_features)
-            packed = self._pack() if self._stale(unversioned_stale=False) else self.packed
-            return linear(x, packed, self.bias, self.out_features)
-        return F.linear(x, w, self.bias)
+        # The cheap tests first: this runs for every product of an eager step.
+        if (self.packed is None or x.dtype != torch.float32 or torch.is_grad_enabled()
+                or not 1 < x.numel() // max(x.shape[-1], 1) <= FEW_ROWS or x.device.type != "cpu"):
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():     # the staleness check is not traced (module docstring)
+            return linear_op(x, self.packed, self.bias, self.out_features)
+        if self._stale(unversioned_stale=False):
+            if not _packable(self.weight):     # converted to another dtype or device since it was packed
+                self.packed = self._packed_for = None
+                return F.linear(x, self.weight, self.bias)
+            self._pack()
+        return linear(x, self.packed, self.bias, self.out_features)
 
 
 def _available_memory() -> int | None:
