@@ -392,10 +392,11 @@ class DecoderLayer(nn.Module):
         every layer of that kind instead of compiling all L of them (a nested compile region; eager: a plain call).
         Inductor (torch 2.13) does not track what a region writes: its output must be used, and nothing else in
         the same compiled step may read what it writes (true here: each layer alone touches its cache)."""
-        return self.step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
+        # FlexAttention block masks carry views of one another, which a region's inputs may not: inlined then.
+        step = self.step if isinstance(mask, torch.Tensor) else self.layer
+        return step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
 
-    @torch.compiler.nested_compile_region
-    def step(self, x, cos, sin, pos, mask, verify: bool, *cache):
+    def layer(self, x, cos, sin, pos, mask, verify: bool, *cache):
         cache = (GDNCache if self.layer_type == "linear_attention" else AttnCache)(*cache) if cache else None
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
@@ -403,6 +404,8 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.self_attn(h, cos, sin, pos, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    step = torch.compiler.nested_compile_region(layer)
 
 
 class TargetCache:
@@ -553,12 +556,14 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def draft(self, x, rope, cache: AttnCache, mask):
-        return self.draft_step(x, *rope, mask, cache.k, cache.v)
+        step = self.draft_step if isinstance(mask, torch.Tensor) else self.draft_layer     # (DecoderLayer.forward)
+        return step(x, *rope, mask, cache.k, cache.v)
 
-    @torch.compiler.nested_compile_region            # one compiled body for every layer (DecoderLayer.forward)
-    def draft_step(self, x, cos, sin, mask, k, v):
+    def draft_layer(self, x, cos, sin, mask, k, v):
         x = x + self.self_attn.draft(self.input_layernorm(x), (cos, sin), AttnCache(k, v), mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    draft_step = torch.compiler.nested_compile_region(draft_layer)   # one compiled body for every layer
 
 
 class DraftCache:
