@@ -28,8 +28,6 @@ def _need(d: dict, key: str, where: str):
     return d[key]
 
 
-
-
 def target_config(raw: dict) -> TargetConfig:
     """config.json of a Qwen3.5 checkpoint (composite qwen3_5 or text-only qwen3_5_text) -> TargetConfig,
     read by explicit keys (docs/qwen35.md#config)."""
@@ -88,7 +86,6 @@ def target_config(raw: dict) -> TargetConfig:
 # changes the architecture (e.g. DFlash2's dynamic convolutions) and is refused instead of ignored.
 DRAFT_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
               "output_multiplier", "final_logit_softcapping", "num_target_layers")
-
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:

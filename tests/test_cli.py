@@ -265,14 +265,14 @@ def test_more_bad_inputs(ckpt, args, exc, words):
 
 @pytest.mark.parametrize("extra", [["--attention", "flex"], ["--onednn"]])
 def test_optional_speed_paths_same_output(ckpt, capsys, extra):
-    """The optional modules behind their flags (flex.py, onednn.py) change no token; an unknown backend is
-    refused by the argument parser (exit 2, one usage error)."""
+    """The optional modules behind their flags (flex.py, onednn.py) change no token."""
     res = main_json(capsys, "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
                     "--max-new-tokens", MAX_NEW, "--json", *extra)
     assert res["output_ids"] == ckpt["ref"]
 
 
 def test_unknown_attention_backend_is_refused(ckpt, capsys):
+    """Refused by the argument parser: exit 2, one usage error."""
     with pytest.raises(SystemExit) as e:
         generate.main(["--target", ckpt["target"], "--prompt-ids", "1", "--attention", "flash"])
     assert e.value.code == 2 and "invalid choice: 'flash'" in capsys.readouterr().err

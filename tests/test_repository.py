@@ -19,7 +19,7 @@ def tracked_text_files() -> list:
         pytest.skip("not a git checkout")
     out = []
     for name in names:
-        if name.endswith(("tokenizer.json", ".safetensors")) or name == "tests/test_repository.py":   # (this file names the patterns)
+        if name.endswith(("tokenizer.json", ".safetensors")):
             continue
         try:
             with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
@@ -30,7 +30,8 @@ def tracked_text_files() -> list:
 
 
 # A reference to a private text, or to this project's own tracker. Public threads are cited as owner/repo#N.
-FORBIDDEN = re.compile(r"\.\./shared|qwen35-spec|dflash-notes|\b(issue|issues|PR|pull request)\s+#?\d+|\b(spec|notes)\s+(section\s+)?\d",
+# (Written with character classes and split literals so that this file passes its own check.)
+FORBIDDEN = re.compile(r"\.\./s[h]ared|qwen35-s[p]ec|dflash-n[o]tes|\b(issue|issues|PR|pull request)\s+#?\d+|\b(spec|notes)\s+(section\s+)?\d",
                        re.IGNORECASE)
 
 
@@ -45,7 +46,8 @@ def test_no_reference_to_texts_outside_the_repository():
 
 
 def test_the_check_above_can_fail():
-    for line in ("see ../shared/notes", "fixed in issue 4", "issue #12", "(spec 4.6)", "notes 3", "PR #169", "spec section 10"):
+    for line in ("see ../" "shared/notes", "qwen35-" "spec.md", "fixed in issue" " 4", "issue" " #12", "(spec" " 4.6)",
+                 "notes" " 3", "PR" " #169", "spec section" " 10"):
         assert FORBIDDEN.search(line), line
     for line in ("z-lab/dflash#66", "vllm-project/vllm#40727", "docs/method.md#sampling", "the spec says"):
         assert not FORBIDDEN.search(line), line
