@@ -499,6 +499,8 @@ class Qwen35(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, pos, mask, None if cache is None else cache.layers[i], verify)
             outputs[i] = x                   # the OUTPUT of layer i (transformers' hidden_states[i + 1])
+        if len(self.layers) - 1 in feature_layers:     # transformers' hidden_states[L] is taken AFTER the final norm
+            outputs[len(self.layers) - 1] = self.norm(x)
         feats = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         h = self.norm(x[:, -1:] if last_logits_only else x)
         return self.lm_head(h), feats

@@ -58,16 +58,21 @@ def test_logits_match_transformers(which, request):
 
 
 def test_features_are_layer_outputs(causal):
-    """feats of layer l == HF hidden_states[l + 1] (the output of decoder layer l; vllm-project/vllm#40727)."""
+    """feats of layer l == HF hidden_states[l + 1] for EVERY layer (vllm-project/vllm#40727): the output of decoder
+    layer l, and for the last layer the output after the final norm, which is what transformers puts at index L."""
     path, hf = causal
     ours = ckpt.load_target(str(path), torch.float32)
     ids = prompt(40, ours.cfg.vocab_size, 3)
+    L, H = ours.cfg.num_hidden_layers, ours.cfg.hidden_size
     with torch.no_grad():
         hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
-        _, feats = ours(ids, torch.arange(40), feature_layers=(0, 2))
-    H = ours.cfg.hidden_size
-    assert (feats[..., :H] - hs[1]).abs().max() < TOL
-    assert (feats[..., H:] - hs[3]).abs().max() < TOL
+        _, feats = ours(ids, torch.arange(40), feature_layers=tuple(range(L)))
+        _, raw_last = ours(ids, torch.arange(40), feature_layers=(L - 2,))
+    assert len(hs) == L + 1
+    for l in range(L):
+        assert (feats[..., l * H:(l + 1) * H] - hs[l + 1]).abs().max() < TOL, l
+    # the last layer's features are normed: far from the raw residual stream (so a missing norm would show)
+    assert (feats[..., -H:] - hs[L]).abs().max() < TOL and (feats[..., -H:] - raw_last).abs().max() > 0.1
 
 
 def test_a_norm_slip_would_show(causal):
