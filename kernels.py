@@ -176,11 +176,13 @@ def causal_conv1d(x, weight, conv_state):
     state after the first n tokens of x, which is how a partial acceptance is committed.
     Decode and verify (a few tokens) take the K taps as one multiply-sum over a sliding view of the window,
     which avoids F.conv1d's per-call overhead on such small inputs; prefill keeps F.conv1d, whose memory stays
-    O(T C) where the sliding view's product would be O(T C K)."""
+    O(T C) where the sliding view's product would be O(T C K). The multiply-sum runs in float32 (float64 in a
+    float64 run) and rounds once, as F.conv1d accumulates: in bfloat16 every tap would round."""
     T, K = x.shape[1], weight.shape[1]
     window = torch.cat([conv_state.to(x.dtype), x], dim=1)
     if T <= SHORT_CALL:
-        y = (window.unfold(1, K, 1) * weight.to(x.dtype)).sum(-1)   # [B,T,C,K] -> [B,T,C]
+        acc = state_dtype(x.dtype)
+        y = (window.unfold(1, K, 1).to(acc) * weight.to(acc)).sum(-1).to(x.dtype)   # [B,T,C,K] -> [B,T,C]
     else:
         y = F.conv1d(window.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=weight.shape[0]).transpose(1, 2)
     return F.silu(y), window

@@ -98,3 +98,27 @@ def test_greedy_equals_transformers_generate(which, request):
     ref = out[0, 70:].tolist()
     res = dflash.run(ours, ids[0].tolist(), 30)
     assert res.output_ids == ref
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(causal, tmp_path_factory):
+    """The random model stored in bf16, as released checkpoints are, so both sides start from the same values
+    (from a float32 file, transformers rounds A_log and dt_bias to bf16 where we keep them in float32)."""
+    from transformers import AutoModelForCausalLM
+    path = tmp_path_factory.mktemp("hf_bf16")
+    AutoModelForCausalLM.from_pretrained(str(causal[0]), dtype=torch.bfloat16).save_pretrained(str(path))
+    return path, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("T", [40, 150])
+def test_bf16_logits_match_transformers_bit_for_bit(bf16_checkpoint, T):
+    """bf16, uncached: the same roundings as transformers' torch path, so the same logits bit for bit. T=40 takes
+    the short-call conv (kernels.causal_conv1d), which must accumulate in float32 as F.conv1d does; T=150 F.conv1d."""
+    path, hf = bf16_checkpoint
+    ours = ckpt.load_target(str(path), torch.bfloat16)
+    ids = prompt(T, ours.cfg.vocab_size, 5)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        full, _ = ours(ids, torch.arange(T))
+    assert full.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(full, ref), (full.float() - ref.float()).abs().max()
