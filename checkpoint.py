@@ -82,10 +82,12 @@ def target_config(raw: dict) -> TargetConfig:
     )
 
 
-# Keys a z-lab drafter may carry in `dflash_config` (or at top level). Anything else in `dflash_config`
-# changes the architecture (e.g. DFlash2's dynamic convolutions) and is refused instead of ignored.
+# Keys a z-lab drafter may carry in `dflash_config` (or at top level). Anything else in `dflash_config` may
+# change the architecture and is refused instead of ignored.
 DRAFT_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
               "output_multiplier", "final_logit_softcapping", "num_target_layers")
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_vocab_size")
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:
@@ -96,20 +98,37 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def draft_attention(raw: dict, n_layers: int) -> dict:
+    """The drafter's layer kinds (docs/method.md#drafter-variants). With `layer_types`, a sliding layer sees
+    `sliding_window` positions, as the z-lab package's layers are written, whether or not `use_sliding_window`
+    is set (transformers' Qwen3Config drops the window without it, and the package then fails to build its
+    cache). Without `layer_types`, Qwen3Config's rule: layers from `max_window_layers` on slide when
+    `use_sliding_window` is true."""
+    window = raw.get("sliding_window")
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        first, on = raw.get("max_window_layers", 28), raw.get("use_sliding_window") and window is not None
+        kinds = ["sliding_attention" if on and i >= first else "full_attention" for i in range(n_layers)]
+    if "sliding_attention" in kinds and window is None:
+        raise CheckpointError("the drafter has sliding_attention layers but no sliding_window; add it to config.json")
+    causal = raw.get("is_causal")
+    return dict(layer_types=list(kinds), sliding_window=None if window is None else int(window),
+                is_causal=None if causal is None else bool(causal))
+
+
 def draft_config(raw: dict) -> DraftConfig:
-    """config.json of a z-lab DFlash drafter -> DraftConfig (docs/method.md#the-drafter)."""
-    arch = raw.get("architectures") or []
-    if any("DFlash2" in a for a in arch):
-        raise CheckpointError(f"architecture {arch} (DFlash2) is not supported; dflash-fast serves DFlashDraftModel checkpoints")
+    """config.json of a z-lab DFlash or DFlash2 drafter -> DraftConfig (docs/method.md#the-drafter)."""
+    arch = raw.get("architectures") or ["DFlashDraftModel"]
+    if not set(arch) & set(DRAFT_ARCHITECTURES):
+        raise CheckpointError(f"architecture {arch} is not a z-lab drafter; dflash-fast serves {' and '.join(DRAFT_ARCHITECTURES)}")
+    dflash2 = "DFlash2DraftModel" in arch
     if raw.get("model_type") not in ("qwen3", None):
         raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
-    kinds = set(raw.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"} or raw.get("use_sliding_window"):
-        raise CheckpointError(f"drafter layer types {sorted(kinds)} (sliding window) are not supported; DFlash drafters use full non-causal attention")
     dc = raw.get("dflash_config") or {}
-    unknown = sorted(set(dc) - set(DRAFT_KEYS))
+    unknown = sorted(set(dc) - set(DRAFT_KEYS) - set(DFLASH2_KEYS if dflash2 else ()))
     if unknown:
-        raise CheckpointError(f"unknown dflash_config keys {unknown}; this drafter variant is not supported (known: {', '.join(DRAFT_KEYS)})")
+        raise CheckpointError(f"unknown dflash_config keys {unknown}; this drafter variant is not supported (known: {', '.join(DRAFT_KEYS)}"
+                              f"{', and for DFlash2DraftModel ' + ', '.join(DFLASH2_KEYS) if not dflash2 else ''})")
 
     def draft_value(key, default=None):
         return dc.get(key, raw.get(key, default))
@@ -130,6 +149,13 @@ def draft_config(raw: dict) -> DraftConfig:
     if rope_type != "default":
         raise CheckpointError(f"drafter rope_type '{rope_type}' is not supported; only default RoPE")
     softcap = draft_value("final_logit_softcapping")
+    vocab = _need(raw, "vocab_size", where)
+    dflash2_kw = {}
+    if dflash2:
+        dflash2_kw = {k: int(_need(dc, k, "the DFlash2 drafter's dflash_config")) for k in DFLASH2_KEYS[:4]}
+        if draft_value("selector_vocab_size", vocab) != vocab:
+            raise CheckpointError(f"selector_vocab_size {draft_value('selector_vocab_size')} != vocab_size {vocab}: a candidate "
+                                  "selector over part of the vocabulary is not supported")
     return DraftConfig(
         hidden_size=_need(raw, "hidden_size", where),
         intermediate_size=_need(raw, "intermediate_size", where),
@@ -137,7 +163,7 @@ def draft_config(raw: dict) -> DraftConfig:
         num_attention_heads=_need(raw, "num_attention_heads", where),
         num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
         head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        vocab_size=_need(raw, "vocab_size", where),
+        vocab_size=vocab,
         target_layer_ids=[int(i) for i in layer_ids],
         mask_token_id=int(mask),
         block_size=int(draft_value("block_size", 16)),
@@ -148,6 +174,7 @@ def draft_config(raw: dict) -> DraftConfig:
         input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
         output_multiplier=float(draft_value("output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+        **draft_attention(raw, n_layers), **dflash2_kw,
     )
 
 
@@ -284,6 +311,13 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     return model.to(device).eval()
 
 
+def _draft_key(name: str) -> str:
+    """Drafter checkpoint name -> ours: no `model.` prefix; DFlash2's codebooks are published without `.weight`
+    (the z-lab package maps them on load) and saved by save_pretrained with it: both are read."""
+    name = name[len("model."):] if name.startswith("model.") else name
+    return name + ".weight" if name.endswith("_codebook") else name
+
+
 def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> DFlashDrafter:
     path = resolve_dir(path)
     cfg = draft_config(read_config(path))
@@ -291,7 +325,7 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model.to_empty(device="cpu")
-    tensors = {(k[len("model."):] if k.startswith("model.") else k): t for k, t in read_safetensors(path).items()}
+    tensors = {_draft_key(k): t for k, t in read_safetensors(path).items()}
     load_into(model, tensors, dtype, "drafter")
     model.init_buffers_()
     model.path = path
@@ -354,13 +388,14 @@ def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None
 
 
 def save_drafter(drafter: DFlashDrafter, out: str, dtype=torch.bfloat16) -> None:
-    """The z-lab DFlashDraftModel layout: a Qwen3 config plus dflash_config; tensor names without prefix."""
+    """The z-lab DFlashDraftModel (or DFlash2DraftModel) layout: a Qwen3 config plus dflash_config; tensor names
+    without prefix, as the z-lab package's save_pretrained writes them."""
     from safetensors.torch import save_file
     cfg = drafter.cfg
     tensors = {n: p.detach().to(dtype).contiguous() for n, p in drafter.state_dict().items()}
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
@@ -370,7 +405,12 @@ def save_drafter(drafter: DFlashDrafter, out: str, dtype=torch.bfloat16) -> None
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id,
                           "block_size": cfg.block_size},
-        "dtype": str(dtype).replace("torch.", ""),
+        "layer_types": cfg.layer_types, "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window, "dtype": str(dtype).replace("torch.", ""),
     }
+    if cfg.is_causal is not None:
+        config["is_causal"] = cfg.is_causal
+    if cfg.dflash2:
+        config["dflash_config"].update({k: getattr(cfg, k) for k in DFLASH2_KEYS[:4]})
     with open(os.path.join(out, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)

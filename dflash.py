@@ -7,8 +7,10 @@ leading proposals equal to the target's choices, plus one token of the target's:
 token or at max_new_tokens) and COMMIT (TargetCache.commit(n): the rollback of the GDN states).
 
 A proposer has `max_block_size`, `feature_layers` (the target layers whose outputs it reads), `reset(capacity,
-masks)`, `prefill(feats, pos)` and `propose(last, start, feats, feat_pos, n)`: DrafterProposer wraps the
-DFlash drafter; the tests use stand-ins that force every acceptance length.
+masks)`, `prefill(feats, pos)` and `propose(last, start, feats, feat_pos, n)` -> proposals [n], or (proposals,
+q) with their draft distributions q [n, V] (None: one-hot); one that samples its draft also has `draft_noise(n)`
+and takes the noise and temperature as two more arguments. DrafterProposer wraps the DFlash and DFlash2
+drafters; the tests use stand-ins that force every acceptance length.
 """
 from __future__ import annotations
 
@@ -110,22 +112,26 @@ def draw(probs: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
     return (probs / expo.clamp_min(1e-30)).argmax(-1)
 
 
-def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Tensor, expo: torch.Tensor):
+def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Tensor, expo: torch.Tensor, q=None):
     """Speculative rejection sampling for a verify block, on the device, no host sync.
 
     probs [B, V] target distributions at block positions 0..B-1 (row i judges proposals[i]);
-    proposals [B-1]; u [B-1] uniform(0,1) draws; expo [B, V] Exp(1) noise -> (accepted [], tokens [B]):
-    the committed tokens are proposals[:accepted] + [tokens[accepted]].
+    proposals [B-1], drawn from the draft distributions q [B-1, V] (None: a greedy draft, q one-hot at the
+    proposal); u [B-1] uniform(0,1) draws; expo [B, V] Exp(1) noise -> (accepted [], tokens [B]): the committed
+    tokens are proposals[:accepted] + [tokens[accepted]].
 
-    The greedy draft is a one-hot proposal q: proposal x is accepted with probability min(1, p(x) / q(x)) =
-    p(x); on rejection the token comes from normalize(max(p - q, 0)), which is p with x removed; after a full
-    acceptance the bonus comes from p at the last row. The output distribution equals the target's exactly
-    and the drafter needs no probabilities of its own. `u < p(x)` is strict, so a zero-probability proposal is
-    never accepted, even when u is exactly 0."""
+    Proposal x is accepted with probability min(1, p(x) / q(x)); on rejection the token comes from
+    normalize(max(p - q, 0)); after a full acceptance the bonus comes from p at the last row. The output is
+    distributed exactly as the target's. With a one-hot q the acceptance is p(x) and the residual is p with x
+    removed: a greedy drafter needs no probabilities of its own. `u q(x) < p(x)` is strict, so a
+    zero-probability proposal is never accepted, even when u is exactly 0."""
+    if q is None:
+        q = torch.zeros_like(probs[:-1]).scatter(1, proposals[:, None], 1.0)
     p_prop = probs[:-1].gather(1, proposals[:, None]).squeeze(1)                 # [B-1]
-    accepted = (u < p_prop).int().cumprod(0).sum()
-    resid = torch.cat([probs[:-1].scatter(1, proposals[:, None], 0.0), probs[-1:]])
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)          # p one-hot at x: never rejected
+    q_prop = q.gather(1, proposals[:, None]).squeeze(1)
+    accepted = (u * q_prop < p_prop).int().cumprod(0).sum()
+    resid = torch.cat([(probs[:-1] - q).clamp_min(0.0), probs[-1:]])
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)          # p == q: never rejected
     return accepted, draw(resid, expo)
 
 
@@ -160,9 +166,17 @@ class DrafterProposer:
         """The prompt's features [1,T0,F] at positions pos [T0] into the context cache (once per generation)."""
         self.drafter.append_context(feats, pos, self.cache)
 
-    def propose(self, last: torch.Tensor, start: torch.Tensor, feats: torch.Tensor, feat_pos: torch.Tensor, n: int) -> torch.Tensor:
+    def draft_noise(self, n: int) -> tuple | None:
+        """The shape of the Exp(1) noise a sampled draft of n tokens needs (DFlash2's candidate draws), or None:
+        a DFlash drafter drafts greedily even when the target samples (a one-hot q)."""
+        cfg = self.drafter.cfg
+        return (n, cfg.selector_top_k) if cfg.dflash2 else None
+
+    def propose(self, last: torch.Tensor, start: torch.Tensor, feats: torch.Tensor, feat_pos: torch.Tensor, n: int,
+                expo: torch.Tensor | None = None, temperature: float = 1.0) -> tuple:
         """last [1] token at position start [1]; feats [1,Tc,F] target features at feat_pos [Tc] not seen yet
-        (rows at positions >= start are hidden) -> [n] greedy proposals for positions start+1 .. start+n.
+        (rows at positions >= start are hidden) -> proposals [n] for positions start+1 .. start+n and their draft
+        distributions q [n,V] (None: greedy, one-hot). expo (shape draft_noise(n)): sample at `temperature`.
         All shapes are fixed for a given block size, so this compiles to one graph."""
         cfg = self.drafter.cfg
         self.drafter.append_context(feats, feat_pos, self.cache)
@@ -170,9 +184,8 @@ class DrafterProposer:
         emb = self.target.embed_tokens(block)
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
-        pos = start.view(1) + torch.arange(n + 1, device=last.device)
-        hidden = self.drafter.draft(emb, pos, self.cache, self.masks.draft(start.view(-1)[0], n + 1))
-        return self.drafter.draft_logits(hidden[0, 1:], self.target.lm_head).argmax(-1)
+        hidden = self.drafter.draft(emb, start, self.cache, self.masks)
+        return self.drafter.propose(hidden[0, 1:], last.view(1), self.target.lm_head, expo, temperature)
 
 
 def check_block_size(block_size: int, proposer=None) -> None:
@@ -258,8 +271,8 @@ class Engine:
     """One target (and optionally a proposer) with caches allocated once for `capacity` positions and the
     fixed-shape step functions, eager or compiled with torch.compile(fullgraph=True, dynamic=False):
         decode_step  (tok [1,1], pos [1])                      -> logits [V]        AR; commits its token
-        verify_step  (block [1,B], pos [B], u, expo)           -> posterior [B], accepted [], feats [1,B,F]
-        draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B]) -> proposals [B-1]
+        verify_step  (block [1,B], pos [B], u, expo, q)        -> posterior [B], accepted [], feats [1,B,F]
+        draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B]) -> proposals [B-1], q [B-1,V] or None
         commit       (n [], a 0-d tensor)                      -> the GDN states after the n-th block token
     Everything that varies per step is a device tensor, so after warm-up nothing recompiles. Prefill (one
     call per prompt, any length) stays eager."""
@@ -312,16 +325,17 @@ class Engine:
         logits, _ = self.target(tok, pos, self.cache, rope_pos=pos + self.rope_delta)
         return logits[0, -1]
 
-    def _verify(self, block, pos, u=None, expo=None):
+    def _verify(self, block, pos, u=None, expo=None, q=None):
         """The target over the block (GDN layers keep its writes), then the acceptance rule: greedy (u None):
-        posterior = argmax, accepted = leading proposals equal to it; sampling: speculative_accept."""
+        posterior = argmax, accepted = leading proposals equal to it; sampling: speculative_accept, with the draft
+        distributions q [B-1,V] of a sampled draft (None: one-hot)."""
         logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers,
                                     rope_pos=pos + self.rope_delta)
         if u is None:
             posterior = logits[0].argmax(-1)                                               # [B]
             accepted = (block[0, 1:] == posterior[:-1]).int().cumprod(0).sum()
         else:
-            accepted, posterior = speculative_accept(sampling_probs(logits[0], self.sampling), block[0, 1:], u, expo)
+            accepted, posterior = speculative_accept(sampling_probs(logits[0], self.sampling), block[0, 1:], u, expo, q)
         return posterior, accepted, feats
 
     # ---- a generation --------------------------------------------------------------------------
@@ -377,13 +391,13 @@ class Engine:
         """One DFlash round: draft, verify, accept, commit (docs/method.md#one-round)."""
         B, start, pos = self.block, seq.start, seq.start_t + self.offsets         # the block's positions [B]
         t0 = self._clock()
+        proposals, q = torch.zeros(0, dtype=torch.long, device=self.device), None
         if B > 1:
-            proposals = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, B - 1)      # [B-1]
-        else:
-            proposals = torch.zeros(0, dtype=torch.long, device=self.device)
+            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, B - 1, *self._draft_noise(B - 1))
+            proposals, q = drafted if isinstance(drafted, tuple) else (drafted, None)              # [B-1], [B-1,V]
         t1 = self._clock()
         block = torch.cat([seq.last, proposals])[None]
-        posterior, accepted, feats = self.verify_step(block, pos, *self._noise(B))
+        posterior, accepted, feats = self.verify_step(block, pos, *self._noise(B), *(() if q is None else (q,)))
         a, *rest = torch.cat([accepted.view(1), posterior, proposals]).tolist()    # the round's one host sync
         posterior, proposals = rest[:B], rest[B:]
         new = seq.take(proposals[:a] + [posterior[a]])
@@ -417,6 +431,13 @@ class Engine:
         V = self.target.cfg.vocab_size
         return (torch.rand(B - 1, device=self.device, generator=self.gen),
                 torch.empty(B, V, device=self.device).exponential_(generator=self.gen))
+
+    def _draft_noise(self, n: int) -> tuple:
+        """(Exp(1) noise, temperature) for a proposer that samples its draft (draft_noise), when sampling; else ()."""
+        shape = getattr(self.proposer, "draft_noise", lambda n: None)(n)
+        if self.gen is None or shape is None:
+            return ()
+        return torch.empty(shape, device=self.device).exponential_(generator=self.gen), self.sampling.temperature
 
     def _clock(self) -> float:
         """Wall clock for per-step timings; on CUDA it syncs only when profiling (a sync per step costs speed)."""

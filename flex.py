@@ -62,12 +62,14 @@ def draft_block_mask(capacity: int, block: int, window: int | None, device) -> B
     start only, not on the query, so rows are indexed by start: row r lists the tiles that a block starting
     anywhere in r*TILE .. r*TILE + TILE-1 may see. Built once per Engine."""
     def by_start(b, h, q_idx, kv_idx):                 # q_idx plays the block's start position here
-        return draft_visible(capacity, window, q_idx, kv_idx)
+        return draft_visible(capacity, window, q_idx, 0, kv_idx)      # the widest kind: every other is a subset
     return _all_partial(create_block_mask(by_start, None, None, capacity, capacity + block, device=device, BLOCK_SIZE=TILE))
 
 
-def draft_rows(bm: BlockMask, start, n_query: int, window: int | None) -> BlockMask:
-    """The mask of one draft step from `draft_block_mask`: n_query block tokens starting at start (0-d tensor)."""
+def draft_rows(bm: BlockMask, start, n_query: int, window: int | None, causal: bool = False,
+               sliding: int | None = None) -> BlockMask:
+    """The mask of one draft step from `draft_block_mask`: n_query block tokens starting at start (0-d tensor),
+    for the drafter layers of one attention kind (causal, sliding): their keys are a subset of the row's."""
     capacity = bm.seq_lengths[0]
     if n_query != bm.seq_lengths[1] - capacity or n_query > TILE:
         raise ValueError(f"a draft block of {n_query} tokens, but the mask was built for {bm.seq_lengths[1] - capacity} "
@@ -75,7 +77,7 @@ def draft_rows(bm: BlockMask, start, n_query: int, window: int | None) -> BlockM
     step = bm[:, :, (start // TILE).view(1)]
 
     def draft(b, h, q_idx, kv_idx):
-        return draft_visible(capacity, window, start, kv_idx)
+        return draft_visible(capacity, window, start, q_idx, kv_idx, causal, sliding)
     step.mask_mod = draft
     step.seq_lengths = (n_query, capacity + n_query)
     return step
@@ -93,5 +95,5 @@ class FlexMasks:
     def target(self, pos) -> BlockMask:
         return causal_rows(self.causal, pos)
 
-    def draft(self, start, n: int) -> BlockMask:
-        return draft_rows(self.drafts, start, n, self.window)
+    def draft(self, start, n: int, causal: bool = False, sliding: int | None = None) -> BlockMask:
+        return draft_rows(self.drafts, start, n, self.window, causal, sliding)

@@ -105,6 +105,13 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    layer_types: list | None = None     # per layer "full_attention" (default) or "sliding_attention"
+    sliding_window: int | None = None   # a sliding layer's reach in positions (None: unlimited)
+    is_causal: bool | None = None       # every layer causal or not; None: sliding layers causal, full ones not
+    conv_kernel_size: int = 0           # DFlash2 (> 0): dynamic causal convolutions of this width around
+    conv_group_size: int = 0            #   each sublayer, channels in groups of this size,
+    selector_rank: int = 0              #   and a candidate selector: low-rank codebooks of this rank
+    selector_top_k: int = 0             #   over the top-k tokens of each block row
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -113,6 +120,26 @@ class DraftConfig:
             raise CheckpointError("drafter num_attention_heads must be a multiple of num_key_value_heads")
         if not self.target_layer_ids:
             raise CheckpointError("drafter target_layer_ids is empty")
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise CheckpointError(f"drafter has {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers")
+        bad = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if bad:
+            raise CheckpointError(f"drafter layer types {sorted(bad)} are not supported (full_attention, sliding_attention)")
+        if self.dflash2 and not (self.conv_group_size > 0 and self.hidden_size % self.conv_group_size == 0
+                                 and 0 < self.selector_top_k <= self.vocab_size and self.selector_rank > 0):
+            raise CheckpointError("a DFlash2 drafter needs conv_group_size dividing hidden_size, selector_rank > 0 and "
+                                  "0 < selector_top_k <= vocab_size in its dflash_config")
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size > 0
+
+    def attention_kind(self, i: int) -> tuple:
+        """Layer i's attention rule as (causal, window) (docs/method.md#drafter-variants)."""
+        sliding = self.layer_types[i] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, self.sliding_window if sliding else None
 
 
 # ---- Building blocks -----------------------------------------------------------------------------
@@ -213,14 +240,23 @@ def attention(q, k, v, mask):
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
-def draft_visible(capacity: int, window: int | None, start, kv_idx):
-    """Which keys of [context cache (capacity slots) ; block] a draft block starting at position `start` sees:
-    the committed context before `start` (only its last `window` positions, when a window is set) and the whole
-    block. Context slots at >= start hold rejected tokens' features: hidden, and overwritten next round."""
+def draft_visible(capacity: int, window: int | None, start, q_idx, kv_idx, causal: bool = False, sliding: int | None = None):
+    """Which keys of [context cache (capacity slots) ; block] block row q_idx of a draft block starting at position
+    `start` sees: the committed context before `start` (only its last `window` positions, when a draft window is
+    set) and the block. Context slots at >= start hold rejected tokens' features: hidden, overwritten next round.
+    A causal layer also hides keys after the query; a sliding one keys `sliding` or more positions away (before
+    the query only, when causal; on both sides when not), as the z-lab package's masks do."""
     ctx = kv_idx < start
     if window is not None:
         ctx = ctx & (kv_idx >= start - window)
-    return ctx | (kv_idx >= capacity)
+    visible = ctx | (kv_idx >= capacity)
+    if causal or sliding is not None:
+        dist = start + q_idx - torch.where(kv_idx < capacity, kv_idx, start + kv_idx - capacity)   # query - key position
+        if causal:
+            visible = visible & (dist >= 0)
+        if sliding is not None:
+            visible = visible & (dist < sliding) & (causal or dist > -sliding)
+    return visible
 
 
 class DenseMasks:
@@ -236,10 +272,12 @@ class DenseMasks:
         seen, so attention needs no rollback."""
         return torch.arange(self.capacity, device=pos.device)[None, :] <= pos[:, None]
 
-    def draft(self, start, n: int):
-        """A draft block of n tokens starting at `start` (0-d tensor) -> [n, capacity + n] over [cache ; block]."""
+    def draft(self, start, n: int, causal: bool = False, sliding: int | None = None):
+        """A draft block of n tokens starting at `start` (0-d tensor) -> [n, capacity + n] over [cache ; block], for
+        the layers of one attention kind (DraftConfig.attention_kind)."""
         kv_idx = torch.arange(self.capacity + n, device=start.device)
-        return draft_visible(self.capacity, self.window, start, kv_idx)[None, :].expand(n, -1)
+        q_idx = torch.arange(n, device=start.device)[:, None]
+        return draft_visible(self.capacity, self.window, start, q_idx, kv_idx[None, :], causal, sliding).expand(n, -1)
 
 
 # ---- Target: Qwen3.5 hybrid ----------------------------------------------------------------------
@@ -545,6 +583,34 @@ class DraftAttention(nn.Module):
         return self.attend(x, rope, cache.k, cache.v, mask)
 
 
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over the block's rows: row t becomes sum over o < K of
+    (base[o] + taps[t, o]) * x[t - o], zero before the block; base is per channel, the taps per group of
+    `group` channels, predicted from the row. One module wraps a sublayer: `prepare` predicts both sets of taps
+    and convolves its input (base_kernel[0]); `finish` convolves its output with the second set (base_kernel[1])."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+
+    def mix(self, x, taps, base):
+        """x [B,T,H]; taps [B,T,K,H/group]; base [K,H] -> [B,T,H]."""
+        out = torch.zeros_like(x)
+        for o in range(self.kernel):
+            shifted = F.pad(x, (0, 0, o, 0))[:, :x.shape[1]]                       # row t holds x[t - o]
+            out = out + (base[o].to(x.dtype) + taps[:, :, o].repeat_interleave(self.group, -1)) * shifted
+        return out
+
+    def prepare(self, x):
+        taps = self.kernel_projection(x).unflatten(-1, (2, self.kernel, -1))        # [B,T,2,K,G]
+        return self.mix(x, taps[:, :, 0], self.base_kernel[0]), taps[:, :, 1]
+
+    def finish(self, x, taps):
+        return self.mix(x, taps, self.base_kernel[1])
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -552,20 +618,67 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dflash2:
+            self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    def sublayers(self, x, attend):
+        """x += attend(norm(x)); x += mlp(norm(x)); in DFlash2 each sublayer inside its dynamic convolution."""
+        for norm, conv, fn in ((self.input_layernorm, self.attention_conv, attend),
+                               (self.post_attention_layernorm, self.mlp_conv, self.mlp)):
+            if conv is None:
+                x = x + fn(norm(x))
+            else:
+                h, taps = conv.prepare(norm(x))
+                x = x + conv.finish(fn(h), taps)
+        return x
 
     def forward(self, x, ctx, rope, rope_ctx, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, rope_ctx, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.sublayers(x, lambda h: self.self_attn(h, ctx, rope, rope_ctx, mask))
 
     def draft(self, x, rope, cache: AttnCache, mask):
         step = self.draft_step if isinstance(mask, torch.Tensor) else self.draft_layer     # (DecoderLayer.forward)
         return step(x, *rope, mask, cache.k, cache.v)
 
     def draft_layer(self, x, cos, sin, mask, k, v):
-        x = x + self.self_attn.draft(self.input_layernorm(x), (cos, sin), AttnCache(k, v), mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.sublayers(x, lambda h: self.self_attn.draft(h, (cos, sin), AttnCache(k, v), mask))
 
     draft_step = torch.compiler.nested_compile_region(draft_layer)   # one compiled body for every layer
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's choice of the block's path: row i takes one of its top-k tokens, scored by its logit plus a
+    low-rank bilinear term between the previous row's chosen token and the candidate, read through row i's
+    hidden state: scores = logits_topk + successor(cand) . (predecessor(prev) * proj(hidden_i)). Greedy: the
+    best score, row by row; sampling: a draw from q = softmax(scores / temperature) over the k candidates."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def select(self, hidden, logits, anchor, expo=None, temperature: float = 1.0):
+        """hidden [n,H], logits [n,V] of block rows 1..n; anchor [1] the block's first token; expo None (greedy) or
+        Exp(1) noise [n,k] -> tokens [n], and q [n,V] float32 (sampling: each row's draft distribution) or None."""
+        unary, cand = logits.topk(self.top_k, dim=-1)                                # [n,k]
+        h, succ = self.hidden_projection(hidden), self.successor_codebook(cand)       # [n,r], [n,k,r]
+        prev, path, qs = anchor.view(1), [], []
+        for i in range(cand.shape[0]):                 # sequential: each row depends on the previous choice
+            scores = unary[i] + succ[i] @ (self.predecessor_codebook(prev)[0] * h[i])           # [k]
+            if expo is None:
+                j = scores.argmax()
+            else:
+                q = torch.softmax(scores.float() / temperature, -1)
+                j = (q / expo[i].clamp_min(1e-30)).argmax()            # a draw from q (dflash.draw's race)
+                qs.append(q)
+            prev = cand[i, j].view(1)
+            path.append(prev)
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter(1, cand, torch.stack(qs)) if qs else None
+        return torch.cat(path), q
 
 
 class DraftCache:
@@ -590,6 +703,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.dflash2 else None
+        self.kinds = [cfg.attention_kind(i) for i in range(cfg.num_hidden_layers)]      # (causal, window) per layer
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.init_buffers_()
 
@@ -608,12 +723,17 @@ class DFlashDrafter(nn.Module):
         """From scratch (training, and the reference the cached path is tested against).
         block_embeds [B,Tq,H] (the target's embedding of the blocks, times input_embedding_scale) at block_pos
         [Tq] or [B,Tq]; feats [B,Tc,n_feat*H] at ctx_pos [Tc]; mask [B,1,Tq,Tc+Tq] bool or a BlockMask over the
-        keys [context ; blocks]. -> hidden [B,Tq,H] after the final norm (logits: draft_logits)."""
+        keys [context ; blocks], or a dict {attention kind: mask} for a drafter whose layers differ (self.kinds).
+        DFlash2's convolutions run over the Tq rows as one block. -> hidden [B,Tq,H] after the final norm."""
         dt = block_embeds.dtype
         ctx, rope, rope_ctx = self.hidden_norm(self.fc(feats)), self.rope(block_pos, dt), self.rope(ctx_pos, dt)
+        if not isinstance(mask, dict):
+            if set(self.kinds) != {(False, None)}:
+                raise ValueError(f"this drafter's layers are causal or windowed {sorted(set(self.kinds), key=str)}: pass one mask per kind")
+            mask = {(False, None): mask}
         x = block_embeds
-        for layer in self.layers:
-            x = layer(x, ctx, rope, rope_ctx, mask)
+        for layer, kind in zip(self.layers, self.kinds):
+            x = layer(x, ctx, rope, rope_ctx, mask[kind])
         return self.norm(x)
 
     def append_context(self, feats, ctx_pos, cache: DraftCache) -> None:
@@ -626,14 +746,25 @@ class DFlashDrafter(nn.Module):
             lc.k.index_copy_(2, ctx_pos, kc.to(lc.k.dtype))
             lc.v.index_copy_(2, ctx_pos, vc.to(lc.v.dtype))
 
-    def draft(self, block_embeds, block_pos, cache: DraftCache, mask):
-        """Drafting: block_embeds [1,Tq,H] at block_pos [Tq] read the cached context; mask [Tq, capacity+Tq]
-        (DenseMasks.draft). -> hidden [1,Tq,H]."""
-        rope = self.rope(block_pos, block_embeds.dtype)
+    def draft(self, block_embeds, start, cache: DraftCache, masks):
+        """Drafting: block_embeds [1,Tq,H] at positions start .. start+Tq-1 (start: a 1-element tensor) read the
+        cached context; masks: DenseMasks or flex.FlexMasks, asked once per attention kind. -> hidden [1,Tq,H]."""
+        n, start = block_embeds.shape[1], start.view(-1)[0]
+        rope = self.rope(start + torch.arange(n, device=start.device), block_embeds.dtype)
+        by_kind = {kind: masks.draft(start, n, *kind) for kind in dict.fromkeys(self.kinds)}
         x = block_embeds
-        for layer, lc in zip(self.layers, cache.layers):
-            x = layer.draft(x, rope, lc, mask)
+        for layer, lc, kind in zip(self.layers, cache.layers, self.kinds):
+            x = layer.draft(x, rope, lc, by_kind[kind])
         return self.norm(x)
+
+    def propose(self, hidden, anchor, lm_head: nn.Linear, expo=None, temperature: float = 1.0):
+        """Block rows 1..n: hidden [n,H]; anchor [1] the block's first token -> tokens [n] and the draft
+        distribution q [n,V] (None: a greedy pick, i.e. a one-hot q). DFlash: argmax of the logits; DFlash2: the
+        candidate selector's path, greedy or, with Exp(1) noise expo [n,top_k], sampled at `temperature`."""
+        logits = self.draft_logits(hidden, lm_head)
+        if self.candidate_selector is None:
+            return logits.argmax(-1), None
+        return self.candidate_selector.select(hidden, logits, anchor, expo, temperature)
 
     def draft_logits(self, hidden, lm_head: nn.Linear):
         """Logits through the target's lm_head, with the optional z-lab output scaling and soft cap."""

@@ -45,6 +45,20 @@ def tiny_draft_config(target: M.TargetConfig, **kw) -> M.DraftConfig:
     return M.DraftConfig(**base)
 
 
+DRAFTER_KINDS = {
+    "dflash": {},
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),    # causal, windowed
+    "causal": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=None),  # no use_sliding_window
+    "noncausal-window": dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=3, is_causal=False),
+    "dflash2": dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=3),
+}
+
+
+def kind_draft_config(target: M.TargetConfig, kind: str, **kw) -> M.DraftConfig:
+    """A tiny two-layer drafter of one of DRAFTER_KINDS (the published variants: docs/method.md#drafter-variants)."""
+    return tiny_draft_config(target, **{**DRAFTER_KINDS[kind], **kw})
+
+
 def randomize_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Random weights with every norm weight randomised too, so a (1 + w) slip changes the output."""
     g = torch.Generator().manual_seed(seed)
@@ -180,11 +194,14 @@ def save_hf_conditional(path, seed=0, **kw):
 
 
 def save_zlab_drafter(path, target_layers: int, vocab: int, hidden: int, seed=0, n_layers=2, block_size=8,
-                      mask_token_id=None, layer_ids=None, **kw):
-    """A z-lab DFlashDraftModel with random weights (norms randomised), saved with save_pretrained."""
+                      mask_token_id=None, layer_ids=None, dflash2=None, **kw):
+    """A z-lab DFlashDraftModel with random weights (norms randomised), saved with save_pretrained. dflash2: the
+    DFlash2 keys of dflash_config (conv_kernel_size, ...) for a DFlash2DraftModel; kw: more Qwen3Config keys
+    (layer_types, sliding_window, use_sliding_window, is_causal, ...)."""
     from transformers import Qwen3Config
     zm = zlab_module()
-    dcfg = {"mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id, "block_size": block_size}
+    dcfg = {"mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id, "block_size": block_size,
+            **(dflash2 or {})}
     if layer_ids is not None:
         dcfg["target_layer_ids"] = layer_ids
     base = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=80, num_hidden_layers=n_layers,
@@ -192,15 +209,15 @@ def save_zlab_drafter(path, target_layers: int, vocab: int, hidden: int, seed=0,
                 num_target_layers=target_layers, dflash_config=dcfg)
     base.update(kw)
     cfg = Qwen3Config(**base)
-    cfg.architectures = ["DFlashDraftModel"]
+    cfg.architectures = ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"]
     torch.manual_seed(seed)
-    d = zm.DFlashDraftModel(cfg).float().eval()
+    d = (zm.DFlash2DraftModel if dflash2 else zm.DFlashDraftModel)(cfg).float().eval()
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for name, p in d.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
+            else:                # linear layers, codebooks, DFlash2's base kernels (allocated uninitialised)
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
     d.save_pretrained(path)
     return d

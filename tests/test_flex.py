@@ -64,6 +64,28 @@ def test_step_masks_draft(window):
         flex.draft_rows(bm, torch.tensor(10), 16, window)
 
 
+@pytest.mark.parametrize("causal,sliding", [(True, None), (True, 7), (False, 7), (False, 1), (True, 200)])
+def test_step_masks_draft_layer_kinds(causal, sliding):
+    """A causal or sliding drafter layer (docs/method.md#drafter-variants) keeps a subset of the row's keys:
+    flex == SDPA == the rule written out here, query by query, with and without a draft window."""
+    capacity, block = 150, 8
+
+    def sees(q, k):
+        return (not causal or k <= q) and (sliding is None or (q - k < sliding and (causal or k - q < sliding)))
+    for window in (None, 20):
+        bm = flex.draft_block_mask(capacity, block, window, "cpu")
+        for s in (1, 5, 63, 120, capacity - block):
+            want = torch.zeros(block, capacity + block, dtype=torch.bool)
+            for i in range(block):
+                for j in range(capacity):
+                    want[i, j] = j < s and (window is None or j >= s - window) and sees(s + i, j)
+                for j in range(block):
+                    want[i, capacity + j] = sees(s + i, s + j)
+            got = kernel_mask(flex.draft_rows(bm, torch.tensor(s), block, window, causal, sliding))
+            assert torch.equal(got, want), (s, window)
+            assert torch.equal(M.DenseMasks(capacity, block, window).draft(torch.tensor(s), block, causal, sliding), want)
+
+
 @torch.no_grad()
 def test_attention_outputs_equal():
     """One cached verify call of a gated attention layer and of a drafter layer: flex == SDPA (float64)."""
@@ -91,7 +113,7 @@ def test_attention_outputs_equal():
         torch.manual_seed(2)
         cache.layers[0].k.normal_(), cache.layers[0].v.normal_()
         drafter.append_context(feats, pos - T, cache)
-        outs.append(drafter.draft(emb, pos, cache, kind(C, T, window, "cpu").draft(pos[0], T)))
+        outs.append(drafter.draft(emb, pos[:1], cache, kind(C, T, window, "cpu")))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
     torch.testing.assert_close(outs[2], outs[3], rtol=0, atol=1e-12)
     assert not torch.allclose(outs[0], outs[2])                                          # the window matters

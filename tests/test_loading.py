@@ -489,8 +489,16 @@ def test_drafter_that_does_not_fit(store, tmp_path, kw, words):
     (lambda c: c["dflash_config"].update(conv_kernel_size=3), ["unknown dflash_config", "conv_kernel_size"]),
     (lambda c: c["dflash_config"].update(block_size=0), ["block_size 0"]),
     (lambda c: c.update(model_type="llama"), ["unsupported", "llama"]),
-    (lambda c: c.update(architectures=["DFlash2DraftModel"]), ["DFlash2"]),
-    (lambda c: c.update(use_sliding_window=True), ["sliding"]),
+    (lambda c: c.update(architectures=["DFlash2DraftModel"]), ["DFlash2", "missing the field 'conv_kernel_size'"]),
+    (lambda c: c.update(architectures=["DFlash2DraftModel"]) or c["dflash_config"].update(
+        conv_kernel_size=2, conv_group_size=48, selector_rank=4, selector_top_k=8), ["DFlash2", "conv_group_size"]),
+    (lambda c: c.update(architectures=["DFlash2DraftModel"]) or c["dflash_config"].update(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=8, selector_vocab_size=50),
+     ["selector_vocab_size 50", "vocab_size 97"]),
+    (lambda c: c.update(architectures=["EagleDraftModel"]), ["not a z-lab drafter", "EagleDraftModel"]),
+    (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"], sliding_window=64), ["chunked_attention", "not supported"]),
+    (lambda c: c.update(layer_types=["sliding_attention"], sliding_window=64), ["1 layer_types for 2 layers"]),
+    (lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=None), ["sliding_attention", "no sliding_window"]),
     (lambda c: c["dflash_config"].pop("mask_token_id"), ["mask_token_id"]),
     (lambda c: (c["dflash_config"].pop("target_layer_ids"), c.pop("num_target_layers")), ["target_layer_ids", "num_target_layers"]),
     (lambda c: c.pop("hidden_size"), ["hidden_size"]),

@@ -6,7 +6,7 @@ import torch
 
 import dflash
 from dflash import Sampling, sampling_probs, speculative_accept
-from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import kind_draft_config, random_drafter, random_target, tiny_draft_config, tiny_target_config
 
 CONFIGS = [Sampling(0.5), Sampling(1.0), Sampling(1.5), Sampling(1.0, top_p=0.8), Sampling(1.0, top_k=3)]
 
@@ -78,6 +78,38 @@ def test_accept_rule_is_exact(case):
     assert goodness_of_fit(torch.bincount(first, minlength=V).double(), biased.double()) < 1e-6
 
 
+@pytest.mark.parametrize("case", range(3))
+def test_accept_rule_with_a_sampled_draft_is_exact(case):
+    """The general rule (proposals drawn from a draft distribution q, accepted with min(1, p/q), residual
+    max(p - q, 0)), as DFlash2 samples: 400k trials, each with its own proposals drawn from q; the first committed
+    token ~ p0 and, after an acceptance, the second ~ p1. Case 2: q puts mass where p has none, and p == q on
+    the second row (nothing is ever rejected there)."""
+    g = torch.Generator().manual_seed(10 + case)
+    B, V, N = 3, 6, 400_000
+    probs = torch.softmax(torch.randn(B, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(B - 1, V, generator=g) * 2.0, -1)
+    if case == 2:
+        probs[0] = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0])
+        q[1] = probs[1]
+    proposals = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(B - 1)], 1)   # [N, B-1]
+    u = torch.rand(N, B - 1, generator=g)
+    expo = torch.empty(N, B, V).exponential_(generator=g)
+    acc, tok = torch.vmap(speculative_accept, in_dims=(None, 0, 0, 0, None))(probs, proposals, u, expo, q)
+    first = torch.where(acc >= 1, proposals[:, 0], tok[:, 0])
+    assert goodness_of_fit(torch.bincount(first, minlength=V).double(), probs[0].double()) > 1e-4
+    sel = acc >= 1
+    second = torch.where(acc[sel] >= 2, proposals[sel, 1], tok[sel, 1])
+    assert goodness_of_fit(torch.bincount(second, minlength=V).double(), probs[1].double()) > 1e-4
+    if case == 2:
+        assert bool((acc[sel] >= 2).all())                  # p == q: every proposal of that row is accepted
+    # power: the rule given the wrong q (uniform, not the one the proposals came from) is biased, and the test
+    # sees it. (A one-hot q would not be: accepting with p(x) and resampling p without x is exact for a proposal
+    # drawn from anything, only less often accepted.)
+    acc1, tok1 = torch.vmap(speculative_accept, in_dims=(None, 0, 0, 0, None))(probs, proposals, u, expo, torch.full_like(q, 1 / V))
+    wrong = torch.where(acc1 >= 1, proposals[:, 0], tok1[:, 0])
+    assert goodness_of_fit(torch.bincount(wrong, minlength=V).double(), probs[0].double()) < 1e-6
+
+
 class GreedyTargetProposer:
     """Stand-in drafter that proposes LIKELY tokens: the target's own greedy continuation of the committed
     prefix (full forward, no cache). Under sampling these are accepted often, so accept and reject paths
@@ -145,6 +177,23 @@ def test_dflash_sampling_matches_ar_sampling(s, small_target):
     # and the test has teeth: the same statistic separates AR from a 2%-biased copy of it
     biased = [o[1] if random.Random(i).random() > 0.04 else 0 for i, o in enumerate(ar)]
     assert two_sample_chi2([o[1] for o in ar] * 4, biased * 4) < 1e-3
+
+
+def test_dflash2_sampling_matches_ar_sampling(small_target):
+    """A DFlash2 drafter samples its block from q (its candidate selector): the general accept rule keeps the
+    target's distribution. The same two-sample test as above, 1500 generations each."""
+    target, prompt, n, new = small_target, [1, 4, 2, 0, 3], 1500, 4
+    dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 1], num_target_layers=None)
+    proposer = dflash.DrafterProposer(random_drafter(dcfg, 12, torch.float32), target)
+    s, g = Sampling(1.0), torch.Generator().manual_seed(1)
+    ar_eng, sp_eng = dflash.Engine(target, None, 1, 16), dflash.Engine(target, proposer, 4, 16)
+    ar = [ar_eng.run(prompt, new, sampling=s, generator=g).output_ids for _ in range(n)]
+    sp_runs = [sp_eng.run(prompt, new, sampling=s, generator=g) for _ in range(n)]
+    accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
+    assert 0.1 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # accepts and rejects both occur
+    for k in range(1, new):
+        assert two_sample_chi2([o[k] for o in ar], [r.output_ids[k] for r in sp_runs]) > 1e-4, f"position {k}"
+    assert two_sample_chi2([tuple(o[1:3]) for o in ar], [tuple(r.output_ids[1:3]) for r in sp_runs]) > 1e-4
 
 
 def test_same_seed_same_output():

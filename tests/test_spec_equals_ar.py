@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import dflash
 import model as M
-from helpers import OracleProposer, random_drafter, random_target, tiny_draft_config, tiny_target_config, verify_kernel
+from helpers import (DRAFTER_KINDS, OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
+                     tiny_target_config, verify_kernel)
 
 
 @st.composite
@@ -41,7 +42,7 @@ def first_divergence_is_near_tie(target, prompt, ar_out, other_out, tol):
     return float(top2[0] - top2[1]) < tol
 
 
-def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continuation, dtype):
+def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continuation, dtype, kind="dflash"):
     V = target.cfg.vocab_size
     ar = dflash.run(target, prompt, max_new)
     stops = ()
@@ -54,7 +55,7 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
     sp = dflash.run(target, prompt, max_new, stops, oracle, block)
     with verify_kernel(target, "recurrent"):
         sp_rec = dflash.run(target, prompt, max_new, stops, OracleProposer(len(prompt), ar.output_ids, V, seed), block)
-    drafter = random_drafter(tiny_draft_config(target.cfg, target_layer_ids=[seed % target.cfg.num_hidden_layers],
+    drafter = random_drafter(kind_draft_config(target.cfg, kind, target_layer_ids=[seed % target.cfg.num_hidden_layers],
                                                num_target_layers=None, hidden_size=target.cfg.hidden_size), seed, dtype)
     real = dflash.run(target, prompt, max_new, stops, dflash.DrafterProposer(drafter, target), block)
     for other in (sp, sp_rec, real):
@@ -74,12 +75,15 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=25)
 @given(cfg=target_configs(), seed=st.integers(0, 10**6), prompt_len=st.integers(1, 140),
-       max_new=st.integers(1, 48), block=st.integers(1, 16), stop=st.one_of(st.none(), st.integers(0, 100)))
-def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop):
+       max_new=st.integers(1, 48), block=st.integers(1, 16), stop=st.one_of(st.none(), st.integers(0, 100)),
+       kind=st.sampled_from(sorted(DRAFTER_KINDS)))
+def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop, kind):
+    """Random targets, prompts, blocks and stops; the oracle proposer forces every acceptance length and a random
+    drafter of every published kind (DRAFTER_KINDS) runs the real draft path."""
     target = random_target(cfg, seed, dtype)
     rng = random.Random(seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
-    check_spec_equals_ar(target, prompt, max_new, block, seed, stop, dtype)
+    check_spec_equals_ar(target, prompt, max_new, block, seed, stop, dtype, kind)
 
 
 @pytest.mark.parametrize("block", [4, 16])
@@ -119,13 +123,28 @@ def test_max_new_tokens_cuts_a_block():
         assert sp.output_ids == ar.output_ids and len(sp.output_ids) == max_new
 
 
-@pytest.mark.parametrize("block,seed", [(4, 0), (8, 1), (16, 2)])
-def test_engine_drafts_equal_drafter_from_scratch(block, seed):
+def scratch_mask(start: int, block: int, causal: bool, sliding):
+    """Keys [context 0..start-1 ; block start..start+block-1] of a from-scratch draft, written as the z-lab
+    package's rule reads: causal hides later keys, a window hides keys `sliding` or more positions away."""
+    qpos = torch.arange(start, start + block)[:, None]
+    kpos = torch.arange(start + block)[None, :]
+    m = torch.ones(block, start + block, dtype=torch.bool)
+    if causal:
+        m &= kpos <= qpos
+    if sliding is not None:
+        m &= (qpos - kpos < sliding) & ((kpos - qpos < sliding) | causal)
+    return m
+
+
+@pytest.mark.parametrize("block,seed,kind", [(4, 0, "dflash"), (8, 1, "dflash"), (16, 2, "dflash"), (8, 3, "sliding"),
+                                             (16, 4, "noncausal-window"), (8, 5, "causal"), (8, 6, "dflash2")])
+def test_engine_drafts_equal_drafter_from_scratch(block, seed, kind):
     """Every proposal the engine made == the drafter run from scratch (no cache) on full-forward target features
-    of the committed prefix: the incremental context appends (whole verify blocks, stale rows hidden) are exact."""
+    of the committed prefix: the incremental context appends (whole verify blocks, stale rows hidden) and the
+    per-kind masks of the cached path are exact."""
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, seed)
-    dcfg = tiny_draft_config(cfg, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
+    dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
     drafter = random_drafter(dcfg, seed)
     prompt = [random.Random(seed).randrange(40) for _ in range(23)]
     res = dflash.run(target, prompt, 60, (), dflash.DrafterProposer(drafter, target), block)
@@ -136,9 +155,9 @@ def test_engine_drafts_equal_drafter_from_scratch(block, seed):
             start = step.start + 0
             blk = torch.full((1, block), dcfg.mask_token_id)
             blk[0, 0] = seq[0, start]
-            mask = torch.ones(block, start + block, dtype=torch.bool)
-            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), mask)
-            assert drafter.draft_logits(h[0, 1:], target.lm_head).argmax(-1).tolist() == step.draft_ids
+            masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
+            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), masks)
+            assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids
 
 
 def test_draft_window():

@@ -4,7 +4,7 @@ import torch
 
 import checkpoint as ckpt
 import model as M
-from helpers import save_hf_causal_lm, save_zlab_drafter, zlab_module
+from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter, zlab_module
 
 TOL = 1e-4
 
@@ -16,8 +16,52 @@ def target(tmp_path_factory):
     return ckpt.load_target(str(path), torch.float32), hf
 
 
-@pytest.mark.parametrize("n_layers,layer_ids", [(3, None), (1, None), (2, [0, 5])])
+def draft_like_zlab(ours_t, hf, ours, ref, steps, temperature=0.0):
+    """Teacher-forced cached draft steps, ours and the package's side by side: for each (ctx_lo, start) the
+    context positions ctx_lo..start-1 are appended to both caches and the block at `start` is drafted.
+    Returns the largest hidden-state difference; asserts equal proposals (and equal q when sampling)."""
+    zm = zlab_module()
+    V, B = ours_t.cfg.vocab_size, ours.cfg.block_size
+    ids = torch.randint(0, V, (1, steps[-1][1] + 1), generator=torch.Generator().manual_seed(0))
+    worst = 0.0
+    with torch.no_grad():
+        # target features: the package reads HF hidden_states with its own offset; ours come from our forward
+        hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
+        ref_feats = zm.extract_context_feature(hs, ref.target_layer_ids)
+        _, feats = ours_t(ids, torch.arange(ids.shape[1]), feature_layers=tuple(ours.cfg.target_layer_ids))
+        assert (feats - ref_feats).abs().max() < TOL
+        cache = M.DraftCache(ours.cfg, 96, torch.float32, "cpu")
+        ref_cache = zm._make_cache(ref.config)
+        for ctx_lo, start in steps:
+            block = torch.full((1, B), ours.cfg.mask_token_id)
+            block[0, 0] = ids[0, start]
+            emb = ours_t.embed_tokens(block)
+            ours.append_context(feats[:, ctx_lo:start], torch.arange(ctx_lo, start), cache)
+            h = ours.draft(emb, torch.tensor(start), cache, M.DenseMasks(96))
+            ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=emb,
+                        position_ids=torch.arange(ctx_lo, start + B)[None], past_key_values=ref_cache, use_cache=True)
+            zm._crop_to(ref_cache, start)        # as the package's own loop does
+            worst = max(worst, (h - ref_h).abs().max().item())
+            assert (h - ref_h).abs().max() < TOL
+            expo = torch.ones(B - 1, ours.cfg.selector_top_k) if temperature else None   # the draw = argmax q
+            tok, q = ours.propose(h[0, 1:], block[0, :1], ours_t.lm_head, expo, temperature or 1.0)
+            if hasattr(ref, "candidate_selector"):
+                ref_tok, cand, ref_q = ref.propose(ref_h[:, 1:], block[:, 0], ours_t.lm_head, temperature)
+                if temperature:        # the package's q over its candidates, as a distribution over the vocabulary
+                    dense = torch.zeros(1, B - 1, V).scatter(-1, cand, ref_q)
+                    assert (q - dense[0]).abs().max() < 1e-5
+            else:
+                ref_tok = ref.compute_logits(ref_h[0, 1:], ours_t.lm_head).argmax(-1)
+            assert torch.equal(tok, ref_tok.view(-1))
+    return worst
+
+
+STEPS = ((0, 37), (37, 42), (42, 50))          # a 37-token prompt, then two verify rounds' worth of context
+
+
+@pytest.mark.parametrize("n_layers,layer_ids", [(3, None), (1, None), (2, [0, 5]), (2, [3, 7])])
 def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
+    """Plain drafters of 1-3 layers, default layer spacing or explicit layers (7: the target's last layer)."""
     ours_t, hf = target
     V, H = ours_t.cfg.vocab_size, ours_t.cfg.hidden_size
     zm = zlab_module()
@@ -28,34 +72,77 @@ def test_proposals_match_zlab(tmp_path, target, n_layers, layer_ids):
     assert ours.cfg.target_layer_ids == list(ref.target_layer_ids)
     if layer_ids is None:
         assert ours.cfg.target_layer_ids == zm.build_target_layer_ids(8, n_layers)
+    draft_like_zlab(ours_t, hf, ours, ref, STEPS)
 
-    T0, B = 37, 8
-    ids = torch.randint(0, V, (1, T0 + 5), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        # target features: the package reads HF hidden_states with its own offset; ours come from our forward
-        hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
-        ref_feats = zm.extract_context_feature(hs, ref.target_layer_ids)
-        _, feats = ours_t(ids, torch.arange(ids.shape[1]), feature_layers=tuple(ours.cfg.target_layer_ids))
-        assert (feats - ref_feats).abs().max() < TOL
 
-        mask_id = ours.cfg.mask_token_id
-        cache = M.DraftCache(ours.cfg, 64, torch.float32, "cpu")
-        ref_cache = zm._make_cache(ref.config)
-        # two consecutive draft steps, the second one appending 5 new context positions to both caches
-        for ctx_lo, start in ((0, T0), (T0, T0 + 5)):
-            block = torch.full((1, B), mask_id)
-            block[0, 0] = ids[0, start] if start < ids.shape[1] else 1
-            emb = ours_t.embed_tokens(block)
-            ctx = feats[:, ctx_lo:start]
-            ours.append_context(ctx, torch.arange(ctx_lo, start), cache)
-            h = ours.draft(emb, torch.arange(start, start + B), cache, M.DenseMasks(64).draft(torch.tensor(start), B))
-            ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=emb,
-                        position_ids=torch.arange(ctx_lo, start + B)[None], past_key_values=ref_cache, use_cache=True)
-            zm._crop_to(ref_cache, start)        # as the package's own loop does
-            assert (h - ref_h).abs().max() < TOL
-            ours_tok = ours.draft_logits(h[0, 1:], ours_t.lm_head).argmax(-1)
-            ref_tok = ref.compute_logits(ref_h[0, 1:], ours_t.lm_head).argmax(-1)
-            assert torch.equal(ours_tok, ref_tok)
+VARIANTS = {   # Qwen3Config keys of each published drafter variant, with a window shorter than the prompt
+    "sliding": dict(layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=6,
+                    use_sliding_window=True),
+    "sliding-noncausal": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              sliding_window=5, use_sliding_window=True, is_causal=False),
+    "all-causal": dict(layer_types=["full_attention"] * 3, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_sliding_window_drafters_match_zlab(tmp_path, target, variant):
+    ours_t, hf = target
+    ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
+                            n_layers=3, block_size=8, seed=4, **VARIANTS[variant])
+    ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    want = [(lay.self_attn.is_causal, lay.self_attn.sliding_window) for lay in ref.layers]
+    assert ours.kinds == want                              # the package's reading of the same config.json
+    draft_like_zlab(ours_t, hf, ours, ref, STEPS)
+
+
+def test_sliding_layers_without_use_sliding_window(tmp_path, target):
+    """The public 4B drafter's config names sliding layers and a window but not use_sliding_window. The package
+    cannot draft with it under transformers 5.23 (its cache needs the window Qwen3Config dropped); its layers are
+    written to use the window, and so is our reading: the same kinds as with the flag."""
+    ours_t, _ = target
+    kinds = VARIANTS["sliding"]
+    save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
+                      n_layers=3, block_size=8, seed=4, **kinds)
+    edit_json(str(tmp_path / "config.json"), lambda c: c.pop("use_sliding_window", None))
+    ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    assert ours.kinds == [(True, 6), (True, 6), (False, None)]
+
+
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_dflash2_matches_zlab(tmp_path, target, temperature):
+    """DFlash2 (dynamic convolutions, candidate selector): hidden states and greedy paths; sampling: the same q."""
+    ours_t, hf = target
+    ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
+                            n_layers=2, block_size=8, seed=5, dflash2=DFLASH2,
+                            layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True)
+    ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    assert ours.cfg.dflash2 and ours.candidate_selector is not None
+    package = type(ref.candidate_selector).select.__globals__          # the module the package's draws come from
+    real = package["_sample_probs"]
+    package["_sample_probs"] = lambda probs: probs.argmax(-1)         # its draw made deterministic: the argmax of q
+    try:
+        draft_like_zlab(ours_t, hf, ours, ref, STEPS, temperature)
+    finally:
+        package["_sample_probs"] = real
+
+
+def test_dflash2_published_codebook_names_load(tmp_path, target):
+    """The published files name the codebooks without `.weight` (the package maps them on load): both load."""
+    from safetensors.torch import load_file, save_file
+    ours_t, _ = target
+    save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
+                      n_layers=1, block_size=8, seed=6, dflash2=DFLASH2)
+    a = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    f = str(tmp_path / "model.safetensors")
+    tensors = load_file(f)
+    save_file({k.removesuffix(".weight") if "_codebook" in k else k: v for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    assert not any(k.endswith("codebook.weight") for k in load_file(f))
+    b = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    for (n, p), (_, r) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, r), n
 
 
 def test_off_by_one_layer_would_show(tmp_path, target):
