@@ -10,6 +10,8 @@ The last stdout line is one JSON object. Machines are noisy: compare ratios meas
 
     python bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
     python bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU, seconds
+    python bench.py --preset qwen3.5-35b-a3b --random-weights      # mixture of experts: a GPU (about 70 GB of bf16 weights)
+    python bench.py --preset tiny-35b-a3b-shape --random-weights   # its layers, experts and routing at 1/32 width, CPU
 
 `--preset` builds the model shapes with random weights on the device (step times do not depend on the weight
 values, so no download is needed) and times AR decode, verify and draft steps; it reports the achieved weight
@@ -33,7 +35,7 @@ import model as M
 from generate import ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
-PRESETS = ("qwen3.5-9b", "tiny-9b-shape")
+PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
 
 
 def parse_args(argv=None):
@@ -63,9 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa", help="attention of the cached steps (see generate.py)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="time the steps of these shapes instead of checkpoints: qwen3.5-9b (real 9B text shapes + a 5-layer "
-                        "block-16 drafter), tiny-9b-shape (the same layer pattern and heads at 1/32 of the width, for CPU)")
+                        "block-16 drafter), tiny-9b-shape (the same layer pattern and heads at 1/32 of the width, for CPU), "
+                        "qwen3.5-35b-a3b (the mixture-of-experts text shapes, 256 experts top-8, + an 8-layer drafter: "
+                        "about 70 GB in bf16, so a GPU; it does not fit a 24 GiB machine), tiny-35b-a3b-shape (its "
+                        "40 layers, 256 experts and top-8 at 1/32 of the widths, for CPU)")
     p.add_argument("--random-weights", action="store_true", help="with --preset: random weights built on the device (required)")
-    p.add_argument("--prompt-len", type=int, default=None, help="with --preset: random prompt length (default 512; 64 for tiny)")
+    p.add_argument("--prompt-len", type=int, default=None, help="with --preset: random prompt length (default 512; 64 for the tiny ones)")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -212,6 +217,8 @@ def preset_configs(name: str) -> tuple:
     128, FFN 12288: Qwen3-8B-style layers) are an assumption: those configs were not read here.
     tiny-9b-shape: the same layer pattern, head counts, drafter layers and block at 1/32 of every width (and
     of the vocabulary), so the same code runs on a CPU in seconds."""
+    if "35b" in name:
+        return moe_preset_configs(name)
     div = {"qwen3.5-9b": 1, "tiny-9b-shape": 32}[name]
     L = 32
     target = M.TargetConfig(
@@ -225,6 +232,34 @@ def preset_configs(name: str) -> tuple:
         hidden_size=target.hidden_size, intermediate_size=12288 // div, num_hidden_layers=5,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128 // div, vocab_size=target.vocab_size,
         target_layer_ids=[1, 8, 15, 22, 29], mask_token_id=target.vocab_size - 1, block_size=16,
+        num_target_layers=L, rope_theta=1e7)
+    return target, draft
+
+
+def moe_preset_configs(name: str) -> tuple:
+    """qwen3.5-35b-a3b: the text model of Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B) as transformers'
+    Qwen3_5MoeTextConfig defaults give it: 40 layers [GDN x3, attention] x 10, hidden 2048, 16 q / 2 kv heads of
+    256, GDN 16 key / 32 value heads of 128, 256 experts of width 512 with top-8 routing, a shared expert of 512,
+    vocab 248320, rope theta 1e7 (docs/qwen35.md#mixture-of-experts). Drafter: 8 layers, block 16, reading target
+    layers 1, 10, 19, 28, 37, 32 q / 4 kv heads of 128, FFN 6144: the shapes reported publicly for
+    z-lab/Qwen3.5-35B-A3B-DFlash (0.47B parameters, a 0.9 GB bf16 file), an assumption: not read here.
+    tiny-35b-a3b-shape: the same layers, experts, top-8 and heads at 1/32 of every width (and of the vocabulary).
+    It keeps all 256 experts on purpose: a 16-token verify routes 128 slots, <= 256, so it runs the same expert
+    path (SparseMoE's gathered one) as the full shapes; with fewer experts eager verify would loop instead."""
+    div = {"qwen3.5-35b-a3b": 1, "tiny-35b-a3b-shape": 32}[name]
+    L = 40
+    target = M.TargetConfig(
+        vocab_size=248320 // div, hidden_size=2048 // div, intermediate_size=0, num_hidden_layers=L,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256 // div,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128 // div,
+        linear_value_head_dim=128 // div, linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(L)],
+        rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10], max_position_embeddings=262144,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512 // div, shared_expert_intermediate_size=512 // div)
+    draft = M.DraftConfig(
+        hidden_size=target.hidden_size, intermediate_size=6144 // div, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128 // div, vocab_size=target.vocab_size,
+        target_layer_ids=[1, 10, 19, 28, 37], mask_token_id=target.vocab_size - 1, block_size=16,
         num_target_layers=L, rope_theta=1e7)
     return target, draft
 
@@ -250,9 +285,13 @@ def random_models(name: str, device, dtype) -> tuple:
 
 def weight_bytes_per_decode(target: M.Qwen35) -> int:
     """Bytes of weights one decode step reads: every target parameter except the embedding table, of which it
-    reads one row. (The GDN states and attention K/V it also reads are not counted: a conservative figure.)"""
-    emb = target.embed_tokens.weight
+    reads one row, and in a mixture of experts only top_k of every layer's E routed experts. (The GDN states and
+    attention K/V it also reads are not counted: a conservative figure.)"""
+    emb, cfg = target.embed_tokens.weight, target.cfg
     total = sum(p.numel() * p.element_size() for p in target.parameters())
+    if cfg.num_experts:
+        routed = sum(p.numel() * p.element_size() for m in target.modules() if isinstance(m, M.Experts) for p in m.parameters())
+        total -= routed * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
     if target.lm_head.weight is emb:          # tied: the table is read in full by the head anyway
         return total
     return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
@@ -303,7 +342,7 @@ def preset_main(args, device) -> dict:
     target, drafter = random_models(args.preset, device, dtype)
     build_seconds = time.perf_counter() - t0
     block = args.block_size or drafter.cfg.block_size
-    prompt_len = args.prompt_len or (64 if args.preset == "tiny-9b-shape" else 512)
+    prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
     new = args.max_new_tokens
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
@@ -347,6 +386,8 @@ def preset_main(args, device) -> dict:
     if cuda:   # the GPU bars (README, "GPU checks")
         out["bars"] = {"decode_bandwidth_ge_75pct": fraction >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
                        "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
+        if target.cfg.num_experts:    # a verify reads up to block * top_k experts per layer, a decode top_k: no such bar
+            del out["bars"]["verify_le_1.3x_decode"]
     print(json.dumps(out))
     return out
 

@@ -1,7 +1,8 @@
 """Checkpoints in the real Hugging Face formats: config.json parsing, safetensors (one file or shards), Hub ids,
 the tensor-name layouts of Qwen3.5 and of z-lab drafters, tokenizer and stop ids; loading and saving.
 
-    load_target(path)            Qwen3.5 (`qwen3_5` composite or `qwen3_5_text`) -> model.Qwen35
+    load_target(path)            Qwen3.5 (`qwen3_5` composite or `qwen3_5_text`; the mixture-of-experts
+                                 `qwen3_5_moe` and `qwen3_5_moe_text` alike) -> model.Qwen35
     load_drafter(path, cfg)      z-lab DFlashDraftModel -> model.DFlashDrafter, checked against the target
     save_target / save_drafter   the same formats back (transformers and the z-lab package load them)
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 import torch.nn as nn
@@ -18,8 +20,12 @@ import torch.nn as nn
 from kernels import state_dtype
 from model import CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig
 
-SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text")
-MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+MOE_TYPES = ("qwen3_next",)      # mixture-of-experts models of another architecture
+# Keys of other MoE families that transformers' Qwen3.5-MoE does not read, with the only value it matches: a sparse
+# block in every layer, top-k weights always renormalised. Any other value is refused rather than ignored.
+MOE_FIXED = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+MOE_SIZES = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def _need(d: dict, key: str, where: str):
@@ -29,18 +35,24 @@ def _need(d: dict, key: str, where: str):
 
 
 def target_config(raw: dict) -> TargetConfig:
-    """config.json of a Qwen3.5 checkpoint (composite qwen3_5 or text-only qwen3_5_text) -> TargetConfig,
-    read by explicit keys (docs/qwen35.md#config)."""
+    """config.json of a Qwen3.5 checkpoint (composite qwen3_5 / qwen3_5_moe, or text-only qwen3_5_text /
+    qwen3_5_moe_text) -> TargetConfig, read by explicit keys (docs/qwen35.md#config)."""
     mt = raw.get("model_type")
-    if mt in MOE_TYPES or "num_experts" in raw.get("text_config", raw):
-        raise CheckpointError(f"model_type '{mt}' is a mixture-of-experts model; dflash-fast supports the dense Qwen3.5 models only")
-    if mt == "qwen3_5":
-        tc = dict(_need(raw, "text_config", "config.json of a qwen3_5 model"))
-    elif mt == "qwen3_5_text":
+    if mt in MOE_TYPES:
+        raise CheckpointError(f"model_type '{mt}' is a mixture-of-experts model of another architecture; dflash-fast supports Qwen3.5 and Qwen3.5-MoE only")
+    if mt in ("qwen3_5", "qwen3_5_moe"):
+        tc = dict(_need(raw, "text_config", f"config.json of a {mt} model"))
+    elif mt in ("qwen3_5_text", "qwen3_5_moe_text"):
         tc = dict(raw)
     else:
         raise CheckpointError(f"unsupported target model_type '{mt}'; expected one of {SUPPORTED_TARGET_TYPES} (a Qwen3.5 checkpoint)")
     where = "the target's text config"
+    moe = mt.startswith("qwen3_5_moe")
+    if not moe and "num_experts" in tc:
+        raise CheckpointError(f"model_type '{mt}' is dense but its config has num_experts; a mixture-of-experts checkpoint has model_type qwen3_5_moe(_text)")
+    for key, value in MOE_FIXED.items() if moe else ():
+        if tc.get(key, value) != value:
+            raise CheckpointError(f"{key} = {tc[key]!r} is not supported: Qwen3.5-MoE (as transformers runs it) has {key} = {value!r}")
     n_layers = _need(tc, "num_hidden_layers", where)
     layer_types = tc.get("layer_types")
     if layer_types is None:  # HF default: full attention every `full_attention_interval` layers
@@ -60,7 +72,7 @@ def target_config(raw: dict) -> TargetConfig:
     return TargetConfig(
         vocab_size=_need(tc, "vocab_size", where),
         hidden_size=_need(tc, "hidden_size", where),
-        intermediate_size=_need(tc, "intermediate_size", where),
+        intermediate_size=0 if moe else _need(tc, "intermediate_size", where),      # MoE layers have no dense MLP
         num_hidden_layers=n_layers,
         num_attention_heads=_need(tc, "num_attention_heads", where),
         num_key_value_heads=_need(tc, "num_key_value_heads", where),
@@ -79,6 +91,7 @@ def target_config(raw: dict) -> TargetConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
         eos_token_id=eos,
         image_token_id=int(raw.get("image_token_id", 248056)),
+        **({k: int(_need(tc, k, where)) for k in MOE_SIZES} if moe else {}),
     )
 
 
@@ -274,6 +287,31 @@ def _target_key(name: str) -> str | None:
     return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
 
 
+EXPERT_NAME = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def fuse_experts(tensors: dict, n_experts: int) -> dict:
+    """The per-expert layout (`experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]: the
+    published files, and what transformers' save_pretrained writes) -> our fused parameters `experts.gate_up_proj`
+    [E, 2I, H] (gate rows first) and `experts.down_proj` [E, H, I], in place. Fused files pass unchanged."""
+    layers = {}
+    for name in [n for n in tensors if EXPERT_NAME.fullmatch(n)]:
+        prefix, e, kind = EXPERT_NAME.fullmatch(name).groups()
+        layers.setdefault(prefix, {})[int(e), kind] = tensors.pop(name)
+    for prefix, parts in layers.items():
+        want = {(e, k) for e in range(n_experts) for k in ("gate", "up", "down")}
+        if set(parts) != want:
+            bad = sorted(want ^ set(parts))[:3]
+            raise CheckpointError(f"target checkpoint's {prefix} do not match num_experts {n_experts}: {'missing' if bad[0] in want else 'unexpected'} "
+                                  f"{', '.join(f'{prefix}.{e}.{k}_proj.weight' for e, k in bad)}")
+        try:
+            tensors[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n_experts)])
+            tensors[prefix + ".down_proj"] = torch.stack([parts[e, "down"] for e in range(n_experts)])
+        except RuntimeError:
+            raise CheckpointError(f"target checkpoint's {prefix}.*_proj.weight differ in shape from expert to expert") from None
+    return tensors
+
+
 def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
     """Copy checkpoint tensors into `module`, converting dtype; every parameter must be present with its shape."""
     params = dict(module.named_parameters())
@@ -304,6 +342,8 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     tensors = {_target_key(name): t for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    if cfg.num_experts:
+        fuse_experts(tensors, cfg.num_experts)
     # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
     load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
     model.init_buffers_()
@@ -356,7 +396,8 @@ def stop_token_ids(path: str, cfg: TargetConfig) -> list:
 
 
 def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
-    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text)."""
+    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text); a mixture-of-experts model as
+    Qwen3_5MoeForCausalLM (qwen3_5_moe_text) with one tensor per expert, the layout of the published files."""
     from safetensors.torch import save_file
     cfg = model.cfg
     tensors = {}
@@ -364,6 +405,12 @@ def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         t = p.detach().to(dtype).contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):          # fuse_experts reversed
+            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+            for e in range(t.shape[0]):
+                for kind, part in zip(kinds, t[e].chunk(len(kinds))):
+                    tensors[f"model.{name.rsplit('.', 1)[0]}.{e}.{kind}_proj.weight"] = part.contiguous()
+            continue
         if name.endswith("conv_weight"):
             name, t = name.replace("conv_weight", "conv1d.weight"), t[:, None, :].contiguous()
         tensors[name if name.startswith("lm_head") else "model." + name] = t
@@ -383,6 +430,10 @@ def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
         "eos_token_id": eos, "dtype": str(dtype).replace("torch.", ""),
     }
+    if cfg.num_experts:
+        del config["intermediate_size"]
+        config.update({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"},
+                      **{k: getattr(cfg, k) for k in MOE_SIZES})
     with open(os.path.join(out, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
 

@@ -41,7 +41,7 @@ class CheckpointError(ValueError):
 
 @dataclass
 class TargetConfig:
-    """The text model of a dense Qwen3.5 checkpoint (every size differs only in these numbers)."""
+    """The text model of a Qwen3.5 checkpoint, dense or mixture-of-experts (every size differs only in these numbers)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +63,10 @@ class TargetConfig:
     tie_word_embeddings: bool = False
     eos_token_id: list = field(default_factory=list)
     image_token_id: int = 248056     # <|image_pad|>: its embeddings are replaced by image tokens (vision.py)
+    num_experts: int = 0             # Qwen3.5-MoE: routed experts per layer (SparseMoE); 0 = a dense MLP
+    num_experts_per_tok: int = 0     # top_k: experts per token
+    moe_intermediate_size: int = 0   # each routed expert's SwiGLU width
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
@@ -76,6 +80,8 @@ class TargetConfig:
             raise CheckpointError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise CheckpointError(f"partial_rotary_factor {self.partial_rotary_factor} gives an invalid rotary dim {self.rotary_dim}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise CheckpointError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts ({self.num_experts})")
         if sum(self.mrope_section) != self.rotary_dim // 2:
             # sections that do not cover the rotary dims do not matter for text: all-T rather than refuse
             self.mrope_section = [self.rotary_dim // 2, 0, 0]
@@ -195,6 +201,68 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, fused as transformers holds them: gate_up_proj [E, 2I, H] (each expert's gate rows, then
+    its up rows), down_proj [E, H, I]. Two exact ways to run the k experts each of N tokens chose (idx [N, k]),
+    both -> [N, k, H], each chosen expert's output:
+      gathered  static shapes: the N*k chosen experts' weights gathered ([N*k, 2I, H]) and applied as one batched
+                product. What compiled decode and verify run (no graph break), but it copies N*k experts' weights.
+      looped    every expert that got tokens runs once over those rows only: data-dependent shapes and a host
+                sync, eager only; memory as for a dense MLP whatever N (long prefills)."""
+
+    def __init__(self, n: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(n, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(n, hidden, inter))
+
+    def gathered(self, h, idx):
+        g, u = torch.einsum("nkih,nh->nki", self.gate_up_proj[idx], h).chunk(2, dim=-1)
+        return torch.einsum("nkhi,nki->nkh", self.down_proj[idx], F.silu(g) * u)
+
+    def looped(self, h, idx):
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)              # slots grouped by expert
+        y = h.new_empty(flat.numel(), h.shape[-1])
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=self.down_proj.shape[0]).tolist()):
+            if n:
+                slots = order[start:start + n]
+                g, u = F.linear(h[slots // idx.shape[1]], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y[slots] = F.linear(F.silu(g) * u, self.down_proj[e])
+                start += n
+        return y.view(*idx.shape, -1)
+
+
+class SparseMoE(nn.Module):
+    """Qwen3.5-MoE's feed-forward block (docs/qwen35.md#mixture-of-experts): router `gate` [E, H], softmax over the
+    E experts in float32, the top_k kept and renormalised to sum 1; the chosen experts' outputs weighted by them,
+    plus a shared SwiGLU expert times sigmoid(shared_expert_gate(x)).
+
+    Cost: a token reads top_k experts, a T-token call up to min(T * top_k, E) distinct ones. So unlike on a dense
+    target, a verify reads far more weights than a decode step (35B-A3B: up to 128 of 256 experts per layer for
+    16 tokens, against 8): verify costs more than decode, and the more the wider the block. Path: `gathered` when
+    T * top_k <= E (it then copies at most one layer's expert weights: decode; verify at the real sizes) and always
+    under torch.compile (decode and verify steps: static shapes); otherwise (long prompts, eager) `looped`."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])                                                   # [N, H]
+        probs = F.softmax(self.gate(h), dim=-1, dtype=state_dtype(x.dtype))            # float32 (float64 runs: float64)
+        w, idx = probs.topk(self.top_k, dim=-1)                                          # [N, k]
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        static = idx.numel() <= self.n_experts or torch.compiler.is_compiling()
+        y = (self.experts.gathered if static else self.experts.looped)(h, idx)
+        out = (y * w[..., None]).sum(1) + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out.view_as(x)
 
 
 def rotate_half(x):
@@ -412,7 +480,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x += mixer(norm(x)); x += mlp(norm(x)). The mixer is GDN or gated attention."""
+    """Pre-norm block: x += mixer(norm(x)); x += mlp(norm(x)). The mixer is GDN or gated attention; the mlp a
+    SwiGLU MLP, or a SparseMoE in the mixture-of-experts models."""
 
     def __init__(self, cfg: TargetConfig, layer_type: str):
         super().__init__()
@@ -421,7 +490,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SparseMoE(cfg) if cfg.num_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -21,6 +21,32 @@ def test_9b_preset_shapes_match_the_spec():
     ckpt.check_fits(dcfg, tcfg)
 
 
+def test_35b_a3b_preset_shapes():
+    """The mixture-of-experts preset on the meta device: the 34,660,610,688 text-model parameters of
+    docs/qwen35.md#mixture-of-experts, 32,212,254,720 of them in the routed experts, of which a decode step reads
+    top-8 of 256 per layer (the weight bytes the bandwidth figure counts); the drafter fits."""
+    tcfg, dcfg = bench.preset_configs("qwen3.5-35b-a3b")
+    with torch.device("meta"):
+        target = M.Qwen35(tcfg)
+    experts = sum(p.numel() for m in target.modules() if isinstance(m, M.Experts) for p in m.parameters())
+    assert sum(p.numel() for p in target.parameters()) == 34_660_610_688 and experts == 32_212_254_720
+    assert bench.weight_bytes_per_decode(target) == 4 * (34_660_610_688 - experts * 248 // 256 - 248320 * 2048 + 2048)
+    assert dcfg.target_layer_ids == [1, 10, 19, 28, 37] and dcfg.num_hidden_layers == 8 and dcfg.block_size == 16
+    ckpt.check_fits(dcfg, tcfg)
+
+
+def test_tiny_moe_preset_runs(capsys):
+    """The CPU variant of the mixture-of-experts preset end to end (one thread: the models are tiny)."""
+    n = torch.get_num_threads()
+    try:
+        out = bench.main(["--preset", "tiny-35b-a3b-shape", "--random-weights", "--max-new-tokens", "4", "--prompt-len", "20",
+                          "--device", "cpu", "--threads", "1"])
+    finally:
+        torch.set_num_threads(n)
+    assert out["verify_ms"] > 0 and out["decode_ms"] > 0 and out["verify_over_decode"] > 0
+    assert "verify/decode" in capsys.readouterr().out
+
+
 def test_tiny_preset_runs_and_reports(capsys):
     out = bench.main(["--preset", "tiny-9b-shape", "--random-weights", "--max-new-tokens", "6", "--prompt-len", "20",
                       "--device", "cpu"])

@@ -397,7 +397,7 @@ def test_config_not_json(store, tmp_path, content):
 
 @pytest.mark.parametrize("model_type, words", [
     ("llama", ["unsupported", "llama"]), ("qwen3", ["unsupported", "qwen3"]), (None, ["unsupported", "None"]),
-    ("qwen3_5_moe", ["mixture-of-experts", "qwen3_5_moe"]), ("qwen3_next", ["mixture-of-experts"])])
+    ("qwen3_5_moe_text", ["num_experts"]), ("qwen3_next", ["mixture-of-experts", "another architecture"])])
 def test_unsupported_target_model_type(store, tmp_path, model_type, words):
     path = copy_ckpt(store["causal"], tmp_path / "t")
     edit_json(os.path.join(path, "config.json"), lambda c: c.update(model_type=model_type))
@@ -407,12 +407,12 @@ def test_unsupported_target_model_type(store, tmp_path, model_type, words):
 
 
 def test_moe_by_its_fields(store, tmp_path):
-    """A MoE text config under the dense model_type is caught by num_experts."""
+    """A MoE text config under the dense model_type is caught by num_experts (MoE checkpoints: tests/test_moe.py)."""
     path = copy_ckpt(store["cond"], tmp_path / "c")
     edit_json(os.path.join(path, "config.json"), lambda c: c["text_config"].update(num_experts=8, num_experts_per_tok=2))
     with pytest.raises(M.CheckpointError) as e:
         ckpt.load_target(path)
-    one_line_error(e, "mixture-of-experts")
+    one_line_error(e, "dense", "num_experts", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
