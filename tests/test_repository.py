@@ -82,7 +82,9 @@ def test_core_files_are_small_and_plain():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{name}: {node.name} is {length} lines (keep functions to about 60)"
-    assert total <= 1300, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,300)"
+    # About 1,300 lines held the dense target and the original drafter; the mixture-of-experts block, the sliding
+    # and DFlash2 drafter variants and the general accept rule brought it to about 1,520.
+    assert total <= 1550, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,550)"
 
 
 def test_optional_modules_are_imported_only_where_selected():
