@@ -131,12 +131,12 @@ def draft_attention(raw: dict, n_layers: int) -> dict:
 
 def draft_config(raw: dict) -> DraftConfig:
     """config.json of a z-lab DFlash or DFlash2 drafter -> DraftConfig (docs/method.md#the-drafter)."""
+    if raw.get("model_type") not in ("qwen3", None):
+        raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
     arch = raw.get("architectures") or ["DFlashDraftModel"]
     if not set(arch) & set(DRAFT_ARCHITECTURES):
         raise CheckpointError(f"architecture {arch} is not a z-lab drafter; dflash-fast serves {' and '.join(DRAFT_ARCHITECTURES)}")
     dflash2 = "DFlash2DraftModel" in arch
-    if raw.get("model_type") not in ("qwen3", None):
-        raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
     dc = raw.get("dflash_config") or {}
     unknown = sorted(set(dc) - set(DRAFT_KEYS) - set(DFLASH2_KEYS if dflash2 else ()))
     if unknown:

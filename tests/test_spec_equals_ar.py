@@ -25,7 +25,7 @@ def target_configs(draw):
         partial_rotary_factor=draw(st.sampled_from([0.25, 0.5, 1.0])),
         linear_num_key_heads=hk, linear_num_value_heads=hk * draw(st.sampled_from([1, 2, 3])),
         linear_key_head_dim=draw(st.sampled_from([4, 8])), linear_value_head_dim=draw(st.sampled_from([4, 8, 12])),
-        linear_conv_kernel_dim=draw(st.sampled_from([2, 3, 4])))
+        linear_conv_kernel_dim=draw(st.sampled_from([2, 3, 4])), tie_word_embeddings=draw(st.booleans()))
 
 
 def first_divergence_is_near_tie(target, prompt, ar_out, other_out, tol):
@@ -78,8 +78,8 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
        max_new=st.integers(1, 48), block=st.integers(1, 16), stop=st.one_of(st.none(), st.integers(0, 100)),
        kind=st.sampled_from(sorted(DRAFTER_KINDS)))
 def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop, kind):
-    """Random targets, prompts, blocks and stops; the oracle proposer forces every acceptance length and a random
-    drafter of every published kind (DRAFTER_KINDS) runs the real draft path."""
+    """Random targets (tied embeddings or not), prompts, blocks and stops; the oracle proposer forces every
+    acceptance length and a random drafter of every published kind (DRAFTER_KINDS) runs the real draft path."""
     target = random_target(cfg, seed, dtype)
     rng = random.Random(seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
