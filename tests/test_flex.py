@@ -13,7 +13,8 @@ from torch.nn.attention.flex_attention import create_mask
 import dflash
 import flex
 import model as M
-from helpers import HAS_EMBEDDED_PAIR, OracleProposer, embedded_pair, random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, embedded_pair, kind_draft_config, random_drafter, random_target,
+                     tiny_draft_config, tiny_target_config)
 
 
 # eager flex_attention warns once that it is unfused; that is the point of running it here
@@ -119,12 +120,13 @@ def test_attention_outputs_equal():
     assert not torch.allclose(outs[0], outs[2])                                          # the window matters
 
 
-def test_same_tokens_ar_and_dflash():
-    """Greedy AR and DFlash (random drafter, with and without --draft-window) give the same tokens and the
-    same proposals with flex as with SDPA; the prompt and the verify blocks cross the 128-position tile."""
+@pytest.mark.parametrize("kind", ["dflash", "sliding", "dflash2"])
+def test_same_tokens_ar_and_dflash(kind):
+    """Greedy AR and DFlash (random drafter of each kind, with and without --draft-window) give the same tokens
+    and the same proposals with flex as with SDPA; the prompt and the verify blocks cross the 128-position tile."""
     cfg = tiny_target_config()
     target = random_target(cfg, 0)
-    drafter = random_drafter(tiny_draft_config(cfg), 1)
+    drafter = random_drafter(kind_draft_config(cfg, kind), 1)
     prompt = torch.randint(0, cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(5)).tolist()
     runs = {}
     for att, masks in (("sdpa", M.DenseMasks), ("flex", flex.FlexMasks)):
