@@ -744,7 +744,7 @@ class CandidateSelector(nn.Module):
                 q = torch.softmax(scores.float() / temperature, -1)
                 j = (q / expo[i].clamp_min(1e-30)).argmax()            # a draw from q (dflash.draw's race)
                 qs.append(q)
-            prev = cand[i, j].view(1)
+            prev = cand[i].gather(0, j.view(1))          # (a gather, not cand[i, j]: no host sync when compiled)
             path.append(prev)
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter(1, cand, torch.stack(qs)) if qs else None
         return torch.cat(path), q

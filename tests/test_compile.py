@@ -78,3 +78,24 @@ def test_mark_static_covers_every_cache_tensor():
                     seen += 1
     n_gdn = sum(t != "full_attention" for t in tcfg.layer_types)
     assert seen == 6 * n_gdn + 2 * (len(tcfg.layer_types) - n_gdn) + 2 * tiny_draft_config(tcfg).num_hidden_layers
+
+
+@pytest.mark.parametrize("kind", ["sliding", "dflash2"])
+def test_compiled_drafter_variants(kind, tmp_path, monkeypatch):
+    """A sliding-window and a DFlash2 drafter compile whole (fullgraph: DFlash2's row-by-row candidate choice
+    stays on the device), with no recompiles after warm-up, and give the eager engine's tokens and proposals."""
+    import torch
+    import torch._dynamo
+    from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
+    dcfg = kind_draft_config(target.cfg, kind, block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
+    drafter = random_drafter(dcfg, 12, torch.float32)
+    prompt = list(range(1, 30))
+    eager = dflash.run(target, prompt, 24, (), dflash.DrafterProposer(drafter, target), 4)
+    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 64, compile_mode="default")
+    eng.run(prompt[:9], 6)                                                   # warm-up
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        res = eng.run(prompt, 24)
+    assert res.output_ids == eager.output_ids and res.draft_ids == eager.draft_ids
