@@ -367,13 +367,20 @@ def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, 
 
 
 def grow_drafter_(big: M.DFlashDrafter, small: M.DFlashDrafter) -> None:
-    """Warm start of a deeper drafter from a trained shallower one with the same widths and target layers:
-    fc, the norms and the first layers are copied; each extra layer gets zero o_proj and down_proj, so it adds
-    nothing to the residual stream and `big` computes exactly what `small` does until training moves it."""
+    """Warm start of a drafter from a trained one with the same widths and as many target layers, and no more
+    drafter layers: fc, the norms and the first layers are copied; each extra layer gets zero o_proj and
+    down_proj, so it adds nothing to the residual stream and `big` computes exactly what `small` does on the
+    same features until training moves it. The target layer ids may differ (same count): fc's slices are copied
+    slot by slot, so slot i of `big` reads big's i-th target layer with the weights small learnt for its i-th
+    (e.g. [1, 3, 5] -> [1, 3, 4]: the slice trained on layer 5 starts as layer 4's)."""
     a, b = big.cfg, small.cfg
     same = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "target_layer_ids", "block_size", "mask_token_id", "vocab_size")
+            "block_size", "mask_token_id", "vocab_size", "is_causal", "conv_kernel_size")   # (full layers, no DFlash2)
     diff = [f for f in same if getattr(a, f) != getattr(b, f)]
+    if len(a.target_layer_ids) != len(b.target_layer_ids):
+        diff.append("the number of target_layer_ids")
+    if set(b.layer_types) != {"full_attention"}:
+        diff.append("layer_types (this trainer builds full-attention layers only)")
     if diff or b.num_hidden_layers > a.num_hidden_layers:
         raise SystemExit(f"--init-from drafter differs in {diff or ['num_hidden_layers (more layers)']}: it cannot seed this one")
     with torch.no_grad():
@@ -417,8 +424,11 @@ def train_draft(args):
     state_path = os.path.join(args.out, "train_state.pt")
     step = 0
     if args.init_from and not (args.resume and os.path.exists(state_path)):
-        grow_drafter_(drafter, ckpt.load_drafter(args.init_from, target.cfg, torch.float32))
-        print(f"initialised from {args.init_from}: its layers first, the new ones adding nothing yet", flush=True)
+        src = ckpt.load_drafter(args.init_from, target.cfg, torch.float32)
+        grow_drafter_(drafter, src)
+        moved = "" if src.cfg.target_layer_ids == cfg.target_layer_ids else \
+            f"; fc slices of target layers {src.cfg.target_layer_ids} now read {cfg.target_layer_ids}"
+        print(f"initialised from {args.init_from}: its layers first, the new ones adding nothing yet{moved}", flush=True)
     if args.resume and os.path.exists(state_path):
         step, _ = load_state(state_path, drafter, opt)
         print(f"resumed at step {step}", flush=True)
@@ -474,7 +484,9 @@ def main(argv=None):
     d.add_argument("--draft-layers", type=int, default=1)
     d.add_argument("--draft-intermediate", type=int, default=768)
     d.add_argument("--init-from", default=None,
-                   help="a trained drafter with fewer layers (same widths) to start from; its extra layers start at zero output")
+                   help="a trained drafter with the same widths and number of target layers, and no more layers, to start "
+                        "from; its extra layers start at zero output. --target-layers may name other layers than its own: "
+                        "fc's slices are copied in order (1,3,5 -> 1,3,4: layer 5's slice starts as layer 4's)")
     d.add_argument("--target-layers", type=lambda x: [int(i) for i in x.split(",")], default=None,
                    help="target layers whose outputs the drafter reads, e.g. 1,3,5 (default: the z-lab spacing)")
     d.add_argument("--n-seq", type=int, default=1024,

@@ -1,6 +1,7 @@
 """train.py: the training mask, that training lowers the loss, and that the saved formats load elsewhere."""
 import os
 
+import pytest
 import torch
 
 import checkpoint as ckpt
@@ -134,3 +135,40 @@ def test_grown_drafter_starts_as_the_small_one_and_trains():
         assert "intermediate_size" in str(e)
     else:
         raise AssertionError("a drafter of another width was accepted")
+
+
+def test_init_from_other_target_layers_copies_fc_slot_by_slot():
+    """--init-from with other --target-layers (the same count): every tensor is copied, fc's slices in order (slot
+    i keeps what the seed learnt for its i-th layer while reading the new i-th layer), the new config's layer ids
+    are kept, and a seed that reads another number of layers is refused."""
+    torch.manual_seed(0)
+    tcfg = tiny_target_config(vocab_size=40)
+    small = M.DFlashDrafter(tiny_draft_config(tcfg, num_hidden_layers=1, target_layer_ids=[0, 3]))
+    moved = M.DFlashDrafter(tiny_draft_config(tcfg, num_hidden_layers=1, target_layer_ids=[0, 2]))
+    train.init_weights_(small, 0)
+    train.init_weights_(moved, 1)
+    train.grow_drafter_(moved, small)
+    assert moved.cfg.target_layer_ids == [0, 2]
+    own = moved.state_dict()
+    for name, p in small.state_dict().items():
+        assert torch.equal(own[name], p), name
+    H = tcfg.hidden_size
+    torch.testing.assert_close(moved.fc.weight[:, H:], small.fc.weight[:, H:], rtol=0, atol=0)   # layer 3's slice reads layer 2
+    three = M.DFlashDrafter(tiny_draft_config(tcfg, num_hidden_layers=1, target_layer_ids=[0, 1, 2]))
+    try:
+        train.grow_drafter_(three, small)
+    except SystemExit as e:
+        assert "number of target_layer_ids" in str(e)
+    else:
+        raise AssertionError("a seed reading another number of target layers was accepted")
+
+
+@pytest.mark.parametrize("kind", ["sliding", "dflash2"])
+def test_init_from_a_drafter_variant_is_refused(kind):
+    """This trainer builds full-attention DFlash drafters: a sliding or DFlash2 seed is refused, not half-copied."""
+    from helpers import kind_draft_config
+    tcfg = tiny_target_config(vocab_size=40)
+    plain = M.DFlashDrafter(tiny_draft_config(tcfg, target_layer_ids=[0, 2]))
+    seed = M.DFlashDrafter(kind_draft_config(tcfg, kind, target_layer_ids=[0, 2]))
+    with pytest.raises(SystemExit, match="differs in"):
+        train.grow_drafter_(plain, seed)

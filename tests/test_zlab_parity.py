@@ -4,7 +4,8 @@ import torch
 
 import checkpoint as ckpt
 import model as M
-from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter, zlab_module
+from helpers import (EMBEDDED_DRAFT, EMBEDDED_TARGET, HAS_EMBEDDED_PAIR, edit_json, save_hf_causal_lm, save_zlab_drafter,
+                     zlab_module)
 
 TOL = 1e-4
 
@@ -153,3 +154,60 @@ def test_off_by_one_layer_would_show(tmp_path, target):
         _, f = ours_t(ids, torch.arange(20), feature_layers=(2, 3))
     H = ours_t.cfg.hidden_size
     assert (f[..., :H] - f[..., H:]).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_shipped_pair_proposals_match_zlab():
+    """The embedded pair (checkpoints/), float32: our loaders and DrafterProposer against transformers'
+    Qwen3_5ForCausalLM and the package's DFlashDraftModel loaded from the same folders. On a held-out prompt
+    followed by the target's greedy continuation, teacher-forced (each block starts from the target's token and
+    the drafter's context is the target's features), over several cached draft steps of varied advances fed the
+    way each loop feeds its drafter: the target features are equal, and so are the 15 proposals of every step."""
+    from transformers import Qwen3_5ForCausalLM
+
+    import dflash
+    import train
+    tdir, ddir = EMBEDDED_TARGET, EMBEDDED_DRAFT
+    ours_t = ckpt.load_target(tdir, torch.float32)
+    ours_d = ckpt.load_drafter(ddir, ours_t.cfg, torch.float32)
+    zm = zlab_module()
+    hf = Qwen3_5ForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    ref = zm.DFlashDraftModel.from_pretrained(ddir, dtype=torch.float32).eval()
+    assert list(ref.target_layer_ids) == ours_d.cfg.target_layer_ids
+    assert ours_t.cfg.num_hidden_layers - 1 not in ours_d.cfg.target_layer_ids   # published drafters never read the last layer
+    B, mask_id = ours_d.cfg.block_size, ours_d.cfg.mask_token_id
+    assert ref.block_size == B and ref.mask_token_id == mask_id
+
+    prompt = train.heldout_prompts(ckpt.load_tokenizer(tdir), 2)[1]
+    T0, steps = len(prompt), [1, 3, 16, 2, 7, 5, 11, 4]
+    ids = torch.tensor([prompt + dflash.run(ours_t, prompt, sum(steps) + B).output_ids])
+    with torch.no_grad():
+        ref_feats = zm.extract_context_feature(hf(input_ids=ids, output_hidden_states=True).hidden_states,
+                                               ref.target_layer_ids)
+        _, feats = ours_t(ids, torch.arange(ids.shape[1]), feature_layers=tuple(ours_d.cfg.target_layer_ids))
+        assert (feats - ref_feats).abs().max() < TOL * max(1.0, float(ref_feats.abs().max()))
+
+        cap = ids.shape[1] + B
+        proposer = dflash.DrafterProposer(ours_d, ours_t)
+        proposer.reset(cap, M.DenseMasks(cap))
+        proposer.prefill(feats[:, :T0], torch.arange(T0))
+        ref_cache = zm._make_cache(ref.config)
+        # ours, as dflash.Engine feeds it: B rows of features from the last block's positions (rows at or past
+        # the new start hidden), zeros before the first verify; the package's loop: exactly the new context rows
+        blk_feats, blk_pos, ctx_lo, start, hits = torch.zeros(1, B, feats.shape[-1]), torch.arange(T0, T0 + B), 0, T0, 0
+        for adv in steps:
+            last = ids[0, start:start + 1]
+            got, q = proposer.propose(last, torch.tensor([start]), blk_feats, blk_pos, B - 1)
+            assert q is None                                # a DFlash drafter's greedy draft
+            block = torch.full((1, B), mask_id)
+            block[0, 0] = last[0]
+            ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=hf.get_input_embeddings()(block),
+                        position_ids=torch.arange(ctx_lo, start + B)[None], past_key_values=ref_cache,
+                        use_cache=True)[:, 1 - B:]
+            zm._crop_to(ref_cache, start)
+            want = ref.compute_logits(ref_h, hf.lm_head).argmax(-1)[0]
+            assert torch.equal(got, want), (start, got.tolist(), want.tolist())
+            hits += int(got[0] == ids[0, start + 1])
+            blk_feats, blk_pos = feats[:, start:start + B], torch.arange(start, start + B)
+            ctx_lo, start = start, start + adv
+    assert hits >= len(steps) // 2        # a trained drafter: its first proposal is mostly the target's token
