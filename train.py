@@ -155,7 +155,8 @@ def save_state(path, module, opt, step, extra=None):
 
 
 def load_state(path, module, opt):
-    st = torch.load(path, weights_only=False)
+    """weights_only: the state holds tensors, numbers and dicts only, so nothing in a state file from elsewhere runs."""
+    st = torch.load(path, weights_only=True)
     module.load_state_dict(st["model"])
     opt.load_state_dict(st["opt"])
     torch.set_rng_state(st["rng"])
@@ -401,7 +402,7 @@ def train_draft(args):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
     data_path = os.path.join(args.out, "regenerated.pt")
-    seqs = torch.load(data_path) if os.path.exists(data_path) else None
+    seqs = torch.load(data_path, weights_only=True) if os.path.exists(data_path) else None
     if seqs is not None and seqs.shape[1] != args.prompt_len + args.resp_len:
         raise SystemExit(f"{data_path} holds sequences of {seqs.shape[1]} tokens, not --prompt-len + --resp-len = "
                          f"{args.prompt_len + args.resp_len}; delete it or pass the lengths it was built with")

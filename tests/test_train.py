@@ -172,3 +172,22 @@ def test_init_from_a_drafter_variant_is_refused(kind):
     seed = M.DFlashDrafter(kind_draft_config(tcfg, kind, target_layer_ids=[0, 2]))
     with pytest.raises(SystemExit, match="differs in"):
         train.grow_drafter_(plain, seed)
+
+
+class _Payload:
+    """Stands for code a pickled file from elsewhere could run on load."""
+
+
+def test_state_files_load_weights_only(tmp_path):
+    """train.py's state round-trips with weights_only=True, and a state file carrying a pickled object is refused."""
+    tcfg = tiny_target_config(vocab_size=40)
+    drafter = M.DFlashDrafter(tiny_draft_config(tcfg, target_layer_ids=[0, 2]))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    drafter.fc.weight.sum().backward()
+    opt.step()
+    path = str(tmp_path / "state.pt")
+    train.save_state(path, drafter, opt, 7)
+    assert train.load_state(path, drafter, opt)[0] == 7
+    torch.save({"model": drafter.state_dict(), "extra": _Payload()}, path)
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        train.load_state(path, drafter, opt)
