@@ -32,7 +32,7 @@ import torch
 import dflash
 import checkpoint as ckpt
 import model as M
-from generate import ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
+from generate import ATTENTION, COMPILE_MODES, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
 PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="torch.compile the step functions (compile time reported apart)")
-    p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode with --compile (default max-autotune)")
+    p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode with --compile (default max-autotune)")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compile on a CPU: inductor's C++ wrapper (see generate.py)")
     p.add_argument("--vs-reference", action="store_true",

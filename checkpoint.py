@@ -29,24 +29,78 @@ MOE_SIZES = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "sha
 
 
 def _need(d: dict, key: str, where: str):
-    if key not in d:
+    if d.get(key) is None:
         raise CheckpointError(f"{where} is missing the field '{key}'; re-export the checkpoint with its full config.json")
     return d[key]
+
+
+# What each config key that is read as a number, list or flag must hold. A value of the wrong JSON type (the
+# string "256", the float 256.5, a negative size) is refused here with one line naming the key, before torch
+# can fail on it with a traceback, and is never coerced. Null counts as absent (a default, or "missing").
+def _int(lo):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo), f"an integer >= {lo}"
+
+
+def _number(lo, hi=None, at_least=False):
+    def ok(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= lo if at_least else v > lo) and (hi is None or v <= hi)
+    return ok, f"a number {'>=' if at_least else '>'} {lo}" + (f" and <= {hi}" if hi is not None else "")
+
+
+def _list_of(ok, what):
+    return (lambda v: isinstance(v, list) and all(ok(x) for x in v)), f"a list of {what}"
+
+
+SIZE, INDEX = _int(1), _int(0)
+BOOL = (lambda v: isinstance(v, bool)), "true or false"
+STRINGS = _list_of(lambda x: isinstance(x, str), "strings")
+INDICES = _list_of(INDEX[0], "integers >= 0")
+EOS = (lambda v: INDEX[0](v) or INDICES[0](v)), "an integer >= 0 or a list of them"
+OBJECT = (lambda v: isinstance(v, dict)), "an object"
+COMMON_FIELDS = {"vocab_size": SIZE, "hidden_size": SIZE, "intermediate_size": SIZE, "num_hidden_layers": SIZE,
+                 "num_attention_heads": SIZE, "num_key_value_heads": SIZE, "head_dim": SIZE, "layer_types": STRINGS,
+                 "rms_norm_eps": _number(0), "rope_theta": _number(0), "max_position_embeddings": SIZE,
+                 "tie_word_embeddings": BOOL, "eos_token_id": EOS, "rope_parameters": OBJECT, "rope_scaling": OBJECT}
+TARGET_FIELDS = {**COMMON_FIELDS, "linear_num_key_heads": SIZE, "linear_num_value_heads": SIZE, "linear_key_head_dim": SIZE,
+                 "linear_value_head_dim": SIZE, "linear_conv_kernel_dim": SIZE, "full_attention_interval": SIZE,
+                 "partial_rotary_factor": _number(0, 1), "mrope_section": INDICES, "image_token_id": INDEX,
+                 **{k: SIZE for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}}
+DRAFT_FIELDS = {**COMMON_FIELDS, "sliding_window": SIZE, "max_window_layers": INDEX, "use_sliding_window": BOOL,
+                "is_causal": BOOL, "attention_bias": BOOL, "target_layer_ids": INDICES, "mask_token_id": INDEX,
+                "block_size": SIZE, "num_target_layers": SIZE, "input_embedding_scale": _number(0),
+                "output_multiplier": _number(0), "final_logit_softcapping": _number(0, at_least=True),
+                **{k: SIZE for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_vocab_size")}}
+
+
+def check_fields(d: dict, rules: dict, where: str) -> None:
+    """Every key of `d` named in `rules` holds what its rule says, or is null; else one CheckpointError line."""
+    for key, (ok, what) in rules.items():
+        v = d.get(key)
+        if v is not None and not ok(v):
+            raise CheckpointError(f"{where}: '{key}' must be {what}, got {json.dumps(v)}; fix config.json")
 
 
 def target_config(raw: dict) -> TargetConfig:
     """config.json of a Qwen3.5 checkpoint (composite qwen3_5 / qwen3_5_moe, or text-only qwen3_5_text /
     qwen3_5_moe_text) -> TargetConfig, read by explicit keys (docs/qwen35.md#config)."""
     mt = raw.get("model_type")
+    if mt is None:
+        raise CheckpointError(f"config.json has no model_type; a Qwen3.5 target says one of {', '.join(SUPPORTED_TARGET_TYPES)}")
+    if set(raw.get("architectures") or ()) & set(DRAFT_ARCHITECTURES):
+        raise CheckpointError(f"this checkpoint is a DFlash drafter ({', '.join(raw['architectures'])}), not a target; pass it as "
+                              "the drafter (--draft) and its Qwen3.5 model as the target (--target)")
     if mt in MOE_TYPES:
         raise CheckpointError(f"model_type '{mt}' is a mixture-of-experts model of another architecture; dflash-fast supports Qwen3.5 and Qwen3.5-MoE only")
     if mt in ("qwen3_5", "qwen3_5_moe"):
+        check_fields(raw, {"text_config": OBJECT}, "config.json")
         tc = dict(_need(raw, "text_config", f"config.json of a {mt} model"))
     elif mt in ("qwen3_5_text", "qwen3_5_moe_text"):
         tc = dict(raw)
     else:
         raise CheckpointError(f"unsupported target model_type '{mt}'; expected one of {SUPPORTED_TARGET_TYPES} (a Qwen3.5 checkpoint)")
     where = "the target's text config"
+    check_fields(tc, TARGET_FIELDS, where)
+    check_fields({k: raw.get(k) for k in ("eos_token_id", "image_token_id", "tie_word_embeddings")}, TARGET_FIELDS, "config.json")
     moe = mt.startswith("qwen3_5_moe")
     if not moe and "num_experts" in tc:
         raise CheckpointError(f"model_type '{mt}' is dense but its config has num_experts; a mixture-of-experts checkpoint has model_type qwen3_5_moe(_text)")
@@ -62,6 +116,7 @@ def target_config(raw: dict) -> TargetConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))   # legacy rope_scaling spells it "type"
     if rope_type != "default":
         raise CheckpointError(f"rope_type '{rope_type}' is not supported; only default (unscaled) RoPE is implemented")
+    check_fields(rope, TARGET_FIELDS, f"{where}'s rope_parameters")
     theta = rope.get("rope_theta", tc.get("rope_theta"))
     if theta is None:
         raise CheckpointError(f"{where} has no rope_theta (in rope_parameters or at top level)")
@@ -131,6 +186,9 @@ def draft_attention(raw: dict, n_layers: int) -> dict:
 
 def draft_config(raw: dict) -> DraftConfig:
     """config.json of a z-lab DFlash or DFlash2 drafter -> DraftConfig (docs/method.md#the-drafter)."""
+    if raw.get("model_type") in SUPPORTED_TARGET_TYPES:
+        raise CheckpointError(f"this checkpoint is a Qwen3.5 model (model_type {raw['model_type']}), not a drafter; pass it as the "
+                              "target (--target) and a DFlash drafter as --draft")
     if raw.get("model_type") not in ("qwen3", None):
         raise CheckpointError(f"unsupported drafter model_type '{raw.get('model_type')}'; a z-lab DFlash drafter has model_type qwen3")
     arch = raw.get("architectures") or ["DFlashDraftModel"]
@@ -138,6 +196,10 @@ def draft_config(raw: dict) -> DraftConfig:
         raise CheckpointError(f"architecture {arch} is not a z-lab drafter; dflash-fast serves {' and '.join(DRAFT_ARCHITECTURES)}")
     dflash2 = "DFlash2DraftModel" in arch
     dc = raw.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise CheckpointError(f"the drafter's dflash_config must be an object, got {json.dumps(dc)}; fix config.json")
+    check_fields(raw, DRAFT_FIELDS, "the drafter's config.json")
+    check_fields(dc, DRAFT_FIELDS, "the drafter's dflash_config")
     unknown = sorted(set(dc) - set(DRAFT_KEYS) - set(DFLASH2_KEYS if dflash2 else ()))
     if unknown:
         raise CheckpointError(f"unknown dflash_config keys {unknown}; this drafter variant is not supported (known: {', '.join(DRAFT_KEYS)}"
@@ -161,6 +223,7 @@ def draft_config(raw: dict) -> DraftConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise CheckpointError(f"drafter rope_type '{rope_type}' is not supported; only default RoPE")
+    check_fields(rope, DRAFT_FIELDS, "the drafter's rope_parameters")
     softcap = draft_value("final_logit_softcapping")
     vocab = _need(raw, "vocab_size", where)
     dflash2_kw = {}
@@ -217,14 +280,27 @@ def resolve_dir(name: str) -> str:
         return name
     if os.path.exists(name):
         raise CheckpointError(f"{name} is a file; pass the checkpoint folder that holds config.json")
-    if name.count("/") != 1 or name.startswith((".", "/")):
-        raise CheckpointError(f"{name} is not a folder here and not a Hugging Face repo id (org/name)")
+    missing = f"there is no folder {name}{_near(name)}"
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise CheckpointError(f"{missing}, and it is not a Hugging Face repo id (org/name); check the path")
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(name, allow_patterns=HUB_PATTERNS)
     except Exception as e:  # offline, unknown repo, gated repo: one line that says which
-        raise CheckpointError(f"could not fetch {name} from the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                              "download it first and pass the local folder") from None
+        raise CheckpointError(f"{missing}, and fetching it as a Hugging Face repo id failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); check the path, or download the repo first "
+                              "and pass the local folder") from None
+
+
+def _near(name: str) -> str:
+    """' (checkpoints/ holds: a, b)' when the deepest existing folder of `name` is a real folder, to show the
+    likely typo; '' otherwise."""
+    parent = os.path.dirname(os.path.normpath(name))
+    if not parent or not os.path.isdir(parent):
+        return ""
+    entries = sorted(e for e in os.listdir(parent) if os.path.isdir(os.path.join(parent, e)))
+    shown = ", ".join(entries[:8]) + (", ..." if len(entries) > 8 else "")
+    return f" ({parent}/ holds: {shown or 'no folders'})"
 
 
 def read_json(f: str) -> dict:
@@ -334,7 +410,8 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
 
 def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     path = resolve_dir(path)
-    cfg = target_config(read_config(path))
+    raw = read_config(path)
+    cfg = target_config(raw)
     with torch.device("meta"):
         model = Qwen35(cfg)
     model.to_empty(device="cpu")
@@ -345,7 +422,15 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     if cfg.num_experts:
         fuse_experts(tensors, cfg.num_experts)
     # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
-    load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
+    try:
+        load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
+    except CheckpointError as e:
+        if "layer_types" in raw.get("text_config", raw):
+            raise
+        # the likeliest cause: the layer kinds were guessed (full attention every `full_attention_interval` layers)
+        raise CheckpointError(f"config.json has no layer_types, and the layer kinds assumed without it ({cfg.layer_types.count('full_attention')} "
+                              f"full attention layers of {cfg.num_hidden_layers}) do not match the weights: add the checkpoint's "
+                              f"layer_types to config.json ({e})") from None
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()

@@ -196,6 +196,17 @@ def check_block_size(block_size: int, proposer=None) -> None:
                               f"use --block-size {proposer.max_block_size} or less")
 
 
+MIN_CAPACITY = 256
+
+
+def default_capacity(need: int, most: int) -> int:
+    """The cache length when none is asked for: `need` rounded up to a power of two, at least MIN_CAPACITY and
+    at most `most` (what max_position_embeddings allows), but never below `need`. Every step's shapes follow
+    the capacity, so with --compile nearby prompt lengths share one set of compiled steps (inductor's cache)
+    instead of compiling again; the cost is attention over up to twice the slots a request needs."""
+    return max(need, min(max(MIN_CAPACITY, 1 << (need - 1).bit_length()), most))
+
+
 def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_size: int, capacity: int | None,
                  proposer=None) -> int:
     """Validate a request; return the cache capacity to allocate."""
@@ -211,7 +222,7 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
     # The last verify block starts at most at position len(prompt) + max_new_tokens - 2 and spans block_size.
     need = len(prompt_ids) + max_new_tokens + block_size - 1
     if capacity is None:
-        capacity = need
+        capacity = default_capacity(need, target.cfg.max_position_embeddings + block_size - 1)
     if need > capacity:
         raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + block slack ({block_size - 1}) "
                               f"= {need} exceeds the cache length {capacity}; raise --cache-len or shorten the request")
@@ -372,8 +383,11 @@ class Engine:
                 mark_static_(self.proposer.cache)    # (re)allocated by reset when another Engine resized it
         pos = torch.arange(T0, device=device)
         self.rope_delta.fill_(0 if images is None else images.rope_delta)
+        # The prompt goes through SDPA with a dense mask whatever the cached steps use: prefill runs eager, and
+        # eager flex_attention is an unfused reference path (it warns, and materialises [heads, T0, capacity] scores).
         logits, feats = self.target(torch.tensor([prompt_ids], device=device), pos, self.cache,
                                     feature_layers=self.feature_layers, last_logits_only=True,
+                                    mask=DenseMasks(self.capacity).target(pos),
                                     rope_pos=None if images is None else images.rope_pos,
                                     image_embeds=None if images is None else images.embeds)
         first = int(self.pick(logits[0, -1]))

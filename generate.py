@@ -35,6 +35,7 @@ DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # The attention backend of the cached steps, chosen here only: the masks class the Engine builds once.
 ATTENTION = {"sdpa": M.DenseMasks, "flex": flex.FlexMasks}
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]    # torch.compile's modes
 
 
 def parse_args(argv=None):
@@ -59,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: just enough for the request)")
+    p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: what the request needs, rounded up to a power of two "
+                        "of at least 256, so that --compile reuses its steps across nearby prompt lengths)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line instead of streaming text")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -68,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling)")
     p.add_argument("--draft-window", type=int, default=None, help="drafts see only the last W context positions (long prompts)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
-    p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode used with --compile")
+    p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
     p.add_argument("--onednn", action="store_true",
@@ -136,6 +138,72 @@ class TextStream:
         self.out.flush()
 
 
+def load(args, device, dtype) -> tuple:
+    """The target, its tokenizer and the proposer (None: plain AR) named by the flags."""
+    target = ckpt.load_target(args.target, dtype, device)
+    tokenizer = ckpt.load_tokenizer(target.path)
+    proposer = None
+    if args.draft.lower() != "none":
+        proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target, args.draft_window)
+    if args.onednn:
+        use_onednn(target, proposer.drafter if proposer else None)
+    return target, tokenizer, proposer
+
+
+def chat_flags_check(args, as_chat: bool, template) -> None:
+    """The chat-only flags without chat mode: say why chat mode is off."""
+    used = [f for f, on in (("--system", args.system is not None), ("--messages", args.messages), ("--tools", args.tools),
+                            ("--no-think", args.no_think)) if on]
+    if as_chat or not used:
+        return
+    if args.chat is False:
+        why = "drop --no-chat"
+    elif args.prompt_ids is not None:
+        why = "they need --prompt text (--prompt-ids are used as is)"
+    else:
+        why = f"{args.target} ships no chat template (chat_template.jinja or tokenizer_config.json's chat_template); drop them"
+    raise dflash.GenerationError(f"{', '.join(used)} belong to chat mode, which is off: {why}")
+
+
+def prompt_ids_of(args, target, tokenizer, as_chat: bool, template, specials, tools) -> list:
+    """The prompt's token ids: a chat turn rendered by the template, plain text, or --prompt-ids."""
+    chat_flags_check(args, as_chat, template)
+    if args.prompt is None and args.prompt_ids is None and not (as_chat and args.messages):
+        raise dflash.GenerationError("give a prompt: --prompt TEXT, --prompt-ids IDS, or (chat) --messages FILE")
+    if as_chat:
+        if args.prompt_ids is not None:
+            raise dflash.GenerationError("--prompt-ids are used as is and cannot be rendered as a chat; use --prompt or drop --chat")
+        if template is None:
+            raise dflash.GenerationError(f"{target.path} ships no chat template (chat_template.jinja or tokenizer_config.json's "
+                                         "chat_template); drop --chat")
+        if tokenizer is None:
+            raise dflash.GenerationError(f"{target.path} has no tokenizer.json, which chat mode needs")
+        text = chat.chat_prompt(template, specials, messages_file=args.messages, system=args.system, prompt=args.prompt,
+                                n_images=len(args.image), thinking=not args.no_think, tools=tools)
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise dflash.GenerationError(f"{target.path} has no tokenizer.json; pass --prompt-ids instead of --prompt")
+        return tokenizer.encode(args.prompt).ids
+    return parse_ids(args.prompt_ids)
+
+
+def say(msg: str) -> None:
+    """Progress and statistics go to stderr: stdout holds the generated text (or the --json line) only."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "") -> str:
+    n_decode = len(res.output_ids) - 1
+    tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
+    line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token after {res.prefill_seconds * 1e3:.0f} ms, "
+            f"then {tps:.1f} tok/s")
+    if proposer:
+        line += (f"; mean acceptance length {res.mean_acceptance_length:.2f}, "
+                 f"histogram (1..{block_size} tokens/step) {res.histogram(block_size)}")
+    return line + "]"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.block_size is not None and args.block_size < 1:   # 0 must not fall back to the default
@@ -149,39 +217,12 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
 
     t0 = time.perf_counter()
-    target = ckpt.load_target(args.target, dtype, device)
-    tokenizer = ckpt.load_tokenizer(target.path)
-    proposer = None
-    if args.draft.lower() != "none":
-        proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target, args.draft_window)
-    if args.onednn:
-        use_onednn(target, proposer.drafter if proposer else None)
+    target, tokenizer, proposer = load(args, device, dtype)
     load_seconds = time.perf_counter() - t0
-
     template, specials = chat.load_chat_template(target.path)
     as_chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
-    if not as_chat and (args.system is not None or args.messages or args.no_think or args.tools):
-        raise dflash.GenerationError("--system, --messages, --tools and --no-think belong to chat mode; drop --no-chat "
-                                     "(or use a checkpoint that ships a chat template)")
-    if args.prompt is None and args.prompt_ids is None and not (as_chat and args.messages):
-        raise dflash.GenerationError("give a prompt: --prompt TEXT, --prompt-ids IDS, or (chat) --messages FILE")
     tools = chat.read_tools(args.tools) if as_chat and args.tools else None
-    if as_chat:
-        if args.prompt_ids is not None:
-            raise dflash.GenerationError("--prompt-ids are used as is and cannot be rendered as a chat; use --prompt or drop --chat")
-        if template is None:
-            raise dflash.GenerationError(f"{target.path} ships no chat template (chat_template.jinja or tokenizer_config.json's "
-                                         "chat_template); drop --chat")
-        if tokenizer is None:
-            raise dflash.GenerationError(f"{target.path} has no tokenizer.json, which chat mode needs")
-        prompt_ids = tokenizer.encode(chat.chat_prompt(template, specials, messages_file=args.messages, system=args.system, prompt=args.prompt,
-                                                       n_images=len(args.image), thinking=not args.no_think, tools=tools), add_special_tokens=False).ids
-    elif args.prompt is not None:
-        if tokenizer is None:
-            raise dflash.GenerationError(f"{target.path} has no tokenizer.json; pass --prompt-ids instead of --prompt")
-        prompt_ids = tokenizer.encode(args.prompt).ids
-    else:
-        prompt_ids = parse_ids(args.prompt_ids)
+    prompt_ids = prompt_ids_of(args, target, tokenizer, as_chat, template, specials, tools)
     images = None
     if args.image:      # each <|image_pad|> becomes its image's tokens; prompt_ids is the expanded sequence
         pictures = [vision.load_image(f) for f in args.image]
@@ -193,71 +234,115 @@ def main(argv=None) -> int:
     if as_chat:    # a turn ends at <|im_end|> even when the checkpoint's configs name only <|endoftext|>
         stops += [i for i in map(tokenizer.token_to_id, chat.CHAT_STOPS) if i is not None and i not in stops]
     thinking = as_chat and not args.no_think
-
-    def new_stream():
-        return TextStream(tokenizer, hide=stops if as_chat else (), render=chat.chat_display if thinking else None)
-
-    stream = new_stream() if (tokenizer is not None and not args.json) else None
-    if stream is None and not args.json:
-        print("(no tokenizer.json: printing token ids)")
-    print_ids = None if args.json else (lambda s: print(*s.tokens, end=" ", flush=True))   # when there is no stream
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
     engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
                            masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
+        say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
+            "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()
         engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images)
         compile_seconds = time.perf_counter() - t0
+        say(f"compiled in {compile_seconds:.1f} s")
     gen = torch.Generator(device=device)
     if args.seed is not None:
         gen.manual_seed(args.seed)
     else:
         gen.seed()
-    samples = []
-    for i in range(args.num_samples):
-        if args.num_samples > 1 and not args.json:
-            print(f"--- sample {i + 1}/{args.num_samples}")
-        if stream:
-            stream = new_stream()
-        res = engine.run(prompt_ids, args.max_new_tokens, stops, print_ids if stream is None else (lambda s, st=stream: st.push(s.tokens)),
-                         sampling=sampling, generator=gen, images=images)
-        samples.append(res)
-        if stream:
-            stream.close()
-        elif not args.json:
-            print()
-
-    n_decode = len(res.output_ids) - 1
-    tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
+    out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
+    samples, label = [], ""
+    try:
+        for i in range(args.num_samples):
+            label = f"sample {i + 1}/{args.num_samples}: " if args.num_samples > 1 else ""
+            out.begin(label)
+            samples.append(engine.run(prompt_ids, args.max_new_tokens, stops, out.push, sampling=sampling, generator=gen, images=images))
+            out.end()
+            if not args.json:
+                say(stats_line(samples[-1], block_size, proposer, load_seconds, label))
+    except KeyboardInterrupt:    # Ctrl-C: keep what was generated, say so, exit 130 (the shell's code for SIGINT)
+        out.end()
+        say(f"interrupted after {len(out.ids)} generated tokens{' of ' + label.rstrip(': ') if label else ''}")
+        if args.json:
+            print(json.dumps({"prompt_ids": prompt_ids, "output_ids": out.ids, "interrupted": True}))
+        return 130
     if args.json:
+        res = samples[-1]
+        n_decode = len(res.output_ids) - 1
         print(json.dumps({
             "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
+            "text": tokenizer.decode(res.output_ids, skip_special_tokens=False) if tokenizer is not None else None,
             "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids,
             "mean_acceptance_length": res.mean_acceptance_length,
             "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
-            "decode_tokens_per_s": tps, "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
-            "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "decode_tokens_per_s": n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0,
+            "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
+            "cache_len": capacity, "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-            **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools) if as_chat else {"chat": False}),
+            **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
+               if as_chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths} for r in samples]}
                if args.num_samples > 1 else {}),
         }))
-    else:
-        stats = f"[{len(res.output_ids)} tokens, {tps:.1f} tok/s after the first"
-        if proposer:
-            stats += (f", mean acceptance length {res.mean_acceptance_length:.2f}, "
-                      f"histogram (1..{block_size} tokens/step) {res.histogram(block_size)}")
-        print(stats + "]")
     return 0
 
 
-if __name__ == "__main__":
+class Output:
+    """Where generated tokens go while they come: text through the tokenizer (TextStream), token ids when the
+    checkpoint has no tokenizer, or nowhere with --json (collected for its line). Plain text prompts are echoed
+    first, so stdout holds prompt + continuation; on a terminal the prompt is dimmed to mark where the
+    continuation starts."""
+
+    def __init__(self, args, tokenizer, hide, thinking: bool, echo: str | None):
+        self.json, self.tok, self.hide, self.thinking, self.echo = args.json, tokenizer, hide, thinking, echo
+        self.ids, self.stream = [], None
+        if tokenizer is None and not args.json:
+            print("(no tokenizer.json: printing token ids)")
+
+    def begin(self, label: str) -> None:
+        self.ids = []
+        if self.json:
+            return
+        if label:
+            print(f"--- {label.rstrip(': ')}")
+        if self.tok is not None:
+            self.stream = TextStream(self.tok, hide=self.hide, render=chat.chat_display if self.thinking else None)
+            if self.echo is not None:
+                dim = sys.stdout.isatty()
+                sys.stdout.write(("\x1b[2m" if dim else "") + self.echo + ("\x1b[0m" if dim else ""))
+
+    def push(self, step) -> None:
+        self.ids += step.tokens
+        if self.json:
+            return
+        if self.stream is not None:
+            self.stream.push(step.tokens)
+        else:
+            print(*step.tokens, end=" ", flush=True)
+
+    def end(self) -> None:
+        if self.json:
+            return
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        else:
+            print(flush=True)
+
+
+def cli(argv=None) -> int:
+    """main(argv) with the errors a user can act on as one 'error:' line on stderr (exit code 2)."""
     try:
-        sys.exit(main())
+        return main(argv)
     except (M.CheckpointError, dflash.GenerationError, vision.ImageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        say(f"error: {e}")
     except torch.cuda.OutOfMemoryError:
-        print("error: the GPU ran out of memory; use --dtype bfloat16, a smaller --cache-len / --max-new-tokens, or a larger GPU", file=sys.stderr)
-        sys.exit(2)
+        say("error: the GPU ran out of memory; use --dtype bfloat16, a smaller --cache-len / --max-new-tokens, or a larger GPU")
+    except KeyboardInterrupt:    # during loading or compiling: nothing generated yet
+        say("error: interrupted before generation started")
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

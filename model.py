@@ -590,7 +590,7 @@ class Qwen35(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, ids, pos, cache: TargetCache | None = None, *, verify: bool = False, feature_layers=(),
-                last_logits_only: bool = False, rope_pos=None, image_embeds=None):
+                last_logits_only: bool = False, rope_pos=None, image_embeds=None, mask=None):
         """ids [B,T] at positions pos [T]. cache None: a plain causal forward over ids alone (training,
         reference); else the caches are read and written, and `verify` says how GDN states move (module doc).
         rope_pos: RoPE positions where they differ from pos: [3,T] for a prompt with images, pos + rope_delta
@@ -601,7 +601,8 @@ class Qwen35(nn.Module):
             x = x.masked_scatter((ids == self.cfg.image_token_id)[..., None], image_embeds.to(x.dtype))
         cos, sin = self.rope(pos if rope_pos is None else rope_pos, x.dtype)
         T = ids.shape[1]
-        mask = cache.masks.target(pos) if cache is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if mask is None:       # given: Engine.prefill's dense mask, whichever backend the cached steps use
+            mask = cache.masks.target(pos) if cache is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         outputs = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, pos, mask, None if cache is None else cache.layers[i], verify)

@@ -111,7 +111,7 @@ BAD = {
     "block-size-0": (["--prompt-ids", "1,2", "--block-size", "0"], "--block-size must be >= 1"),
     "block-size-over-drafter": (["--prompt-ids", "1,2", "--block-size", BLOCK + 1], f"exceeds the drafter's block_size {BLOCK}"),
     "cache-len-too-small": (["--prompt-ids", "1,2,3", "--max-new-tokens", 10, "--cache-len", 19], "exceeds the cache length 19"),
-    "missing-target": (["--prompt-ids", "1,2", "--target", "{root}/no-such-target"], "no-such-target is not a folder"),
+    "missing-target": (["--prompt-ids", "1,2", "--target", "{root}/no-such-target"], "there is no folder {root}/no-such-target ("),
     "prompt-without-tokenizer": (["--prompt", "hello"], "has no tokenizer.json"),
 }
 
@@ -178,24 +178,25 @@ def test_prompt_text_streams_through_the_tokenizer(tok_ckpt, runs, capsys):
                     "--max-new-tokens", 12, "--json")
     assert res["prompt_ids"] == tok_ckpt["tok"].encode("hello").ids
     text = tok_ckpt["tok"].decode(res["output_ids"], skip_special_tokens=False)
-    assert text and not rt.out.startswith("(no tokenizer")
-    assert rt.out.startswith(text + "\n"), (rt.out, text)          # the streamed pieces add up to the decoded text
-    stats = rt.out[len(text) + 1:].splitlines()
-    assert len(stats) == 1 and "tok/s" in stats[0] and "mean acceptance length" in stats[0]
-    assert f"[{len(res['output_ids'])} tokens" in stats[0] and rt.err.strip() == ""
+    assert text and res["text"] == text
+    # stdout: the prompt echoed, then the streamed pieces, which add up to the decoded text; nothing else
+    assert rt.out == "hello" + text + "\n", (rt.out, text)
+    stats = rt.err.splitlines()                       # the statistics go to stderr
+    assert len(stats) == 1 and "tok/s" in stats[0] and "mean acceptance length" in stats[0], rt.err
+    assert stats[0].startswith(f"[{len(res['output_ids'])} tokens; load ") and "first token after " in stats[0]
     # in-process, the text goes to the sys.stdout of the moment (here capsys's), not the one at import
     assert generate.main(["--target", tok_ckpt["target"], "--draft", tok_ckpt["draft"], "--prompt", "hello",
                           "--max-new-tokens", "12"]) == 0
-    assert capsys.readouterr().out.startswith(text + "\n")
+    assert capsys.readouterr().out == "hello" + text + "\n"
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_is_one_error_line(runs, name):
+def test_bad_input_is_one_error_line(ckpt, runs, name):
     r = runs[name]
     assert r.rc == 2, r
     lines = r.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r
-    assert BAD[name][1] in lines[0], lines[0]
+    assert BAD[name][1].format(root=ckpt["root"]) in lines[0], lines[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,11 +228,13 @@ def test_stop_token_from_generation_config(ckpt, capsys, tmp_path):
 def test_text_mode_without_tokenizer_prints_ids_and_stats(ckpt, capsys):
     assert generate.main(["--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", " ".join(map(str, PROMPT)),
                           "--max-new-tokens", str(MAX_NEW)]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("(no tokenizer.json")
+    got = capsys.readouterr()
+    lines = got.out.strip().splitlines()
+    assert lines[0].startswith("(no tokenizer.json") and len(lines) == 2
     assert [int(t) for t in lines[1].split()] == ckpt["ref"]       # spaces separate --prompt-ids too
-    assert "tok/s" in lines[-1] and "mean acceptance length" in lines[-1] and f"[{MAX_NEW} tokens" in lines[-1]
-    assert f"histogram (1..{BLOCK} tokens/step)" in lines[-1]
+    stats = got.err.strip()
+    assert "tok/s" in stats and "mean acceptance length" in stats and f"[{MAX_NEW} tokens" in stats
+    assert f"histogram (1..{BLOCK} tokens/step)" in stats
 
 
 @pytest.mark.parametrize("text, ids", [("1,2,3", [1, 2, 3]), (" 1, 2 ,3 ", [1, 2, 3]), ("1 2", [1, 2]),
@@ -245,8 +248,9 @@ def test_parse_ids(text, ids):
     (["--prompt-ids", " , "], dflash.GenerationError, "the prompt is empty"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], dflash.GenerationError, "max_new_tokens must be >= 1"),
     (["--prompt-ids", "1", "--draft", "none", "--block-size", "0"], dflash.GenerationError, "--block-size must be >= 1"),
-    (["--prompt-ids", "1", "--draft", "{root}/no-such-draft"], M.CheckpointError, "no-such-draft is not a folder"),
-    (["--prompt-ids", "1", "--draft", "{target}"], M.CheckpointError, "drafter model_type"),
+    (["--prompt-ids", "1", "--draft", "{root}/no-such-draft"], M.CheckpointError, "there is no folder {root}/no-such-draft"),
+    (["--prompt-ids", "1", "--draft", "{target}"], M.CheckpointError, "is a Qwen3.5 model (model_type qwen3_5_text), not a drafter; pass it as the target"),
+    (["--prompt-ids", "1", "--target", "{draft}"], M.CheckpointError, "is a DFlash drafter (DFlashDraftModel), not a target; pass it as the drafter"),
     (["--prompt-ids", "1", "--device", "cuda"], dflash.GenerationError, "CUDA"),
     (["--prompt-ids=1,97"], dflash.GenerationError, "outside the vocabulary 0..96"),
     (["--prompt-ids", "1", "--draft", "{other_draft}"], M.CheckpointError, "built for a 4-layer target"),
@@ -260,7 +264,7 @@ def test_more_bad_inputs(ckpt, args, exc, words):
     argv = ["--target", ckpt["target"], "--draft", ckpt["draft"], *[a.format(**ckpt) for a in args]]
     with pytest.raises(exc) as e:
         generate.main(argv)
-    assert words in str(e.value) and "\n" not in str(e.value)
+    assert words.format(**ckpt) in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("extra", [["--attention", "flex"], ["--onednn"]])

@@ -1,0 +1,234 @@
+"""What a user sees when something is wrong or interrupted: every checkpoint or request problem is one
+'error:' line on stderr with exit code 2 (a hypothesis property over corrupted configs, and the messages that
+used to mislead), Ctrl-C stops cleanly with what was generated (exit code 130), and nothing is a traceback.
+
+generate.cli is the command line's entry point (main plus the one-line error handling), called in-process."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import checkpoint as ckpt_mod
+import dflash
+import generate
+from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ARGS = ["--prompt-ids", "5,17,42,8", "--max-new-tokens", "4", "--json"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    save_hf_causal_lm(root / "target", seed=31)
+    save_zlab_drafter(root / "draft", target_layers=4, vocab=97, hidden=64, seed=32, layer_ids=[0, 2], block_size=4)
+    return root
+
+
+def run_cli(capsys, *args) -> tuple:
+    capsys.readouterr()
+    rc = generate.cli([str(a) for a in args])
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+def one_error_line(rc: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err)
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# corrupted configs: a hypothesis property
+# --------------------------------------------------------------------------------------------------
+
+def _keys(config: dict) -> list:
+    """(path, value) for every scalar or list entry of a config, nested objects followed ('a.b')."""
+    out = []
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out += [(f"{k}.{kk}", vv) for kk, vv in _keys(v)]
+        else:
+            out.append((k, v))
+    return out
+
+
+def _corrupt(config: dict, path: str, how: str, other):
+    *outer, key = path.split(".")
+    d = config
+    for k in outer:
+        d = d[k]
+    if how == "delete":
+        del d[key]
+    elif how == "string":
+        d[key] = str(d[key])
+    elif how == "negative":
+        d[key] = -abs(d[key]) if isinstance(d[key], (int, float)) and not isinstance(d[key], bool) else -1
+    elif how == "fraction":
+        d[key] = (d[key] if isinstance(d[key], (int, float)) and not isinstance(d[key], bool) else 1) + 0.5
+    else:                                                 # "other": another value of any JSON type
+        d[key] = other
+
+
+def _config_paths(folder) -> list:
+    with open(os.path.join(folder, "config.json")) as fh:
+        return [p for p, _ in _keys(json.load(fh))]
+
+
+@pytest.fixture(scope="module")
+def paths(pair):
+    return {"target": _config_paths(pair / "target"), "draft": _config_paths(pair / "draft")}
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])   # capsys: read per call
+@given(data=st.data())
+def test_corrupted_config_is_one_error_line_or_runs(pair, paths, capsys, data):
+    """A config.json with one entry deleted, turned into a string, made negative or fractional, or replaced by
+    another JSON value: generate.py either runs (the entry was optional or harmless) or exits 2 with one
+    'error:' line; never a traceback. A numeric or flag entry that we read, given the wrong type or a negative
+    value, is always refused."""
+    which = data.draw(st.sampled_from(["target", "draft"]))
+    path = data.draw(st.sampled_from(paths[which]))
+    how = data.draw(st.sampled_from(["delete", "string", "negative", "fraction", "other"]))
+    other = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(-2, 2), st.text(max_size=3),
+                                st.lists(st.integers(0, 5), max_size=3), st.just({})))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = shutil.copytree(pair / which, os.path.join(tmp, which))
+        with open(os.path.join(folder, "config.json")) as fh:
+            config = json.load(fh)
+        if how != "delete" and not isinstance(_lookup(config, path), (int, float, bool)) and how != "other":
+            how = "other"
+        before = _lookup(config, path)
+        _corrupt(config, path, how, other)
+        with open(os.path.join(folder, "config.json"), "w") as fh:
+            json.dump(config, fh)
+        target = folder if which == "target" else pair / "target"
+        draft = folder if which == "draft" else pair / "draft"
+        rc, out, err = run_cli(capsys, "--target", target, "--draft", draft, *ARGS)
+    if rc == 0:
+        assert json.loads(out.strip().splitlines()[-1])["output_ids"], out
+    else:
+        one_error_line(rc, err)
+    key = path.split(".")[-1]
+    rules = ckpt_mod.TARGET_FIELDS if which == "target" else ckpt_mod.DRAFT_FIELDS
+    read = key in rules and before is not None and rules[key][0](before)
+    if read and how in ("string", "negative") and not (how == "negative" and before == 0):
+        assert rc == 2 and f"'{key}' must be" in err, (path, how, err)
+
+
+def _lookup(config: dict, path: str):
+    for k in path.split("."):
+        config = config[k]
+    return config
+
+
+def test_wrong_type_is_named(pair, tmp_path, capsys):
+    """The case from a user: "hidden_size": "256" (a string) used to be a TypeError from torch.empty."""
+    target = shutil.copytree(pair / "target", tmp_path / "t")
+    edit_json(target / "config.json", lambda c: c.update(hidden_size="64"))
+    line = one_error_line(*run_cli(capsys, "--target", target, "--draft", "none", *ARGS)[::2])
+    assert "'hidden_size' must be an integer >= 1, got \"64\"" in line
+
+
+# --------------------------------------------------------------------------------------------------
+# messages that used to mislead
+# --------------------------------------------------------------------------------------------------
+
+def test_mistyped_local_path_names_the_missing_folder(capsys, monkeypatch):
+    """A relative path shaped like a repo id: said to be a missing folder, with what its parent holds, and
+    only then that the Hub had no such repo either."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = one_error_line(*run_cli(capsys, "--target", "checkpoints/tiny-qwen3", "--prompt-ids", "1")[::2])
+    assert line.startswith("error: there is no folder checkpoints/tiny-qwen3 (checkpoints/ holds: ") and "tiny-qwen35," in line
+    assert "Hugging Face repo id failed" in line
+
+
+def test_missing_model_type_is_said(pair, tmp_path, capsys):
+    target = shutil.copytree(pair / "target", tmp_path / "t")
+    edit_json(target / "config.json", lambda c: c.pop("model_type"))
+    line = one_error_line(*run_cli(capsys, "--target", target, "--draft", "none", *ARGS)[::2])
+    assert "config.json has no model_type" in line and "None" not in line
+
+
+def test_guessed_layer_types_are_named(tmp_path, capsys):
+    """Weights of a non-default layer pattern, config without layer_types: the message says the kinds were
+    guessed, not merely that weights are missing."""
+    save_hf_causal_lm(tmp_path / "t", seed=3, layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"])
+    edit_json(tmp_path / "t" / "config.json", lambda c: c.pop("layer_types"))
+    line = one_error_line(*run_cli(capsys, "--target", tmp_path / "t", "--draft", "none", *ARGS)[::2])
+    assert "config.json has no layer_types" in line and "add the checkpoint's layer_types" in line
+
+
+@pytest.mark.parametrize("extra, says, never", [
+    ([], "ships no chat template", "--no-chat"),                      # chat mode off because there is no template
+    (["--no-chat"], "drop --no-chat", "ships no chat"),               # off because the user said so
+])
+def test_chat_flags_without_chat_say_why(pair, capsys, extra, says, never):
+    line = one_error_line(*run_cli(capsys, "--target", pair / "target", "--draft", "none", "--prompt", "hi",
+                                   "--system", "Be brief.", *extra)[::2])
+    assert "--system belong to chat mode" in line and says in line and never not in line
+
+
+def test_unknown_compile_mode_is_a_usage_error(capsys):
+    """Refused by the parser (exit 2, one error line after the usage), before torch can raise on it."""
+    with pytest.raises(SystemExit) as e:
+        generate.cli(["--prompt-ids", "1", "--compile", "--compile-mode", "fast"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'fast'" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Ctrl-C
+# --------------------------------------------------------------------------------------------------
+
+def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch):
+    """KeyboardInterrupt in the third round: exit 130, the --json line holds the tokens generated so far
+    (a prefix of the full greedy output), one stderr line says so."""
+    full = json.loads(run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
+                              "--max-new-tokens", "30", "--json")[1].strip().splitlines()[-1])
+    calls = {"n": 0}
+    real = dflash.Engine.round
+
+    def round_then_interrupt(self, seq):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, seq)
+    monkeypatch.setattr(dflash.Engine, "round", round_then_interrupt)
+    rc, out, err = run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
+                           "--max-new-tokens", "30", "--json")
+    part = json.loads(out.strip().splitlines()[-1])
+    assert rc == 130 and part["interrupted"] is True
+    assert 1 < len(part["output_ids"]) < 30 and full["output_ids"][:len(part["output_ids"])] == part["output_ids"]
+    assert err.strip() == f"interrupted after {len(part['output_ids'])} generated tokens"
+
+
+def test_ctrl_c_stops_cleanly():
+    """A real SIGINT to `python generate.py` while it streams: exit 130, the text so far on stdout, one line on
+    stderr, no traceback."""
+    p = subprocess.Popen([sys.executable, "generate.py", "--prompt", "def fibonacci(n):", "--max-new-tokens", "3000"],
+                         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = p.stdout.read(len("def fibonacci(n):") + 1)       # the echoed prompt and a first generated byte
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert first.startswith(b"def fibonacci(n):") and len(first + out) > len(first), out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted after ") and "Traceback" not in err, err
