@@ -203,13 +203,15 @@ def default_capacity(need: int, most: int) -> int:
     """The cache length when none is asked for: `need` rounded up to a power of two, at least MIN_CAPACITY and
     at most `most` (what max_position_embeddings allows), but never below `need`. Every step's shapes follow
     the capacity, so with --compile nearby prompt lengths share one set of compiled steps (inductor's cache)
-    instead of compiling again; the cost is attention over up to twice the slots a request needs."""
+    instead of compiling again. The cost is attention over up to twice the slots a request needs (measurable
+    on the tiny embedded pair: README, Measured numbers), so eager runs are sized exactly."""
     return max(need, min(max(MIN_CAPACITY, 1 << (need - 1).bit_length()), most))
 
 
 def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_size: int, capacity: int | None,
-                 proposer=None) -> int:
-    """Validate a request; return the cache capacity to allocate."""
+                 proposer=None, round_up: bool = False) -> int:
+    """Validate a request; return the cache capacity to allocate: `capacity`, or when None what the request
+    needs, rounded up by default_capacity with round_up (compiled steps: their shapes follow the capacity)."""
     V = target.cfg.vocab_size
     if not prompt_ids:
         raise GenerationError("the prompt is empty; give at least one token")
@@ -222,7 +224,7 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
     # The last verify block starts at most at position len(prompt) + max_new_tokens - 2 and spans block_size.
     need = len(prompt_ids) + max_new_tokens + block_size - 1
     if capacity is None:
-        capacity = default_capacity(need, target.cfg.max_position_embeddings + block_size - 1)
+        capacity = default_capacity(need, target.cfg.max_position_embeddings + block_size - 1) if round_up else need
     if need > capacity:
         raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + block slack ({block_size - 1}) "
                               f"= {need} exceeds the cache length {capacity}; raise --cache-len or shorten the request")

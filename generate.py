@@ -60,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: what the request needs, rounded up to a power of two "
-                        "of at least 256, so that --compile reuses its steps across nearby prompt lengths)")
+    p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: what the request needs; with --compile rounded up to a "
+                        "power of two of at least 256, so that compiled steps are reused across nearby prompt lengths)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line instead of streaming text")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -234,7 +234,8 @@ def main(argv=None) -> int:
     if as_chat:    # a turn ends at <|im_end|> even when the checkpoint's configs name only <|endoftext|>
         stops += [i for i in map(tokenizer.token_to_id, chat.CHAT_STOPS) if i is not None and i not in stops]
     thinking = as_chat and not args.no_think
-    capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer)
+    capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer,
+                                   round_up=args.compile)
     engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
                            masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
     compile_seconds = 0.0

@@ -280,3 +280,15 @@ def test_unknown_attention_backend_is_refused(ckpt, capsys):
     with pytest.raises(SystemExit) as e:
         generate.main(["--target", ckpt["target"], "--prompt-ids", "1", "--attention", "flash"])
     assert e.value.code == 2 and "invalid choice: 'flash'" in capsys.readouterr().err
+
+
+def test_each_sample_has_its_labelled_stats_line(tok_ckpt, capsys):
+    """--num-samples: stdout separates the samples' texts, stderr has one statistics line per sample saying
+    which one it describes."""
+    assert generate.main(["--target", tok_ckpt["target"], "--draft", tok_ckpt["draft"], "--prompt", "hello",
+                          "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "1", "--num-samples", "2"]) == 0
+    got = capsys.readouterr()
+    assert got.out.startswith("--- sample 1/2\nhello") and "\n--- sample 2/2\nhello" in got.out
+    stats = got.err.strip().splitlines()
+    assert [s[:len("[sample 1/2: ")] for s in stats] == ["[sample 1/2: ", "[sample 2/2: "], got.err
+    assert all("tok/s" in s and "first token after" in s for s in stats)

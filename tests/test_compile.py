@@ -99,3 +99,37 @@ def test_compiled_drafter_variants(kind, tmp_path, monkeypatch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         res = eng.run(prompt, 24)
     assert res.output_ids == eager.output_ids and res.draft_ids == eager.draft_ids
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
+    """`generate.py --compile` for two prompts of different lengths (one process, a fresh inductor cache): the
+    default cache length is the same power of two for both, so the second run compiles no graph anew (with
+    caches sized exactly, its new shapes would). Across processes the same shapes make inductor's on-disk
+    cache serve the graphs. Each run says that it compiles and how long it took."""
+    import json
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    import generate
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+    flags = ["--compile", "--compile-mode", "default", "--no-cpp-wrapper", "--max-new-tokens", "20", "--json"]
+    runs = []
+    for prompt in ("def f(x):", "class Stack:\n    def push(self, item):\n        self.items.append(item)"):
+        assert generate.cli(["--prompt", prompt, *flags]) == 0
+        got = capsys.readouterr()
+        runs.append((json.loads(got.out.strip().splitlines()[-1]), got.err, dict(counters["inductor"])))
+    (first, err1, c1), (second, err2, c2) = runs
+    assert len(first["prompt_ids"]) != len(second["prompt_ids"]) and first["cache_len"] == second["cache_len"] == 256
+    assert c1.get("fxgraph_cache_miss", 0) > 0                                       # the first run compiled
+    assert c2.get("fxgraph_cache_miss", 0) == c1["fxgraph_cache_miss"], (c1, c2)     # the second compiled nothing
+    for err in (err1, err2):
+        assert "compiling the step functions for a 256-position cache" in err and "compiled in " in err, err
+
+
+def test_default_capacity_is_a_power_of_two():
+    need = [1, 100, 256, 257, 1000, 5000]
+    assert [dflash.default_capacity(n, 10 ** 6) for n in need] == [256, 256, 256, 512, 1024, 8192]
+    assert dflash.default_capacity(5000, 6000) == 6000          # capped by what max_position_embeddings allows
+    assert dflash.default_capacity(300, 200) == 300             # never below the need (check_inputs refuses it later)

@@ -193,3 +193,22 @@ def test_compiled_flex_no_recompiles_same_tokens():
     ref = dflash.run(target, p2, 120, proposer=dflash.DrafterProposer(drafter, target), block_size=16)
     assert res.output_ids == ref.output_ids
     assert res.draft_ids == ref.draft_ids
+
+
+def test_prefill_does_not_call_flex(monkeypatch):
+    """Prefill runs eager; with FlexMasks it goes through SDPA's dense mask, so it neither prints PyTorch's
+    "flex_attention called without torch.compile" warning nor materialises flex's unfused scores (counted:
+    no flex_attention call during prefill, one per attention layer in a decode step); the tokens are SDPA's."""
+    import torch.nn.attention.flex_attention as fa
+    calls = []
+    real = fa.flex_attention
+    monkeypatch.setattr(fa, "flex_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target = random_target(tiny_target_config(), 3, torch.float32)
+    prompt = list(range(1, 40))
+    steps = dflash.Engine(target, None, 1, 64, masks=flex.FlexMasks).generate(prompt, 4)
+    first = next(steps)
+    assert calls == []
+    second = next(steps)
+    assert len(calls) == target.cfg.layer_types.count("full_attention")
+    want = dflash.Engine(target, None, 1, 64).generate(prompt, 4)
+    assert [first.tokens, second.tokens] == [next(want).tokens, next(want).tokens]
