@@ -96,3 +96,24 @@ def test_optional_modules_are_imported_only_where_selected():
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         optional = {"onednn", "flex", "cppwrapper"}
         assert not imported & optional, f"{name} imports {imported & optional}"
+
+
+def test_installing_claims_no_module_names():
+    """`pip install -e .` brings the dependencies and installs none of the flat files as a top-level module
+    (their names, `model`, `kernels`, `dflash`, `generate`, are generic: they would shadow the z-lab `dflash`
+    package and Hugging Face's `kernels` in every script of the environment). The scripts and tests run from
+    the clone. Checked in the declared package and in the environment, from outside the clone."""
+    import sys
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        setuptools_cfg = tomllib.load(fh)["tool"]["setuptools"]
+    assert setuptools_cfg.get("py-modules") == [] and setuptools_cfg.get("packages") == []
+    flat = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    probe = ("import importlib.util, os, sys\n"
+             f"for name in {flat!r}:\n"
+             "    spec = importlib.util.find_spec(name)\n"
+             f"    if spec is not None and spec.origin and os.path.dirname(spec.origin) == {ROOT!r}:\n"
+             "        print(name)\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd="/", capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr
