@@ -17,15 +17,24 @@ The last stdout line is one JSON object. Machines are noisy: compare ratios meas
 values, so no download is needed) and times AR decode, verify and draft steps; it reports the achieved weight
 bandwidth of a decode step against a measured device-to-device copy (CUDA), and the PROJECTED DFlash tok/s at
 a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on Qwen3.5-9B).
+
+    python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
+
+`--parting` times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
+where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
+and reports the gap between the two tokens' logits there, in rounding steps of --dtype (a parting is legitimate
+only at a near-tie: docs/method.md#exactness-and-precision), and the float32 top-2 margins at every AR position.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -69,12 +78,20 @@ def parse_args(argv=None):
                         "qwen3.5-35b-a3b (the mixture-of-experts text shapes, 256 experts top-8, + an 8-layer drafter: "
                         "about 70 GB in bf16, so a GPU; it does not fit a 24 GiB machine), tiny-35b-a3b-shape (its "
                         "40 layers, 256 experts and top-8 at 1/32 of the widths, for CPU)")
+    p.add_argument("--parting", action="store_true",
+                   help="instead of timing: run greedy DFlash and greedy AR in --dtype on each prompt, find the first output "
+                        "token where they part, and report how near a tie the target was there (the gap between the two "
+                        "tokens' logits, the target re-run teacher-forced in float32 and float64, in rounding steps of "
+                        "--dtype at that logit size) and the float32 top-2 margins at every AR position for context "
+                        "(docs/method.md#exactness-and-precision). Eager (--compile and --onednn do not apply); use with --dtype bfloat16")
     p.add_argument("--random-weights", action="store_true", help="with --preset: random weights built on the device (required)")
     p.add_argument("--prompt-len", type=int, default=None, help="with --preset: random prompt length (default 512; 64 for the tiny ones)")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.parting and args.preset:
+        p.error("--parting runs checkpoints, not a --preset")
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
     return args
@@ -94,6 +111,26 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     return ar_engine, sp_engine, time.perf_counter() - t0
 
 
+def load_prompts(args, tok, path: str) -> list:
+    """The benchmark's prompts as token ids: --prompt and --prompts texts, else --heldout held-out prompts."""
+    texts = list(args.prompt)
+    if args.prompts:
+        with open(args.prompts) as fh:
+            texts += [line.rstrip("\n") for line in fh if line.strip()]
+    if texts:
+        if tok is None:
+            raise dflash.GenerationError(f"{path} has no tokenizer.json to encode the prompts")
+        return [tok.encode(t).ids for t in texts]
+    import train
+    return train.heldout_prompts(tok, args.heldout)
+
+
+def bench_capacity(prompts: list, max_new_tokens: int, block: int) -> int:
+    """The cache positions of the benchmark's engines: the longest prompt, its tokens (at least the warm-up's
+    3 blocks) and a block of slack."""
+    return max(len(p) for p in prompts) + max(max_new_tokens, 3 * block) + block
+
+
 def step_ms(results, kind, attr):
     vals = [getattr(s, attr) for r in results for s in r.steps if s.kind == kind]
     return 1000 * statistics.median(vals) if vals else None
@@ -106,6 +143,8 @@ def main(argv=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.preset:
         return preset_main(args, device)
+    if args.parting:
+        return parting_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target = ckpt.load_target(args.target, dtype, device)
@@ -116,20 +155,10 @@ def main(argv=None):
     block = args.block_size or drafter.cfg.block_size
     tok = ckpt.load_tokenizer(target.path)
 
-    texts = list(args.prompt)
-    if args.prompts:
-        with open(args.prompts) as fh:
-            texts += [line.rstrip("\n") for line in fh if line.strip()]
-    if texts:
-        if tok is None:
-            raise dflash.GenerationError(f"{target.path} has no tokenizer.json to encode the prompts")
-        prompts = [tok.encode(t).ids for t in texts]
-    else:
-        import train
-        prompts = train.heldout_prompts(tok, args.heldout)
+    prompts = load_prompts(args, tok, target.path)
     stops = ckpt.stop_token_ids(target.path, target.cfg)
 
-    capacity = max(len(p) for p in prompts) + max(args.max_new_tokens, 3 * block) + block   # the warm-up runs 3 blocks
+    capacity = bench_capacity(prompts, args.max_new_tokens, block)
     mode = args.compile_mode if args.compile else None
     ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
@@ -440,6 +469,197 @@ def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     ours = statistics.median(r[1] for r in rows)
     print(f"z-lab reference loop: median {med:.1f} tok/s; ours {ours:.1f} tok/s = {ours / med:.2f}x")
     return {"reference_tokens_per_s": med, "speedup_vs_reference": ours / med}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --parting: where greedy DFlash and greedy AR part in a low precision, and how near a tie the target was there
+# ---------------------------------------------------------------------------------------------------------------
+
+# A parting is a near-tie when both runs' tokens are within this many rounding steps of the run's dtype (at the
+# top logit's magnitude) of the reference's best logit. Why 2: two runs choose differently only where their
+# roundings move the top-2 margin m across 0, so |m| <= the larger of the two moves; in bfloat16 on the embedded
+# pair a whole forward moved m by at most 1.64 steps (median 0.29) over 8,192 positions (`--parting`'s line
+# "teacher-forced vs float64"). tests/test_near_ties.py asserts this bound. It is bfloat16's: a float32 forward
+# moved m by up to 16 float32 steps, so float32 partings are judged by an absolute bound (tests/test_spec_equals_ar.py).
+NEAR_TIE_STEPS = 2.0
+
+
+def rounding_step(z: float, dtype) -> float:
+    """The spacing of `dtype` numbers at magnitude |z|: eps * 2^floor(log2 |z|). bfloat16 keeps 8 significant
+    bits, so a step is 2^-7 of |z| at a power of two and about 2^-8 of |z| just below the next one."""
+    z = abs(z)
+    if z < torch.finfo(dtype).tiny:
+        return torch.finfo(dtype).tiny
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(z))
+
+
+def first_difference(a: list, b: list) -> int | None:
+    """The first index where token lists a and b differ, or None where one is a prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(ref: M.Qwen35, ids: list) -> torch.Tensor:
+    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T, V]; row t predicts token t + 1."""
+    device = ref.embed_tokens.weight.device
+    logits, _ = ref(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
+    return logits[0].double()
+
+
+@dataclass
+class Parting:
+    """The first output token where two greedy runs of one prompt part, judged by a reference: the same weights
+    in a higher precision, teacher-forced over the prompt + the tokens both runs agreed on."""
+    index: int            # output index of the first difference (0 = the token prefill chose)
+    dflash: int           # the DFlash run's token there
+    ar: int               # the AR run's token there
+    top: int              # the reference's argmax there (usually one of the two)
+    gap: float            # the reference's top logit minus the lower of the two tokens' logits (>= 0)
+    top_logit: float      # the reference's top logit there
+
+    @property
+    def prefers(self) -> str:
+        """Which run's token the reference chose: "dflash", "ar", or "neither" (a third token)."""
+        return "dflash" if self.top == self.dflash else "ar" if self.top == self.ar else "neither"
+
+    def steps(self, dtype) -> float:
+        """The gap in rounding steps of `dtype` at the top logit's magnitude."""
+        return self.gap / rounding_step(self.top_logit, dtype)
+
+
+def parting(ref: M.Qwen35, prompt: list, ar_out: list, dflash_out: list) -> Parting | None:
+    """Where `dflash_out` and `ar_out` (greedy outputs of `prompt`) first differ, judged by `ref` teacher-forced
+    over prompt + the agreed tokens (one forward). None when neither output leaves the other."""
+    i = first_difference(ar_out, dflash_out)
+    if i is None:
+        return None
+    z = teacher_forced_logits(ref, prompt + ar_out[:i])[-1]
+    top, a, d = int(z.argmax()), ar_out[i], dflash_out[i]
+    return Parting(i, d, a, top, float(z[top] - torch.minimum(z[a], z[d])), float(z[top]))
+
+
+def near_tie(p: Parting, dtype, steps: float = NEAR_TIE_STEPS) -> bool:
+    """Whether both runs' tokens lay within `steps` rounding steps of `dtype` of the reference's best logit: a
+    choice either run could legitimately make in that precision."""
+    return p.steps(dtype) <= steps
+
+
+def position_margins(ref: M.Qwen35, prompt: list, out: list) -> tuple:
+    """`ref` teacher-forced over prompt + out; at each output position -> (its top-2 logit margin [n], its top
+    logit [n], its top logit minus the logit of out's token [n]: 0 where out took its argmax)."""
+    z = teacher_forced_logits(ref, prompt + out[:-1])[len(prompt) - 1:]
+    top2 = z.topk(2, dim=-1).values
+    taken = z.gather(1, torch.tensor(out, device=z.device)[:, None])[:, 0]
+    return (top2[:, 0] - top2[:, 1]).cpu(), top2[:, 0].cpu(), (top2[:, 0] - taken).cpu()
+
+
+def margin_errors(run_model: M.Qwen35, ref: M.Qwen35, ids: list, start: int) -> torch.Tensor:
+    """How much the run's precision moves a top-2 margin: both models teacher-forced over ids; for each row from
+    `start`, |margin in run_model - margin in ref| between the reference's top two tokens -> [n]."""
+    zr, zm = teacher_forced_logits(ref, ids)[start:], teacher_forced_logits(run_model, ids)[start:]
+    idx = zr.topk(2, dim=-1).indices
+    mr, mm = zr.gather(1, idx), zm.gather(1, idx)
+    return ((mm[:, 0] - mm[:, 1]) - (mr[:, 0] - mr[:, 1])).abs().cpu()
+
+
+def quantiles(x: torch.Tensor, qs=(0.0, 0.01, 0.05, 0.25, 0.5)) -> list:
+    """The given quantiles of a 1-D tensor (0.0 = the minimum)."""
+    return [float(v) for v in torch.quantile(x.double(), torch.tensor(qs, dtype=torch.float64))]
+
+
+def parting_row(i: int, prompt: list, parts: dict, dtype) -> str:
+    """One table line: the prompt, and where its runs part with the references' gaps there (or that they do not)."""
+    p32 = parts["float32"]
+    if p32 is None:
+        return f"| {i} | {len(prompt)} | - | | | | | | | |"
+    step = rounding_step(p32.top_logit, dtype)
+    return (f"| {i} | {len(prompt)} | {p32.index} | {p32.dflash} / {p32.ar} | {p32.prefers} | {p32.gap:.5f} | "
+            f"{parts['float64'].gap:.5f} | {p32.top_logit:.3f} | {step:.5f} | {p32.steps(dtype):.2f} |")
+
+
+def parting_main(args, device) -> dict:
+    """--parting: greedy DFlash and greedy AR in --dtype on every prompt; where they part, the float32 and float64
+    teacher-forced gaps between the two tokens; the float32 margins at every AR position. A table, a summary, and
+    one JSON line last."""
+    t_start = time.perf_counter()
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    target = ckpt.load_target(args.target, dtype, device)
+    proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target)
+    refs = {name: ckpt.load_target(args.target, DTYPES[name], device) for name in ("float32", "float64")}
+    block = args.block_size or proposer.max_block_size
+    prompts = load_prompts(args, ckpt.load_tokenizer(target.path), target.path)
+    stops = ckpt.stop_token_ids(target.path, target.cfg)
+    capacity = bench_capacity(prompts, args.max_new_tokens, block)
+    masks = ATTENTION[args.attention]
+    ar_engine = dflash.Engine(target, None, 1, capacity, masks=masks)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, masks=masks)
+    print(f"greedy DFlash vs AR in {str(dtype).replace('torch.', '')}, {len(prompts)} prompts, {args.max_new_tokens} new "
+          f"tokens, block {block}; gaps from float32 / float64 teacher-forced re-runs, steps = rounding steps of the run's "
+          f"dtype at the top logit", flush=True)
+    print("| prompt | tokens | parts at | DFlash / AR token | float32 prefers | float32 gap | float64 gap | top logit | step | gap in steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    partings, margins, tops, ar_gaps, errors, compared = [], [], [], [], [], 0    # compared: token positions up to a parting
+    for i, p in enumerate(prompts):
+        ar = ar_engine.run(p, args.max_new_tokens, stops).output_ids
+        sp = sp_engine.run(p, args.max_new_tokens, stops).output_ids
+        parts = {name: parting(ref, p, ar, sp) for name, ref in refs.items()}
+        if parts["float32"] is not None:
+            partings.append((i, parts))
+        compared += len(ar) if parts["float32"] is None else parts["float32"].index + 1
+        m, t, g = position_margins(refs["float32"], p, ar)
+        margins.append(m), tops.append(t), ar_gaps.append(g)
+        errors.append(margin_errors(target, refs["float64"], p + ar[:-1], len(p) - 1))
+        print(parting_row(i, p, parts, dtype), flush=True)
+    return parting_summary(args, dtype, block, prompts, partings, compared, torch.cat(margins), torch.cat(tops),
+                           torch.cat(ar_gaps), torch.cat(errors), time.perf_counter() - t_start)
+
+
+def parting_summary(args, dtype, block, prompts, partings, compared, margins, tops, ar_gaps, errors, seconds) -> dict:
+    """Print what the --parting table adds up to and the JSON line; -> that JSON object."""
+    steps = torch.tensor([rounding_step(float(t), dtype) for t in tops], dtype=torch.float64)
+    p32 = [parts["float32"] for _, parts in partings]
+    gaps = [p.gap for p in p32]
+    gap_steps = [p.steps(dtype) for p in p32]
+    f64_diff = max((abs(parts["float64"].gap - parts["float32"].gap) for _, parts in partings), default=0.0)
+    off = ar_gaps > 0                                  # AR positions where the run's token is not float32's argmax
+    bound = NEAR_TIE_STEPS * steps
+    n = len(prompts)
+    print(f"parted: {len(p32)}/{n} prompts ({len(p32) / n:.1%}), at output indices {[p.index for p in p32]} "
+          f"(of {args.max_new_tokens}); {len(p32)} partings in {compared} token positions compared")
+    if p32:
+        print(f"float32 gap at the partings: max {max(gaps):.5f} ({max(gap_steps):.2f} steps), median "
+              f"{statistics.median(gaps):.5f} ({statistics.median(gap_steps):.2f} steps); float32 prefers "
+              + ", ".join(f"{w} {sum(p.prefers == w for p in p32)}" for w in ("dflash", "ar", "neither"))
+              + f"; float64 gaps differ from float32's by at most {f64_diff:.2e}")
+    all_near = all(near_tie(p, dtype) for p in p32)
+    print(f"every parting a near-tie (gap <= {NEAR_TIE_STEPS:g} steps): {all_near}{'' if p32 else ' (none parted)'}")
+    print(f"context, all {len(margins)} AR positions: float32 top-2 margin quantiles (min, 1%, 5%, 25%, median) "
+          f"{[round(v, 4) for v in quantiles(margins)]}, in steps {[round(v, 2) for v in quantiles(margins / steps)]}; "
+          f"{int((margins <= bound).sum())} positions ({float((margins <= bound).double().mean()):.2%}) within "
+          f"{NEAR_TIE_STEPS:g} steps" + (f", {int((margins / steps <= max(gap_steps)).sum())} within the largest parting "
+          f"gap ({max(gap_steps):.2f} steps)" if p32 else ""))
+    print(f"the AR run's own token is not float32's argmax at {int(off.sum())} positions"
+          + (f" (gap max {float(ar_gaps.max()):.5f} = {float((ar_gaps / steps).max()):.2f} steps)" if off.any() else ""))
+    print(f"{str(dtype).replace('torch.', '')} teacher-forced vs float64: top-2 margin moved by max {float(errors.max()):.5f} "
+          f"({float((errors / steps).max()):.2f} steps), median {float(errors.median()):.5f} "
+          f"({float((errors / steps).median()):.2f} steps)")
+    out = {"mode": "parting", "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+           "prompts": n, "max_new_tokens": args.max_new_tokens, "block_size": block, "parted": len(p32),
+           "parting_rate": len(p32) / n, "positions_compared": compared, "near_tie_steps": NEAR_TIE_STEPS, "all_near_ties": all_near,
+           "partings": [{"prompt": i, "index": parts["float32"].index, "dflash_token": parts["float32"].dflash,
+                         "ar_token": parts["float32"].ar, "float32_prefers": parts["float32"].prefers,
+                         "float32_gap": parts["float32"].gap, "float64_gap": parts["float64"].gap,
+                         "top_logit": parts["float32"].top_logit, "step": rounding_step(parts["float32"].top_logit, dtype),
+                         "gap_steps": parts["float32"].steps(dtype)} for i, parts in partings],
+           "max_gap": max(gaps, default=None), "max_gap_steps": max(gap_steps, default=None),
+           "positions": len(margins), "margin_quantiles": quantiles(margins),
+           "margin_quantiles_steps": quantiles(margins / steps),
+           "positions_within_bound": int((margins <= bound).sum()),
+           "positions_within_max_gap": int((margins / steps <= max(gap_steps)).sum()) if p32 else None,
+           "ar_not_float32_argmax": int(off.sum()), "margin_error_max": float(errors.max()),
+           "margin_error_max_steps": float((errors / steps).max()), "seconds": seconds}
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
