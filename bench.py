@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ import torch
 import dflash
 import checkpoint as ckpt
 import model as M
+from check import NEAR_TIE_STEPS, rounding_step, teacher_forced_logits
 from generate import ATTENTION, COMPILE_MODES, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
@@ -475,35 +475,14 @@ def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
 # --parting: where greedy DFlash and greedy AR part in a low precision, and how near a tie the target was there
 # ---------------------------------------------------------------------------------------------------------------
 
-# A parting is a near-tie when both runs' tokens are within this many rounding steps of the run's dtype (at the
-# top logit's magnitude) of the reference's best logit. Why 2: two runs choose differently only where their
-# roundings move the top-2 margin m across 0, so |m| <= the larger of the two moves; in bfloat16 on the embedded
-# pair a whole forward moved m by at most 1.64 steps (median 0.29) over 8,192 positions (`--parting`'s line
-# "teacher-forced vs float64"). tests/test_near_ties.py asserts this bound. It is bfloat16's: a float32 forward
-# moved m by up to 16 float32 steps, so float32 partings are judged by an absolute bound (tests/test_spec_equals_ar.py).
-NEAR_TIE_STEPS = 2.0
-
-
-def rounding_step(z: float, dtype) -> float:
-    """The spacing of `dtype` numbers at magnitude |z|: eps * 2^floor(log2 |z|). bfloat16 keeps 8 significant
-    bits, so a step is 2^-7 of |z| at a power of two and about 2^-8 of |z| just below the next one."""
-    z = abs(z)
-    if z < torch.finfo(dtype).tiny:
-        return torch.finfo(dtype).tiny
-    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(z))
+# Rounding steps, the near-tie bound and the teacher-forced pass are the checker's (check.py): a parting is a
+# near-tie when both runs' tokens lie within NEAR_TIE_STEPS rounding steps of the run's dtype of the reference's
+# best logit (why 2: check.py).
 
 
 def first_difference(a: list, b: list) -> int | None:
     """The first index where token lists a and b differ, or None where one is a prefix of the other."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
-@torch.inference_mode()
-def teacher_forced_logits(ref: M.Qwen35, ids: list) -> torch.Tensor:
-    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T, V]; row t predicts token t + 1."""
-    device = ref.embed_tokens.weight.device
-    logits, _ = ref(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
-    return logits[0].double()
 
 
 @dataclass

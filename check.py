@@ -1,0 +1,583 @@
+"""The oracle as a tool: check another engine's output against this implementation, token by token.
+
+    python check.py --target DIR_OR_REPO TRACE.json [--draft ...] [--dtype float32|float64] [--tolerance T]
+                    [--engine-dtype bfloat16|float16|float32|float64] [--device cpu|cuda] [--json]
+    python check.py --dump-layers DIR --target DIR_OR_REPO --prompt-ids 1,2,3
+    python check.py --export DIR [--target ... --draft ...]
+
+A TRACE is a JSON object, a JSON list of objects, or JSON lines. Each object has `prompt_ids` and `output_ids`
+(the generated ids), optionally `draft_ids` (each verify step's proposals) with `acceptance_lengths` (tokens
+committed per verify step, bonus included), and `temperature`, `top_p`, `top_k` (absent: greedy) and `dtype`
+(the engine's, which sets the default tolerance). `generate.py --json` output is a trace as it is. vLLM's and
+SGLang's completion responses with token ids are read too (`read_cases`; the requests: README, "Checking your
+engine").
+
+What it does (docs/method.md#checking-another-engine): prompt + output go through our target in one teacher-forced
+forward, in the engine's own prefix, so every token is judged, also after a first difference. A greedy token is
+a `match` (our argmax), a `tie` (not our argmax, but within the tolerance of our top logit: a legitimate flip of
+a near-tie in the engine's precision) or a `divergence`. With drafts, each verify step's acceptance length must be
+the longest prefix of its drafts that the target accepts (ties allowed), plus the bonus; otherwise the step is a
+`wrong_acceptance`. A sampled token outside the support of the target's distribution under the trace's
+temperature / top-k / top-p is `impossible`. Exit code 0: every case clean; 1: something found; 2: bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import checkpoint as ckpt
+import dflash
+import model as M
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# ---- Tolerance --------------------------------------------------------------------------------------------
+# Two runs of one model in a low precision take different tokens only where their roundings move the top-2
+# margin across zero, so at such a place the reference's margin is at most what rounding can move it by. That is
+# measured in rounding steps of the engine's dtype at the top logit's magnitude (rounding_step), since logits
+# are rounded relative to their size. Calibration (README, Measured numbers: `python bench.py --parting` and
+# `python check.py --calibrate`): a whole bf16 forward moved the margin by at most 1.64 bf16 steps on the embedded
+# pair; the default allows 4, room for engines whose kernels sum in another order. float32 engines: a float32
+# forward moved it by up to 16 float32 steps; the default allows 64 (about 6e-5 at a logit of 8).
+TOLERANCE_STEPS = {torch.bfloat16: 4.0, torch.float16: 4.0, torch.float32: 64.0, torch.float64: 64.0}
+# Our own bf16 runs (DFlash against AR, one CPU) must part within NEAR_TIE_STEPS: bench.py --parting measures it,
+# tests/test_near_ties.py requires it. Why 2: two runs choose differently only where their roundings move the
+# top-2 margin m across 0, so |m| <= the larger of the two moves, measured at most 1.64 steps.
+NEAR_TIE_STEPS = 2.0
+
+
+class CheckError(ValueError):
+    """A trace or request that cannot be checked; the message says what is wrong."""
+
+
+def rounding_step(z: float, dtype) -> float:
+    """The spacing of `dtype` numbers at magnitude |z|: eps * 2^floor(log2 |z|). bfloat16 keeps 8 significant
+    bits, so a step is 2^-7 of |z| at a power of two and about 2^-8 of |z| just below the next one."""
+    z = abs(z)
+    if z < torch.finfo(dtype).tiny:
+        return torch.finfo(dtype).tiny
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(z))
+
+
+@torch.inference_mode()
+def teacher_forced_logits(ref: M.Qwen35, ids: list) -> torch.Tensor:
+    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T, V]; row t predicts token t + 1."""
+    device = ref.embed_tokens.weight.device
+    logits, _ = ref(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
+    return logits[0].double()
+
+
+# ---- Traces -----------------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One generation to check."""
+    prompt_ids: list
+    output_ids: list
+    draft_ids: list | None = None              # [steps][proposals]
+    acceptance_lengths: list | None = None     # [steps]: tokens committed, bonus included
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    dtype: str | None = None                   # the engine's, when the trace says
+    name: str = ""
+    block_size: int | None = None              # without draft_ids: a step that commits fewer was a partial acceptance
+
+
+def _ids(v, what: str, where: str) -> list:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise CheckError(f"{where}: {what} must be a list of integer token ids")
+    return v
+
+
+def openai_case(obj: dict, where: str) -> list:
+    """An OpenAI-compatible completion response with token ids (vLLM with `return_token_ids`: `prompt_token_ids`
+    and each choice's `token_ids`; SGLang likewise) -> one Case per choice."""
+    cases = []
+    for i, ch in enumerate(obj["choices"]):
+        prompt = ch.get("prompt_token_ids", obj.get("prompt_token_ids"))
+        out = ch.get("token_ids", ch.get("output_ids"))
+        if prompt is None or out is None:
+            raise CheckError(f"{where}: choice {i} has no prompt_token_ids / token_ids; ask the server for token ids "
+                             "(vLLM and SGLang: \"return_token_ids\": true) or give prompt_ids and output_ids")
+        cases.append(Case(_ids(prompt, "prompt_token_ids", where), _ids(out, "token_ids", where), name=f"{where} choice {i}"))
+    return cases
+
+
+def to_cases(obj, where: str) -> list:
+    """One trace object -> Cases (generate.py --json with --num-samples: one per sample; an OpenAI response: one
+    per choice)."""
+    if not isinstance(obj, dict):
+        raise CheckError(f"{where}: a trace is a JSON object, got {type(obj).__name__}")
+    if "choices" in obj:
+        return openai_case(obj, where)
+    # ours and a generic trace: prompt_ids; SGLang's /generate: prompt_token_ids (with return_prompt_token_ids)
+    prompt = next((obj[k] for k in ("prompt_ids", "prompt_token_ids", "input_ids") if obj.get(k) is not None), None)
+    if prompt is None or "output_ids" not in obj:
+        raise CheckError(f"{where}: a trace needs prompt_ids (or prompt_token_ids) and output_ids")
+    sampling = dict(temperature=float(obj.get("temperature") or 0.0), top_p=float(obj.get("top_p") or 1.0),
+                    top_k=int(obj.get("top_k") or 0), dtype=obj.get("dtype"))
+    if obj.get("samples"):
+        return [Case(_ids(prompt, "prompt_ids", where), _ids(s["output_ids"], "output_ids", where), None, None,
+                     **sampling, name=f"{where} sample {i + 1}") for i, s in enumerate(obj["samples"])]
+    drafts, accepted = obj.get("draft_ids") or None, obj.get("acceptance_lengths") or None
+    if drafts is not None and accepted is None:
+        raise CheckError(f"{where}: draft_ids need acceptance_lengths (tokens committed per verify step)")
+    if accepted is not None:
+        accepted = _ids(accepted, "acceptance_lengths", where)
+    if drafts is not None:
+        if not isinstance(drafts, list) or len(drafts) != len(accepted):
+            raise CheckError(f"{where}: draft_ids and acceptance_lengths must be lists of the same length (one per verify step)")
+        drafts = [_ids(d, "each draft_ids entry", where) for d in drafts]
+    block = obj.get("block_size")
+    return [Case(_ids(prompt, "prompt_ids", where), _ids(obj["output_ids"], "output_ids", where), drafts, accepted,
+                 **sampling, name=where, block_size=block if isinstance(block, int) and block > 1 else None)]
+
+
+def read_cases(path: str) -> list:
+    """A trace file: a JSON object, a JSON list, or JSON lines (generate.py's --json output, whose earlier
+    lines are not JSON, reads as its last line) -> Cases."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise CheckError(f"cannot read {path} ({e.strerror})") from None
+    try:
+        objs = json.loads(text)
+        objs = objs if isinstance(objs, list) else [objs]
+    except json.JSONDecodeError:
+        objs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip().startswith(("{", "[")):
+                try:
+                    objs.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise CheckError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+    if not objs:
+        raise CheckError(f"{path} holds no trace (a JSON object with prompt_ids and output_ids)")
+    return [c for i, o in enumerate(objs) for c in to_cases(o, f"{os.path.basename(path)}[{i}]")]
+
+
+def validate(case: Case, cfg: M.TargetConfig) -> None:
+    """What the model cannot check at all, refused with one line."""
+    if not case.prompt_ids or not case.output_ids:
+        raise CheckError(f"{case.name}: empty prompt_ids or output_ids")
+    bad = [t for t in case.prompt_ids + case.output_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise CheckError(f"{case.name}: token ids {bad[:5]} are outside the target's vocabulary 0..{cfg.vocab_size - 1}; "
+                         "is this trace from another model?")
+    n = len(case.prompt_ids) + len(case.output_ids)
+    if n > cfg.max_position_embeddings:
+        raise CheckError(f"{case.name}: prompt + output = {n} tokens exceed the target's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    if case.acceptance_lengths is not None:
+        if 1 + sum(case.acceptance_lengths) != len(case.output_ids) or min(case.acceptance_lengths, default=1) < 1:
+            raise CheckError(f"{case.name}: 1 + sum(acceptance_lengths) = {1 + sum(case.acceptance_lengths)} != "
+                             f"{len(case.output_ids)} output tokens (the first comes from prefill; each step commits >= 1)")
+        for j, (d, a) in enumerate(zip(case.draft_ids or [], case.acceptance_lengths)):
+            if a > len(d) + 1:
+                raise CheckError(f"{case.name}: step {j} commits {a} tokens from {len(d)} drafts (at most drafts + 1)")
+    if not (case.temperature >= 0 and 0 < case.top_p <= 1 and case.top_k >= 0):
+        raise CheckError(f"{case.name}: temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+
+
+# ---- Judging ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    """What check_case found in one case (the --json object, less `name`)."""
+    name: str
+    tokens: int
+    sampled: bool
+    matches: int = 0
+    ties: int = 0
+    divergences: list = field(default_factory=list)        # {index, engine_token, oracle_token, margin, steps}
+    first_divergence: int | None = None
+    steps_after_partial: int | None = None                 # verify steps from the last partial acceptance to it
+    wrong_acceptances: list = field(default_factory=list)  # {step, accepted, expected, at_least}
+    impossible: list = field(default_factory=list)          # output indices
+    log_prob: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.divergences or self.wrong_acceptances or self.impossible)
+
+
+class Judge:
+    """The teacher-forced logits of one case and how far each token is from the top: z [n, V] float64, row t
+    for output token t; margin(t, tok) = top logit - logit of tok (0 for the argmax); tolerance(t) in logits."""
+
+    def __init__(self, z: torch.Tensor, tolerance, engine_dtype):
+        self.z = z
+        self.top = z.max(-1)
+        self.engine_dtype, self.fixed = engine_dtype, tolerance
+
+    def margin(self, t: int, tok: int) -> float:
+        return float(self.top.values[t] - self.z[t, tok])
+
+    def tolerance(self, t: int) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        return TOLERANCE_STEPS[self.engine_dtype] * rounding_step(float(self.top.values[t]), self.engine_dtype)
+
+    def steps(self, t: int, margin: float) -> float:
+        return margin / rounding_step(float(self.top.values[t]), self.engine_dtype)
+
+    def greedy_ok(self, t: int, tok: int) -> bool:
+        return self.margin(t, tok) <= self.tolerance(t)
+
+
+def judge_greedy(j: Judge, case: Case, rep: Report) -> None:
+    for t, tok in enumerate(case.output_ids):
+        top = int(j.top.indices[t])
+        m = j.margin(t, tok)
+        if tok == top:
+            rep.matches += 1
+        elif m <= j.tolerance(t):
+            rep.ties += 1
+        else:
+            rep.divergences.append({"index": t, "engine_token": tok, "oracle_token": top, "margin": m,
+                                    "steps": j.steps(t, m)})
+    rep.first_divergence = rep.divergences[0]["index"] if rep.divergences else None
+
+
+def judge_drafts(j: Judge, case: Case, rep: Report) -> None:
+    """Each verify step s commits output[c : c + a]; its drafts d propose positions c, c+1, ... The target accepts
+    the longest prefix of d it would choose itself (ties allowed), then adds its own token: expected a. The engine's
+    own prefix is the context throughout, so a draft at i < a - 1 is judged as the output token it became, and the
+    first rejected draft d[a - 1] at the row where the engine's bonus went. The last step may stop early (max new
+    tokens, a stop token): only accepting too much counts there."""
+    c = 1
+    for s, (d, a) in enumerate(zip(case.draft_ids, case.acceptance_lengths)):
+        if any(d[i] != case.output_ids[c + i] for i in range(a - 1)):
+            raise CheckError(f"{case.name}: step {s} commits {a} tokens but its first {a - 1} drafts are not the output "
+                             "tokens there; are draft_ids recorded as proposals for the positions after the step's first token?")
+        ok = [j.greedy_ok(c + i, d[i]) for i in range(min(a, len(d)))]
+        expected = next((i + 1 for i, g in enumerate(ok) if not g), len(ok) + 1)
+        if expected < a or (expected > a and s < len(case.draft_ids) - 1):
+            rep.wrong_acceptances.append({"step": s, "accepted": a, "expected": expected, "at_least": expected > a and a <= len(d)})
+        c += a
+
+
+def steps_after_partial(case: Case, index: int) -> int | None:
+    """How many verify steps after the last partial acceptance (a step that rejected a draft) the step holding
+    output token `index` came; None without step information or without an earlier partial step. A divergence a
+    step or two after a partial acceptance, in a run that was exact until then, points at state that was not
+    rolled back (a hybrid target's linear-attention layers)."""
+    if case.acceptance_lengths is None or (case.draft_ids is None and case.block_size is None):
+        return None
+    c, last_partial = 1, None
+    for s, a in enumerate(case.acceptance_lengths):
+        if c <= index < c + a:
+            return None if last_partial is None else s - last_partial
+        drafts = len(case.draft_ids[s]) if case.draft_ids is not None else case.block_size - 1
+        if a < drafts + 1:
+            last_partial = s
+        c += a
+    return None
+
+
+def judge_sampled(j: Judge, case: Case, rep: Report) -> None:
+    """Sampled tokens: the trace's log-probability under our distribution, and tokens no sampling with these
+    settings could give. A token is outside the support only by more than the tolerance (rounding may move a
+    token across the top-k or top-p edge)."""
+    s = dflash.Sampling(case.temperature, case.top_p, case.top_k)
+    p = dflash.sampling_probs(j.z, s).double()
+    out = torch.tensor(case.output_ids, device=j.z.device)
+    rep.log_prob = float(p.gather(1, out[:, None]).clamp_min(1e-300).log().sum())
+    for t, tok in enumerate(case.output_ids):
+        if outside_support(j.z[t], tok, s, j.tolerance(t)):
+            rep.impossible.append(t)
+
+
+def outside_support(z: torch.Tensor, tok: int, s: dflash.Sampling, tol: float) -> bool:
+    """Whether token tok could not be drawn from logits z [V] under s, even with its logit raised by tol: below
+    the k-th largest logit, or after the smallest set of higher tokens that already reaches top_p."""
+    lifted = z[tok] + tol
+    if 0 < s.top_k < z.shape[0] and lifted < z.topk(s.top_k).values[-1]:
+        return True
+    if s.top_p < 1:
+        p = dflash.sampling_probs(z, dflash.Sampling(s.temperature, 1.0, s.top_k)).double()
+        return float(p[z > lifted].sum()) >= s.top_p
+    return False
+
+
+def check_case(target: M.Qwen35, case: Case, tolerance: float | None, engine_dtype) -> Report:
+    """Teacher-force prompt + output through the target once and judge every output token (and step)."""
+    validate(case, target.cfg)
+    ids = case.prompt_ids + case.output_ids[:-1]
+    z = teacher_forced_logits(target, ids)[len(case.prompt_ids) - 1:]
+    dtype = DTYPES[case.dtype] if case.dtype in DTYPES else engine_dtype
+    j = Judge(z, tolerance, dtype)
+    rep = Report(case.name, len(case.output_ids), case.temperature > 0)
+    if rep.sampled:
+        judge_sampled(j, case, rep)
+    else:
+        judge_greedy(j, case, rep)
+        if case.draft_ids is not None:
+            judge_drafts(j, case, rep)
+        if rep.first_divergence is not None:
+            rep.steps_after_partial = steps_after_partial(case, rep.first_divergence)
+    rep.judge = j                                   # for the readable report; not part of the JSON
+    return rep
+
+
+# ---- Output -----------------------------------------------------------------------------------------------
+
+def report_json(rep: Report) -> dict:
+    keys = ("name", "tokens", "sampled", "matches", "ties", "divergences", "first_divergence", "steps_after_partial",
+            "wrong_acceptances", "impossible", "log_prob")
+    return {k: getattr(rep, k) for k in keys} | {"ok": rep.ok}
+
+
+def show(tok, ids: list) -> str:
+    return repr(tok.decode(ids, skip_special_tokens=False)) if tok is not None else str(ids)
+
+
+def report_text(rep: Report, case: Case, tok) -> str:
+    """The readable report of one case: counts, and the first problem with its context and our top-5."""
+    head = f"{rep.name}: {rep.tokens} tokens, " + (
+        f"sampled (T={case.temperature}, top_p={case.top_p}, top_k={case.top_k}), log-prob {rep.log_prob:.3f}, "
+        f"{len(rep.impossible)} impossible" if rep.sampled else
+        f"{rep.matches} match, {rep.ties} tie, {len(rep.divergences)} divergence")
+    if case.draft_ids is not None:
+        head += f", {len(rep.wrong_acceptances)} wrong acceptance of {len(case.draft_ids)} verify steps"
+    lines = [head + (" -> OK" if rep.ok else " -> NOT OK")]
+    j = rep.judge
+    t = rep.first_divergence if rep.first_divergence is not None else (rep.impossible[0] if rep.impossible else None)
+    if t is not None:
+        out = case.output_ids
+        vals, idx = j.z[t].topk(5)
+        lines.append(f"  first {'divergence' if rep.divergences else 'impossible token'} at output token {t}: "
+                     f"engine {out[t]} {show(tok, [out[t]])}, ours {int(idx[0])} {show(tok, [int(idx[0])])}, margin "
+                     f"{j.margin(t, out[t]):.5f} logits = {j.steps(t, j.margin(t, out[t])):.1f} steps (tolerance {j.tolerance(t):.5f})")
+        lines.append(f"  text before it: ...{show(tok, (case.prompt_ids + out)[max(0, len(case.prompt_ids) + t - 12):len(case.prompt_ids) + t])}")
+        lines.append("  our top-5: " + ", ".join(f"{int(i)} {show(tok, [int(i)])} {float(v):.4f}" for v, i in zip(vals, idx)))
+        if rep.steps_after_partial is not None:
+            lines.append(f"  it came {rep.steps_after_partial} verify step(s) after the last partial acceptance: the "
+                         "signature of a linear-attention state not rolled back after a rejected draft")
+    for w in rep.wrong_acceptances[:3]:
+        lines.append(f"  step {w['step']}: committed {w['accepted']} tokens, the target accepts "
+                     f"{'at least ' if w['at_least'] else ''}{w['expected']}")
+    return "\n".join(lines)
+
+
+# ---- Layer dump and conformance pack ------------------------------------------------------------------------
+
+DUMP_README = """# Layer dump of {target}
+
+`layers.safetensors` (float32 unless stated), for prompt ids {ids}:
+
+- `hidden_states.0` [T, H]: the token embeddings; `hidden_states.{{l+1}}` [T, H]: the output of decoder layer l
+  (transformers' `output_hidden_states` indexing). The last one, `hidden_states.{L}`, is taken after the final
+  norm, as transformers returns it.
+- `logits` [T, V]: the final logits (row t predicts token t + 1).
+- `gdn.{{l}}.recurrent` [Hv, dk, dv] (float32): layer l's Gated DeltaNet state after the whole prompt (transformers'
+  `recurrent_states[l][0]`); `gdn.{{l}}.conv` [K-1, conv_dim]: the last K-1 inputs of its causal conv, oldest first
+  (transformers keeps them transposed, [conv_dim, K], with one more column).
+- Layer kinds: {kinds}.
+
+Written by `python check.py --dump-layers` (dflash-fast), dtype {dtype}.
+"""
+
+
+@torch.inference_mode()
+def dump_layers(target: M.Qwen35, ids: list, out_dir: str) -> list:
+    """Every layer's output, the logits and the GDN states after the prompt, as safetensors -> the tensor names."""
+    from safetensors.torch import save_file
+    device = target.embed_tokens.weight.device
+    L = target.cfg.num_hidden_layers
+    x = torch.tensor([ids], device=device)
+    pos = torch.arange(len(ids), device=device)
+    cache = M.TargetCache(target.cfg, len(ids), target.embed_tokens.weight.dtype, device, max_block=1)
+    logits, feats = target(x, pos, cache, feature_layers=tuple(range(L)))
+    tensors = {"hidden_states.0": target.embed_tokens(x)[0], "logits": logits[0]}
+    for l, h in enumerate(feats[0].split(target.cfg.hidden_size, dim=-1)):
+        tensors[f"hidden_states.{l + 1}"] = h
+    for l, layer in enumerate(cache.layers):
+        if isinstance(layer, M.GDNCache):
+            tensors[f"gdn.{l}.recurrent"], tensors[f"gdn.{l}.conv"] = layer.rec[0], layer.conv[0]
+    tensors = {k: v.float().contiguous().cpu() for k, v in tensors.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "layers.safetensors"))
+    with open(os.path.join(out_dir, "README.md"), "w") as fh:
+        fh.write(DUMP_README.format(target=getattr(target, "path", "the target"), ids=ids, L=L,
+                                    kinds=", ".join(f"{i}: {t}" for i, t in enumerate(target.cfg.layer_types)),
+                                    dtype=str(target.embed_tokens.weight.dtype).replace("torch.", "")))
+    return sorted(tensors)
+
+
+EXPORT_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\n\ndef main(argv):",
+                  "    def __init__(self, x, y):"]
+EXPORT_BLOCKS = (4, 8, 16)
+
+
+def export_pack(target: M.Qwen35, proposer, tok, out_dir: str, max_new: int = 64) -> int:
+    """The conformance pack: per prompt, our greedy AR output and greedy DFlash traces at several block sizes
+    (cases.jsonl, each line a trace check.py reads), and how to produce an engine's traces (README.md)."""
+    if tok is None:
+        raise CheckError(f"{target.path} has no tokenizer.json; the pack's prompts are text")
+    os.makedirs(out_dir, exist_ok=True)
+    n = 0
+    with open(os.path.join(out_dir, "cases.jsonl"), "w") as fh:
+        for text in EXPORT_PROMPTS:
+            ids = tok.encode(text).ids
+            runs = [("ar", 1, dflash.run(target, ids, max_new))]
+            runs += [("dflash", b, dflash.run(target, ids, max_new, (), proposer, b)) for b in EXPORT_BLOCKS if proposer]
+            for mode, b, res in runs:
+                fh.write(json.dumps({"prompt": text, "prompt_ids": ids, "output_ids": res.output_ids, "mode": mode,
+                                     "block_size": b, "draft_ids": res.draft_ids if mode == "dflash" else None,
+                                     "acceptance_lengths": res.acceptance_lengths if mode == "dflash" else None,
+                                     "max_new_tokens": max_new, "temperature": 0.0,
+                                     "dtype": str(target.embed_tokens.weight.dtype).replace("torch.", "")}) + "\n")
+                n += 1
+    with open(os.path.join(out_dir, "README.md"), "w") as fh:
+        fh.write(PACK_README.format(target=target.path, draft=proposer.drafter.path if proposer else "none", n=n,
+                                    max_new=max_new, blocks=", ".join(map(str, EXPORT_BLOCKS))))
+    return n
+
+
+PACK_README = """# Conformance pack
+
+{n} greedy traces of the target `{target}` (drafter `{draft}`): per prompt, plain AR decoding and DFlash at block
+sizes {blocks}, {max_new} new tokens each, in `cases.jsonl` (one trace per line: `prompt`, `prompt_ids`,
+`output_ids`, `mode`, `block_size`, `draft_ids`, `acceptance_lengths`). The embedded checkpoints are in the real
+Hugging Face (target) and z-lab (drafter) formats, so an engine can load them as they are.
+
+To check an engine: run it greedily on each `prompt_ids` for `max_new_tokens` tokens, save its responses (token
+ids, and per verify step its drafts and committed counts if it can report them), and run
+
+    python check.py --target {target} ENGINE_TRACES.jsonl
+
+Every token should be a match or a tie; each verify step's acceptance should be what the target allows. The
+requests that make vLLM and SGLang return token ids are in the dflash-fast README, "Checking your engine".
+"""
+
+
+# ---- Calibration --------------------------------------------------------------------------------------------
+
+def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch.Tensor:
+    """How far a low-precision forward moves our top-2 margins: both models teacher-forced over the case; at each
+    output row, |margin in target_lo - margin in target_ref| between target_ref's top two tokens, in rounding steps
+    of target_lo's dtype at the top logit -> [n]."""
+    ids = case.prompt_ids + case.output_ids[:-1]
+    start = len(case.prompt_ids) - 1
+    zr, zl = teacher_forced_logits(target_ref, ids)[start:], teacher_forced_logits(target_lo, ids)[start:]
+    idx = zr.topk(2, dim=-1).indices
+    mr, ml = zr.gather(1, idx), zl.gather(1, idx)
+    moved = ((ml[:, 0] - ml[:, 1]) - (mr[:, 0] - mr[:, 1])).abs()
+    dtype = target_lo.embed_tokens.weight.dtype
+    steps = torch.tensor([rounding_step(float(v), dtype) for v in zr[:, 0]], dtype=torch.float64, device=moved.device)
+    return (moved / steps).cpu()
+
+
+# ---- Command line ---------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace", nargs="*", help="trace files (JSON object, list, or JSON lines)")
+    p.add_argument("--target", default=None, help="the Qwen3.5 checkpoint the engine ran (folder or Hugging Face repo id; "
+                                                  "default: the embedded tiny target)")
+    p.add_argument("--draft", default=None, help="--export only: the drafter for the DFlash traces (default: the embedded one "
+                                                 "with the embedded target)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="our precision for the teacher-forced pass")
+    p.add_argument("--engine-dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="the engine's precision, which sets the default tolerance, when the trace has no `dtype`")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="a fixed tie tolerance in logits (default: TOLERANCE_STEPS rounding steps of the engine's dtype at the top logit)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--json", action="store_true", help="the last stdout line: one JSON object with every case's findings")
+    p.add_argument("--calibrate", action="store_true", help="instead of judging: how far our own forward in --engine-dtype "
+                                                            "moves the top-2 margins of the traces' tokens against float64, in rounding steps")
+    p.add_argument("--dump-layers", metavar="DIR", help="write every layer's hidden states, the logits and the GDN states "
+                                                        "after --prompt-ids as safetensors, with a README of the names")
+    p.add_argument("--prompt-ids", help="with --dump-layers: comma-separated token ids")
+    p.add_argument("--export", metavar="DIR", help="write the conformance pack: prompts, our greedy outputs and DFlash traces "
+                                                   "at several block sizes, and how to produce an engine's traces")
+    args = p.parse_args(argv)
+    modes = sum(bool(m) for m in (args.dump_layers, args.export)) + bool(args.trace)
+    if modes != 1:
+        p.error("give trace files to check, or --dump-layers DIR, or --export DIR (one of them)")
+    if args.calibrate and not args.trace:
+        p.error("--calibrate reads trace files")
+    if args.dump_layers and not args.prompt_ids:
+        p.error("--dump-layers needs --prompt-ids")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        p.error("--tolerance must be >= 0")
+    return args
+
+
+def check_main(args, target, tok) -> int:
+    cases = [c for path in args.trace for c in read_cases(path)]
+    for c in cases:
+        validate(c, target.cfg)
+    engine_dtype = DTYPES[args.engine_dtype]
+    reports = [check_case(target, c, args.tolerance, engine_dtype) for c in cases]
+    for rep, case in zip(reports, cases):
+        print(report_text(rep, case, tok))
+    ok = all(r.ok for r in reports)
+    print(f"{sum(r.ok for r in reports)}/{len(reports)} cases clean")
+    if args.json:
+        print(json.dumps({"ok": ok, "oracle_dtype": args.dtype, "tolerance": args.tolerance,
+                          "cases": [report_json(r) for r in reports]}))
+    return 0 if ok else 1
+
+
+def calibrate_main(args, target, device) -> int:
+    lo = ckpt.load_target(args.target, DTYPES[args.engine_dtype], device)
+    ref = ckpt.load_target(args.target, torch.float64, device)
+    cases = [c for path in args.trace for c in read_cases(path)]
+    for c in cases:
+        validate(c, target.cfg)
+    moved = torch.cat([margin_moves(lo, ref, c) for c in cases])
+    q = torch.quantile(moved, torch.tensor([0.5, 0.9, 0.99, 1.0], dtype=torch.float64)).tolist()
+    print(f"{args.engine_dtype} forward vs float64 over {len(moved)} positions: top-2 margin moved by (median, 90%, 99%, max) "
+          f"{[round(v, 3) for v in q]} rounding steps; default tolerance {TOLERANCE_STEPS[DTYPES[args.engine_dtype]]:g} steps")
+    print(json.dumps({"mode": "calibrate", "engine_dtype": args.engine_dtype, "positions": len(moved),
+                      "moved_steps_quantiles": dict(zip(["median", "p90", "p99", "max"], q)),
+                      "tolerance_steps": TOLERANCE_STEPS[DTYPES[args.engine_dtype]]}))
+    return 0
+
+
+def main(argv=None) -> int:
+    import generate
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CheckError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    args.target = args.target or generate.DEFAULT_TARGET
+    target = ckpt.load_target(args.target, DTYPES[args.dtype], device)
+    tok = ckpt.load_tokenizer(target.path)
+    if args.dump_layers:
+        names = dump_layers(target, generate.parse_ids(args.prompt_ids), args.dump_layers)
+        print(f"wrote {len(names)} tensors to {os.path.join(args.dump_layers, 'layers.safetensors')} (names: README.md there)")
+        return 0
+    if args.export:
+        draft = args.draft or (generate.DEFAULT_DRAFT if args.target == generate.DEFAULT_TARGET else None)
+        proposer = None
+        if draft and draft.lower() != "none":
+            proposer = dflash.DrafterProposer(ckpt.load_drafter(draft, target.cfg, DTYPES[args.dtype], device), target)
+        n = export_pack(target, proposer, tok, args.export)
+        print(f"wrote {n} traces to {os.path.join(args.export, 'cases.jsonl')}; how to replay them: README.md there")
+        return 0
+    if args.calibrate:
+        return calibrate_main(args, target, device)
+    return check_main(args, target, tok)
+
+
+def cli(argv=None) -> int:
+    try:
+        return main(argv)
+    except (CheckError, M.CheckpointError, dflash.GenerationError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,233 @@
+"""check.py, the oracle as a tool: our own traces check clean; planted faults are each found, and nothing else;
+the z-lab package's transformers loop, whose linear-attention state is not rolled back after a partial
+acceptance, is caught at the token where it leaves transformers' own greedy output; engines' response shapes
+read; the layer dump equals transformers' hidden states; the conformance pack checks clean; bad input is one
+error line."""
+import json
+import os
+
+import pytest
+import torch
+
+import check
+import dflash
+import generate
+from helpers import HAS_EMBEDDED_PAIR, embedded_pair, save_hf_causal_lm, zlab_module
+
+pytestmark = pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def pair():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target, drafter, p1, p2 = embedded_pair()
+    yield target, dflash.DrafterProposer(drafter, target), p1, p2
+    torch.set_num_threads(n)
+
+
+def trace(res, **kw) -> check.Case:
+    return check.Case(res.prompt_ids, res.output_ids, res.draft_ids or None, res.acceptance_lengths or None, **kw)
+
+
+def judge(target, case, tolerance=None):
+    return check.check_case(target, case, tolerance, BF16)
+
+
+@pytest.fixture(scope="module")
+def runs(pair):
+    target, proposer, p1, p2 = pair
+    out = {("ar", i): dflash.run(target, p, 48) for i, p in enumerate((p1, p2))}
+    out |= {(b, i): dflash.run(target, p, 48, (), proposer, b) for b in (4, 16) for i, p in enumerate((p1, p2))}
+    return out
+
+
+def test_own_traces_check_clean(pair, runs):
+    target = pair[0]
+    for key, res in runs.items():
+        rep = judge(target, trace(res, dtype="float32"))
+        assert rep.ok and rep.divergences == [] and rep.wrong_acceptances == [] and rep.first_divergence is None, key
+        assert rep.matches + rep.ties == len(res.output_ids)
+
+
+def test_generate_json_is_a_trace(pair, tmp_path, capsys):
+    """`generate.py --json` output, saved as it is, checks clean through the command line (exit 0, JSON last)."""
+    assert generate.main(["--prompt", "def fibonacci(n):", "--max-new-tokens", "40", "--json"]) == 0
+    path = tmp_path / "trace.json"
+    path.write_text(capsys.readouterr().out)
+    assert check.cli([str(path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["ok"] and res["cases"][0]["tokens"] == 40 and res["cases"][0]["divergences"] == []
+
+
+def worst_token(target, prompt, prefix) -> int:
+    return int(check.teacher_forced_logits(target, prompt + prefix)[-1].argmin())
+
+
+def test_planted_wrong_token_is_a_divergence_or_with_a_huge_tolerance_a_tie(pair, runs):
+    target = pair[0]
+    res, k = runs[("ar", 0)], 10
+    bad = worst_token(target, res.prompt_ids, res.output_ids[:k])
+    case = check.Case(res.prompt_ids, res.output_ids[:k] + [bad], dtype="bfloat16")
+    rep = judge(target, case)
+    assert [(d["index"], d["engine_token"], d["oracle_token"]) for d in rep.divergences] == [(k, bad, res.output_ids[k])]
+    assert rep.first_divergence == k and rep.matches == k and rep.ties == 0 and not rep.ok
+    assert rep.divergences[0]["margin"] > rep.judge.tolerance(k)
+    lenient = judge(target, case, tolerance=1e9)
+    assert lenient.ok and lenient.ties == 1 and lenient.divergences == []
+
+
+def partial_steps(res) -> list:
+    """(step, c, a, drafts) of every verify step that rejected a draft, but the last."""
+    out, c = [], 1
+    for s, (d, a) in enumerate(zip(res.draft_ids, res.acceptance_lengths)):
+        if a < len(d) + 1 and s < len(res.draft_ids) - 1:
+            out.append((s, c, a, d))
+        c += a
+    return out
+
+
+def test_planted_overacceptance(pair, runs):
+    """A step that commits one draft more than the target accepts (then the target's own token): a wrong
+    acceptance at that step, and the committed draft is the only divergence."""
+    target = pair[0]
+    res = runs[(16, 0)]
+    for s, c, a, d in partial_steps(res):
+        prefix = res.output_ids[:c + a - 1]
+        z = check.teacher_forced_logits(target, res.prompt_ids + prefix)[-1]
+        if float(z.max() - z[d[a - 1]]) > 1.0:          # a clear rejection, not a near-tie
+            break
+    else:
+        pytest.fail("no clearly rejected draft in the trace")
+    bonus = int(check.teacher_forced_logits(target, res.prompt_ids + prefix + [d[a - 1]])[-1].argmax())
+    case = check.Case(res.prompt_ids, prefix + [d[a - 1], bonus], res.draft_ids[:s + 1],
+                      res.acceptance_lengths[:s] + [a + 1], dtype="float32")
+    rep = judge(target, case)
+    assert rep.wrong_acceptances == [{"step": s, "accepted": a + 1, "expected": a, "at_least": False}]
+    assert [d_["index"] for d_ in rep.divergences] == [c + a - 1]
+
+
+def test_planted_underacceptance(pair, runs):
+    """A step that rejects a draft the target accepts (the same tokens, committed one step later): a wrong
+    acceptance at that step, no divergence."""
+    target = pair[0]
+    res = runs[(16, 0)]
+    s, c, a, d = next(p for p in partial_steps(res) if p[2] >= 2)
+    drafts = res.draft_ids[:s] + [d, []] + res.draft_ids[s + 1:]
+    accepted = res.acceptance_lengths[:s] + [a - 1, 1] + res.acceptance_lengths[s + 1:]
+    rep = judge(target, check.Case(res.prompt_ids, res.output_ids, drafts, accepted, dtype="float32"))
+    assert rep.wrong_acceptances == [{"step": s, "accepted": a - 1, "expected": a, "at_least": True}]
+    assert rep.divergences == []
+
+
+def test_planted_impossible_sampled_token(pair):
+    """A sampled trace (top-k 3) checks clean with a finite log-probability; a token ranked last is impossible."""
+    target, proposer, p1, _ = pair
+    s = dflash.Sampling(0.8, 1.0, 3)
+    res = dflash.Engine(target, proposer, 16, 256).run(p1, 30, sampling=s, generator=torch.Generator().manual_seed(3))
+    case = check.Case(res.prompt_ids, res.output_ids, temperature=0.8, top_k=3)
+    rep = judge(target, case)
+    assert rep.ok and rep.sampled and rep.impossible == [] and -1e3 < rep.log_prob < 0
+    k = 12
+    bad = worst_token(target, res.prompt_ids, res.output_ids[:k])
+    rep = judge(target, check.Case(res.prompt_ids, res.output_ids[:k] + [bad], temperature=0.8, top_k=3))
+    assert rep.impossible == [k] and not rep.ok
+    assert check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 3, dflash.Sampling(1.0, 0.5, 0), 0.0)
+    assert not check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 0, dflash.Sampling(1.0, 0.5, 0), 0.0)
+
+
+def test_zlab_loop_divergences_are_found_where_it_leaves_greedy(pair):
+    """The z-lab package's `dflash_generate` over transformers rolls back only the conv state of Qwen3.5's
+    linear-attention layers after a partial acceptance, so its output leaves transformers' greedy output. The
+    checker reports each such run's first divergence at exactly that token, as a divergence (not a tie), some
+    verify steps after a partial acceptance."""
+    from transformers import AutoModelForCausalLM
+    import train
+    target = pair[0]
+    zm = zlab_module()
+    zm._cuda_time = lambda: 0.0                      # its timing helper synchronises CUDA unconditionally
+    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    zd = zm.DFlashDraftModel.from_pretrained(os.path.join(os.path.dirname(target.path), "tiny-qwen35-dflash"),
+                                             dtype=torch.float32).eval()
+    tok = check.ckpt.load_tokenizer(target.path)
+    found = 0
+    for p in train.heldout_prompts(tok, 3):
+        ids = torch.tensor([p])
+        out = zm.dflash_generate(zd, hf, ids, 40, None, return_stats=True)
+        greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        got = out.output_ids[0, len(p):].tolist()
+        leaves = next((i for i, (x, y) in enumerate(zip(got, greedy)) if x != y), None)
+        rep = judge(target, check.Case(p, got, None, out.acceptance_lengths, dtype="float32", block_size=16))
+        assert rep.first_divergence == leaves
+        if leaves is not None:
+            found += 1
+            assert rep.divergences[0]["oracle_token"] == greedy[leaves] and rep.ties == 0
+            assert rep.steps_after_partial is not None and rep.steps_after_partial >= 1
+    assert found >= 2
+
+
+def test_engine_response_shapes():
+    """vLLM's completions (`return_token_ids`: ids per choice) and chat completions (prompt ids at top level),
+    SGLang's native /generate (`output_ids`, `prompt_token_ids`), JSON lines."""
+    vllm = {"choices": [{"text": "x", "token_ids": [4, 5], "prompt_token_ids": [1, 2, 3]}]}
+    chat = {"prompt_token_ids": [1, 2], "choices": [{"message": {}, "token_ids": [7]}, {"token_ids": [8, 9]}]}
+    sglang = {"text": "x", "output_ids": [6], "prompt_token_ids": [1], "meta_info": {"spec_verify_ct": 1}}
+    got = [c for o in (vllm, chat, sglang) for c in check.to_cases(o, "t")]
+    assert [(c.prompt_ids, c.output_ids) for c in got] == [([1, 2, 3], [4, 5]), ([1, 2], [7]), ([1, 2], [8, 9]), ([1], [6])]
+    with pytest.raises(check.CheckError, match="return_token_ids"):
+        check.to_cases({"choices": [{"text": "x"}]}, "t")
+
+
+def test_jsonl_and_generate_output_with_text_before(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('some text the engine printed\n{"prompt_ids": [1], "output_ids": [2]}\n{"prompt_ids": [3], "output_ids": [4, 5]}\n')
+    assert [c.output_ids for c in check.read_cases(str(path))] == [[2], [4, 5]]
+
+
+@pytest.mark.parametrize("content, says", [
+    ("not json at all", "holds no trace"),
+    ('{"prompt_ids": [1, 2]}', "needs prompt_ids"),
+    ('{"prompt_ids": [1, 99999], "output_ids": [2]}', "outside the target's vocabulary"),
+    ('{"prompt_ids": ' + json.dumps([1] * 4096) + ', "output_ids": [2]}', "exceed the target's max_position_embeddings"),
+    ('{"prompt_ids": [1], "output_ids": [2, 3], "draft_ids": [[3]], "acceptance_lengths": [2]}', "1 + sum(acceptance_lengths)"),
+    ('{"prompt_ids": [1], "output_ids": "12"}', "list of integer token ids"),
+])
+def test_bad_trace_is_one_error_line(tmp_path, capsys, content, says):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert check.cli([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_dump_layers_equals_transformers(tmp_path, capsys):
+    """Every hidden state (transformers' output_hidden_states indexing), the logits and each linear-attention
+    layer's recurrent state after the prompt, against transformers on the same checkpoint."""
+    from safetensors.torch import load_file
+    hf = save_hf_causal_lm(tmp_path / "t", seed=5)
+    ids = [5, 17, 42, 8, 91, 23, 60, 3, 11]
+    assert check.cli(["--dump-layers", str(tmp_path / "dump"), "--target", str(tmp_path / "t"), "--prompt-ids",
+                      ",".join(map(str, ids))]) == 0
+    got = load_file(str(tmp_path / "dump" / "layers.safetensors"))
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
+    assert len(out.hidden_states) == hf.config.num_hidden_layers + 1
+    for i, h in enumerate(out.hidden_states):
+        assert torch.allclose(got[f"hidden_states.{i}"], h[0], atol=1e-4), i
+    assert torch.allclose(got["logits"], out.logits[0], atol=1e-4)
+    gdn = [i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention"]
+    assert gdn and sorted(k for k in got if k.startswith("gdn.")) == sorted(f"gdn.{i}.{n}" for i in gdn for n in ("conv", "recurrent"))
+    for i in gdn:
+        assert torch.allclose(got[f"gdn.{i}.recurrent"], out.past_key_values.layers[i].recurrent_states[0][0].float(), atol=1e-4), i
+    assert "hidden_states.0" in (tmp_path / "dump" / "README.md").read_text()
+
+
+def test_export_pack_checks_clean(tmp_path, capsys):
+    assert check.cli(["--export", str(tmp_path / "pack")]) == 0
+    lines = (tmp_path / "pack" / "cases.jsonl").read_text().splitlines()
+    assert len(lines) == len(check.EXPORT_PROMPTS) * (1 + len(check.EXPORT_BLOCKS))
+    assert check.cli([str(tmp_path / "pack" / "cases.jsonl"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["ok"] and len(res["cases"]) == len(lines)
