@@ -4,6 +4,7 @@ acceptance, is caught at the token where it leaves transformers' own greedy outp
 read; the layer dump equals transformers' hidden states; the conformance pack checks clean; bad input is one
 error line."""
 import json
+import math
 import os
 
 import pytest
@@ -231,3 +232,23 @@ def test_export_pack_checks_clean(tmp_path, capsys):
     assert check.cli([str(tmp_path / "pack" / "cases.jsonl"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["ok"] and len(res["cases"]) == len(lines)
+
+
+def test_calibration_measures_moves_at_the_top_logit(pair, runs):
+    """margin_moves: zero for a model against itself; for bf16 against float64, |margin change| between float64's
+    top two tokens divided by bf16's rounding step at float64's TOP logit (not any other entry), row by row."""
+    import checkpoint as ckpt
+    target = pair[0]
+    res = runs[("ar", 1)]
+    case = check.Case(res.prompt_ids, res.output_ids[:12])
+    ref = ckpt.load_target(target.path, torch.float64)
+    lo = ckpt.load_target(target.path, torch.bfloat16)
+    assert float(check.margin_moves(ref, ref, case).abs().max()) == 0.0
+    got = check.margin_moves(lo, ref, case)
+    ids, start = case.prompt_ids + case.output_ids[:-1], len(case.prompt_ids) - 1
+    zr, zl = check.teacher_forced_logits(ref, ids)[start:], check.teacher_forced_logits(lo, ids)[start:]
+    for t in range(len(got)):
+        (a, b), top = zr[t].topk(2).indices.tolist(), float(zr[t].max())
+        want = abs(float((zl[t, a] - zl[t, b]) - (zr[t, a] - zr[t, b]))) / (2.0 ** -7 * 2.0 ** math.floor(math.log2(abs(top))))
+        assert got[t] == pytest.approx(want, rel=1e-9)
+    assert 0 < float(got.max()) < check.TOLERANCE_STEPS[torch.bfloat16]
