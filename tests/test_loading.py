@@ -258,7 +258,7 @@ def test_missing_folder_that_is_not_a_repo_id(monkeypatch, name):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", never)
     with pytest.raises(M.CheckpointError) as e:
         ckpt.load_target(name)
-    one_line_error(e, name, "not a folder")
+    one_line_error(e, f"there is no folder {name}", "not a hugging face repo id")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def test_config_not_json(store, tmp_path, content):
 
 
 @pytest.mark.parametrize("model_type, words", [
-    ("llama", ["unsupported", "llama"]), ("qwen3", ["unsupported", "qwen3"]), (None, ["unsupported", "None"]),
+    ("llama", ["unsupported", "llama"]), ("qwen3", ["unsupported", "qwen3"]), (None, ["has no model_type", "qwen3_5_text"]),
     ("qwen3_5_moe_text", ["num_experts"]), ("qwen3_next", ["mixture-of-experts", "another architecture"])])
 def test_unsupported_target_model_type(store, tmp_path, model_type, words):
     path = copy_ckpt(store["causal"], tmp_path / "t")
@@ -472,9 +472,9 @@ def test_corrupt_tokenizer(store, tmp_path):
     (dict(vocab=50), ["vocab_size 50", "97"]),
     (dict(target_layers=6), ["6-layer", "4"]),
     (dict(layer_ids=[1, 4]), ["target_layer_ids [4]", "4-layer"]),
-    (dict(layer_ids=[-1, 2]), ["target_layer_ids [-1]"]),
+    (dict(layer_ids=[-1, 2]), ["'target_layer_ids' must be a list of integers >= 0, got [-1, 2]"]),
     (dict(mask_token_id=97), ["mask_token_id 97", "vocab"]),
-    (dict(mask_token_id=-1), ["mask_token_id -1", "vocab"])])
+    (dict(mask_token_id=-1), ["'mask_token_id' must be an integer >= 0, got -1"])])
 def test_drafter_that_does_not_fit(store, tmp_path, kw, words):
     args = dict(target_layers=4, vocab=97, hidden=64, layer_ids=[0, 2])
     args.update(kw)
@@ -487,7 +487,7 @@ def test_drafter_that_does_not_fit(store, tmp_path, kw, words):
 
 @pytest.mark.parametrize("edit, words", [
     (lambda c: c["dflash_config"].update(conv_kernel_size=3), ["unknown dflash_config", "conv_kernel_size"]),
-    (lambda c: c["dflash_config"].update(block_size=0), ["block_size 0"]),
+    (lambda c: c["dflash_config"].update(block_size=0), ["'block_size' must be an integer >= 1, got 0"]),
     (lambda c: c.update(model_type="llama"), ["unsupported", "llama"]),
     (lambda c: c.update(architectures=["DFlash2DraftModel"]), ["DFlash2", "missing the field 'conv_kernel_size'"]),
     (lambda c: c.update(architectures=["DFlash2DraftModel"]) or c["dflash_config"].update(
@@ -518,10 +518,10 @@ def test_target_and_drafter_swapped(store):
     target = ckpt.load_target(store["causal"])
     with pytest.raises(M.CheckpointError) as e:
         ckpt.load_drafter(store["causal"], target.cfg)
-    one_line_error(e, "drafter model_type", "qwen3_5_text")
+    one_line_error(e, "model_type qwen3_5_text", "not a drafter", "pass it as the target")
     with pytest.raises(M.CheckpointError) as e:
         ckpt.load_target(store["draft"])
-    one_line_error(e, "target model_type", "qwen3")
+    one_line_error(e, "DFlashDraftModel", "not a target", "pass it as the drafter")
 
 
 # --------------------------------------------------------------------------------------------------
