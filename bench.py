@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+import adaptive
 import dflash
 import checkpoint as ckpt
 import model as M
@@ -85,7 +86,11 @@ def parse_args(argv=None):
                         "--dtype at that logit size) and the float32 top-2 margins at every AR position for context "
                         "(docs/method.md#exactness-and-precision). Eager (--compile and --onednn do not apply); use with --dtype bfloat16")
     p.add_argument("--random-weights", action="store_true", help="with --preset: random weights built on the device (required)")
-    p.add_argument("--prompt-len", type=int, default=None, help="with --preset: random prompt length (default 512; 64 for the tiny ones)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="with --preset: random prompt length (default 512; 64 for the tiny ones); with checkpoints: held-out "
+                        "prompts of this many tokens (long_prompts) instead of the 30-60 token ones")
+    p.add_argument("--draft-window", type=int, default=None, help="as generate.py's (default: the drafter's training context; 0 = none)")
+    p.add_argument("--no-adaptive", action="store_true", help="pure DFlash rounds (default: adaptive speculation, as generate.py)")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -104,10 +109,13 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     mode = args.compile_mode if args.compile else None
     kw = dict(compile_mode=mode, masks=ATTENTION[args.attention], compile_options=compile_options(args, target.embed_tokens.weight.device))
     ar_engine = dflash.Engine(target, None, 1, capacity, **kw)
-    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw)
+    # --preset times the steps themselves: every step a round (random drafts would switch adaptive speculation off)
+    policy = None if getattr(args, "no_adaptive", True) or getattr(args, "preset", None) else adaptive.Adaptive()
+    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw, policy=adaptive.Pattern([True, False]) if policy else None)
     t0 = time.perf_counter()
     ar_engine.run(prompt, 8, stops)
-    sp_engine.run(prompt, 3 * block, stops)
+    sp_engine.run(prompt, 3 * block, stops)            # both step kinds (round, plain) warmed up
+    sp_engine.policy = policy
     return ar_engine, sp_engine, time.perf_counter() - t0
 
 
@@ -122,7 +130,30 @@ def load_prompts(args, tok, path: str) -> list:
             raise dflash.GenerationError(f"{path} has no tokenizer.json to encode the prompts")
         return [tok.encode(t).ids for t in texts]
     import train
+    if getattr(args, "prompt_len", None):
+        return long_prompts(tok, args.heldout, args.prompt_len)
     return train.heldout_prompts(tok, args.heldout)
+
+
+def long_prompts(tok, n: int, length: int, seed: int = 0) -> list:
+    """n prompts of `length` tokens from the held-out standard-library files (never trained on): prompt i starts
+    at the top of the i-th file in a seeded order and runs on into the next files when that one is too short."""
+    import random
+    import train
+    files = train.stdlib_files("heldout")
+    random.Random(seed).shuffle(files)
+    texts = [t for t in map(train.read_text, files) if t.strip()]
+    prompts = []
+    for i in range(n):
+        ids = []
+        for t in texts[i % len(texts):] + texts[:i % len(texts)]:
+            ids += tok.encode(t).ids
+            if len(ids) >= length:
+                break
+        if len(ids) < length:
+            raise dflash.GenerationError(f"the held-out files hold fewer than {length} tokens")
+        prompts.append(ids[:length])
+    return prompts
 
 
 def bench_capacity(prompts: list, max_new_tokens: int, block: int) -> int:
@@ -151,7 +182,8 @@ def main(argv=None):
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     if args.onednn:
         use_onednn(target, drafter)
-    proposer = dflash.DrafterProposer(drafter, target)
+    window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
+    proposer = dflash.DrafterProposer(drafter, target, window)
     block = args.block_size or drafter.cfg.block_size
     tok = ckpt.load_tokenizer(target.path)
 
@@ -191,8 +223,9 @@ def main(argv=None):
             extra = f"  eager DFlash {eager_tps[-1]:8.1f} tok/s"
         rows.append((ar_tps, sp_tps, sp.mean_acceptance_length, same))
         ar_res.append(ar), sp_res.append(sp)
+        plain = sp.step_kinds.count("plain")
         print(f"prompt {i}: {len(p)} tokens -> {len(sp.output_ids)}  AR {ar_tps:8.1f} tok/s  DFlash {sp_tps:8.1f} tok/s  "
-              f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  identical {same}{extra}", flush=True)
+              f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  plain steps {plain:3d}  identical {same}{extra}", flush=True)
 
     ar_med = statistics.median(r[0] for r in rows)
     sp_med = statistics.median(r[1] for r in rows)
@@ -201,15 +234,17 @@ def main(argv=None):
     # all tokens over all decode time: the throughput of the whole run, hard prompts weighted by their time
     agg = (sum(len(r.output_ids) - 1 for r in sp_all) / sum(r.decode_seconds for r in sp_all)) / \
           (sum(len(r.output_ids) - 1 for r in ar_all) / sum(r.decode_seconds for r in ar_all))
-    all_acc = [a for r in sp_res for a in r.acceptance_lengths]
-    tau = sum(all_acc) / len(all_acc)
+    all_acc = [a for r in sp_res for a in r.verify_lengths]
+    tau = sum(all_acc) / len(all_acc) if all_acc else 0.0
     hist = [all_acc.count(k) for k in range(1, block + 1)]
     decode_ms, draft_ms, verify_ms = step_ms(ar_all, "decode", "verify_seconds"), step_ms(sp_all, "verify", "draft_seconds"), step_ms(sp_all, "verify", "verify_seconds")
+    plain_ms = step_ms(sp_all, "plain", "verify_seconds")         # a decode that also feeds the drafter's context
     print(f"median: AR {ar_med:.1f} tok/s, DFlash {sp_med:.1f} tok/s, median per-prompt speedup {statistics.median(speedups):.2f}x "
           f"(quartiles {quart[0]:.2f} / {quart[2]:.2f}, min {min(speedups):.2f}, max {max(speedups):.2f}); "
           f"whole run (all tokens / all decode time) {agg:.2f}x")
     print(f"mean acceptance length {tau:.2f} (block {block}); histogram of tokens per verify step 1..{block}: {hist}")
-    print(f"ms per step (median): decode {decode_ms:.2f}, draft {draft_ms:.2f}, verify {verify_ms:.2f}")
+    print(f"ms per step (median): decode {decode_ms:.2f}, draft {draft_ms:.2f}, verify {verify_ms:.2f}"
+          + (f", plain (decode + the drafter's context) {plain_ms:.2f}" if plain_ms else ""))
     wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
     print(bw_line)
     print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
@@ -231,6 +266,8 @@ def main(argv=None):
         "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
         "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
         "compile_mode": mode, "attention": args.attention, "onednn": args.onednn, "cpp_wrapper": bool(mode and args.cpp_wrapper),
+        "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "prompt_len": args.prompt_len,
+        "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
     }))
 
 

@@ -67,7 +67,7 @@ TARGET_FIELDS = {**COMMON_FIELDS, "linear_num_key_heads": SIZE, "linear_num_valu
                  **{k: SIZE for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}}
 DRAFT_FIELDS = {**COMMON_FIELDS, "sliding_window": SIZE, "max_window_layers": INDEX, "use_sliding_window": BOOL,
                 "is_causal": BOOL, "attention_bias": BOOL, "target_layer_ids": INDICES, "mask_token_id": INDEX,
-                "block_size": SIZE, "num_target_layers": SIZE, "input_embedding_scale": _number(0),
+                "block_size": SIZE, "num_target_layers": SIZE, "train_context_length": SIZE, "input_embedding_scale": _number(0),
                 "output_multiplier": _number(0), "final_logit_softcapping": _number(0, at_least=True),
                 **{k: SIZE for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_vocab_size")}}
 
@@ -153,7 +153,7 @@ def target_config(raw: dict) -> TargetConfig:
 # Keys a z-lab drafter may carry in `dflash_config` (or at top level). Anything else in `dflash_config` may
 # change the architecture and is refused instead of ignored.
 DRAFT_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
-              "output_multiplier", "final_logit_softcapping", "num_target_layers")
+              "output_multiplier", "final_logit_softcapping", "num_target_layers", "train_context_length")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_vocab_size")
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
@@ -250,8 +250,20 @@ def draft_config(raw: dict) -> DraftConfig:
         input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
         output_multiplier=float(draft_value("output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+        train_context_length=draft_value("train_context_length"),
         **draft_attention(raw, n_layers), **dflash2_kw,
     )
+
+
+def default_draft_window(cfg: DraftConfig) -> int | None:
+    """The draft window to use when none is asked for: the context the drafter was trained on. A drafter's
+    acceptance collapses on contexts much longer than its training ones, and a window of that length restores
+    most of it (z-lab's cards say the same of theirs). Read from `train_context_length` in dflash_config (train.py
+    records it: its --prompt-len + --resp-len), else a sliding drafter's `sliding_window` (the reach its sliding
+    layers were trained with); None (no window) when the config states neither."""
+    if cfg.train_context_length is not None:
+        return cfg.train_context_length
+    return cfg.sliding_window if "sliding_attention" in cfg.layer_types else None
 
 
 def check_fits(draft: DraftConfig, target: TargetConfig) -> None:
@@ -546,6 +558,8 @@ def save_drafter(drafter: DFlashDrafter, out: str, dtype=torch.bfloat16) -> None
     }
     if cfg.is_causal is not None:
         config["is_causal"] = cfg.is_causal
+    if cfg.train_context_length is not None:
+        config["dflash_config"]["train_context_length"] = cfg.train_context_length
     if cfg.dflash2:
         config["dflash_config"].update({k: getattr(cfg, k) for k in DFLASH2_KEYS[:4]})
     with open(os.path.join(out, "config.json"), "w") as fh:

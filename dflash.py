@@ -30,7 +30,8 @@ class GenerationError(ValueError):
 @dataclass
 class Step:
     """One event of a generation, in order. kind: "prefill" (commits the first token), "verify" (one
-    draft-verify round) or "decode" (one AR step)."""
+    draft-verify round), "decode" (one AR step) or "plain" (one AR step of a DFlash engine that also feeds the
+    drafter's context: adaptive speculation, while speculating would lose)."""
     kind: str
     start: int                                  # position of the last committed token before this step
     tokens: list                                # tokens committed by this step
@@ -45,21 +46,27 @@ class Step:
 class Result:
     prompt_ids: list
     output_ids: list                            # generated ids, the first (from prefill) included
-    acceptance_lengths: list                    # tokens committed per verify step, bonus included
-    draft_ids: list                             # each verify step's proposals
+    acceptance_lengths: list                    # tokens committed per step after prefill, bonus included (DFlash)
+    draft_ids: list                             # each step's proposals ([] for a "plain" step)
     steps: list
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0                 # everything after the first token
+    step_kinds: list = field(default_factory=list)   # "verify" or "plain", per acceptance_lengths entry
+
+    @property
+    def verify_lengths(self) -> list:
+        """acceptance_lengths of the draft-verify rounds only (a plain step commits 1 and drafted nothing)."""
+        return [a for a, k in zip(self.acceptance_lengths, self.step_kinds) if k == "verify"]
 
     @property
     def mean_acceptance_length(self) -> float:
-        a = self.acceptance_lengths
+        a = self.verify_lengths
         return sum(a) / len(a) if a else 0.0
 
     def histogram(self, block_size: int) -> list:
-        """counts[k-1] = verify steps that committed k tokens, k = 1..block_size."""
+        """counts[k-1] = verify rounds that committed k tokens, k = 1..block_size."""
         counts = [0] * block_size
-        for a in self.acceptance_lengths:
+        for a in self.verify_lengths:
             counts[a - 1] += 1
         return counts
 
@@ -258,6 +265,7 @@ class _Sequence:
     def __init__(self, first: int, start: int, max_new_tokens: int, stops: set, upload):
         self.upload, self.stops, self.max_new = upload, stops, max_new_tokens
         self.n_out, self.start, self.feats, self.feat_pos = 1, start, None, None
+        self.plain_run = None    # plain steps whose features fill `feats` since it was last appended (None: a round's)
         self.done = first in stops or max_new_tokens <= 1
         self.last, self.start_t = self.upload([first, start]).split(1)
 
@@ -291,10 +299,12 @@ class Engine:
     call per prompt, any length) stays eager."""
 
     def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
-                 compile_mode: str | None = None, masks=DenseMasks, compile_options: dict | None = None):
+                 compile_mode: str | None = None, masks=DenseMasks, compile_options: dict | None = None, policy=None):
         """masks: the class of the cached calls' masks, model.DenseMasks (SDPA) or flex.FlexMasks, built here once
-        over the static caches. compile_options: inductor options added to the mode's (cppwrapper.py's)."""
-        self.target, self.proposer = target, proposer
+        over the static caches. compile_options: inductor options added to the mode's (cppwrapper.py's).
+        policy: adaptive speculation (adaptive.Adaptive; None = a round every step): before each step after
+        prefill, policy.speculate() says round or plain step, and policy.observe(step) sees each step."""
+        self.target, self.proposer, self.policy = target, proposer, policy
         self.block, self.capacity = block_size if proposer is not None else 1, capacity
         check_block_size(self.block, proposer)
         self.device = target.embed_tokens.weight.device
@@ -311,7 +321,7 @@ class Engine:
         # 0 for text. A device tensor set per generation, so compiled steps read it instead of recompiling.
         self.rope_delta = torch.zeros((), dtype=torch.long, device=self.device)
         self._host = None                    # pinned host buffer of _upload (CUDA)
-        self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
+        self.decode_step, self.verify_step, self.commit, self.plain_step = self._decode, self._verify, self.cache.commit, self._plain
         self.draft_step = proposer.propose if proposer is not None else None
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
@@ -331,11 +341,19 @@ class Engine:
         self.commit = torch.compile(self.cache.commit, **opts)
         if isinstance(self.proposer, DrafterProposer):
             self.draft_step = torch.compile(self.proposer.propose, **opts)
+            self.plain_step = torch.compile(self._plain, **opts)
 
     # ---- the steps -----------------------------------------------------------------------------
 
     def _decode(self, tok, pos):
         logits, _ = self.target(tok, pos, self.cache, rope_pos=pos + self.rope_delta)
+        return logits[0, -1]
+
+    def _plain(self, tok, pos, buf, slot):
+        """_decode that also keeps the token's features: row `slot` [1] of buf [1,B,F], which the drafter's context
+        takes in whole (B rows) when it fills up or drafting resumes, as it takes a round's verify features."""
+        logits, feats = self.target(tok, pos, self.cache, feature_layers=self.feature_layers, rope_pos=pos + self.rope_delta)
+        buf.index_copy_(1, slot, feats)
         return logits[0, -1]
 
     def _verify(self, block, pos, u=None, expo=None, q=None):
@@ -371,8 +389,16 @@ class Engine:
         if not s.greedy:
             self.sampling = s                 # a constant of the compiled verify step (a change recompiles)
         seq = yield from self.prefill(prompt_ids, max_new_tokens, set(stop_ids), images)
+        if self.policy is not None:
+            self.policy.reset()
         while not seq.done:
-            yield self.round(seq) if self.proposer is not None else self.decode(seq)
+            if self.proposer is None:
+                yield self.decode(seq)
+                continue
+            step = self.round(seq) if self.policy is None or self.policy.speculate() else self.decode(seq, plain=True)
+            if self.policy is not None:
+                self.policy.observe(step)
+            yield step
 
     def prefill(self, prompt_ids, max_new_tokens, stops, images):
         """The whole prompt in one call (GDN chunked, from a zero state); its last logits give the first token and
@@ -399,6 +425,10 @@ class Engine:
             # The first draft gets placeholder features at positions >= start: hidden, overwritten by the first verify's.
             if feats is not None:
                 seq.feats = torch.zeros(1, self.block, feats.shape[-1], dtype=feats.dtype, device=device)
+                if getattr(self, "_plain_buf", None) is None or self._plain_buf.shape != seq.feats.shape:
+                    self._plain_buf = torch.zeros_like(seq.feats)    # plain steps' features (decode(plain=True)),
+                    if self._graphs:                                 # written in place by the compiled plain step
+                        torch._dynamo.mark_static_address(self._plain_buf, guard=False)
             seq.feat_pos = seq.start_t + self.offsets
         yield Step("prefill", T0 - 1, [first], stop=seq.done)
         return seq
@@ -422,16 +452,25 @@ class Engine:
         # The next draft reads this verify's features, all B rows (static shape): rows past the committed
         # tokens are at positions >= the next start, hidden from the next block and overwritten by its append.
         seq.feats = feats.clone() if self._graphs and feats is not None else feats     # CUDA graphs reuse outputs
-        seq.feat_pos = pos
+        seq.feat_pos, seq.plain_run = pos, None
         return Step("verify", start, new, proposals, a, seq.done, t1 - t0, t2 - t1)
 
-    def decode(self, seq: _Sequence) -> Step:
-        """One plain AR step: the baseline DFlash must equal."""
+    def decode(self, seq: _Sequence, plain: bool = False) -> Step:
+        """One plain AR step: the baseline DFlash must equal. plain (a DFlash engine, adaptive speculation): the same
+        step also keeps the token's features for the drafter's context, in a B-row buffer that is appended whole
+        when full, or by the next round's draft like a verify's features (rows past the committed ones hidden)."""
         start, t0 = seq.start, self._clock()
-        logits = self.decode_step(seq.last.view(1, 1), seq.start_t)
+        if plain and seq.feats is not None:
+            if seq.plain_run in (None, self.block):    # pending rows (a round's, or a full buffer) into the context;
+                self.proposer.prefill(seq.feats, seq.feat_pos)    # rows at >= start are hidden, overwritten later
+                seq.feats, seq.feat_pos, seq.plain_run = self._plain_buf, seq.start_t + self.offsets, 0
+            logits = self.plain_step(seq.last.view(1, 1), seq.start_t, seq.feats, seq.start_t - seq.feat_pos[:1])
+            seq.plain_run += 1
+        else:
+            logits = self.decode_step(seq.last.view(1, 1), seq.start_t)
         new = seq.take([int(self.pick(logits))])                                 # the one host sync per token
         seq.advance(1, new[0])
-        return Step("decode", start, new, stop=seq.done, verify_seconds=self._clock() - t0)
+        return Step("plain" if plain else "decode", start, new, stop=seq.done, verify_seconds=self._clock() - t0)
 
     def pick(self, logits):
         """One token from logits [V] on the device: argmax, or a draw at the generation's Sampling."""
@@ -482,9 +521,10 @@ class Engine:
                 _sync(self.device)
                 t_first = time.perf_counter()
                 res.prefill_seconds = t_first - t0
-            elif step.kind == "verify":
+            elif step.kind in ("verify", "plain"):
                 res.acceptance_lengths.append(len(step.tokens))
                 res.draft_ids.append(step.draft_ids)
+                res.step_kinds.append(step.kind)
             res.output_ids += step.tokens
             res.steps.append(step)
             if on_step is not None:

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+import adaptive
 import chat
 import dflash
 import flex
@@ -68,7 +69,13 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same output)")
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling)")
-    p.add_argument("--draft-window", type=int, default=None, help="drafts see only the last W context positions (long prompts)")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="drafts see only the last W context positions (default: the context the drafter was trained on, "
+                        "where its config says: train_context_length, or a sliding drafter's sliding_window; past it "
+                        "acceptance collapses. 0 = the whole context)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="pure DFlash: a draft-verify round every step, even where plain decoding is measured faster "
+                        "(default: adaptive.py decodes plainly while speculation loses; the output is the same)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
@@ -143,8 +150,12 @@ def load(args, device, dtype) -> tuple:
     target = ckpt.load_target(args.target, dtype, device)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
+    if args.draft_window is not None and args.draft_window < 0:
+        raise dflash.GenerationError(f"--draft-window must be >= 0 (0 = the whole context), got {args.draft_window}")
     if args.draft.lower() != "none":
-        proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target, args.draft_window)
+        drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+        window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
+        proposer = dflash.DrafterProposer(drafter, target, window)
     if args.onednn:
         use_onednn(target, proposer.drafter if proposer else None)
     return target, tokenizer, proposer
@@ -201,6 +212,9 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
     if proposer:
         line += (f"; mean acceptance length {res.mean_acceptance_length:.2f}, "
                  f"histogram (1..{block_size} tokens/step) {res.histogram(block_size)}")
+        plain = res.step_kinds.count("plain")
+        if plain:
+            line += f"; {plain} plain steps (speculation measured slower there)"
     return line + "]"
 
 
@@ -236,14 +250,17 @@ def main(argv=None) -> int:
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer,
                                    round_up=args.compile)
+    policy = None if (proposer is None or args.no_adaptive) else adaptive.Adaptive()
     engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                           masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
+                           masks=ATTENTION[args.attention], compile_options=compile_options(args, device), policy=policy)
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()
+        engine.policy = adaptive.Pattern([True, False]) if policy else None     # both step kinds compiled now
         engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images)
+        engine.policy = policy
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")
     gen = torch.Generator(device=device)
@@ -273,12 +290,13 @@ def main(argv=None) -> int:
         print(json.dumps({
             "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
             "text": tokenizer.decode(res.output_ids, skip_special_tokens=False) if tokenizer is not None else None,
-            "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids,
+            "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids, "step_kinds": res.step_kinds,
             "mean_acceptance_length": res.mean_acceptance_length,
             "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
             "decode_tokens_per_s": n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0,
             "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
-            "cache_len": capacity, "mode": "dflash" if proposer else "ar", "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "cache_len": capacity, "mode": "dflash" if proposer else "ar", "adaptive": policy is not None,
+            "draft_window": proposer.window if proposer else None, "device": device, "dtype": str(dtype).replace("torch.", ""),
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
                if as_chat else {"chat": False}),

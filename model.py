@@ -118,6 +118,7 @@ class DraftConfig:
     conv_group_size: int = 0            #   each sublayer, channels in groups of this size,
     selector_rank: int = 0              #   and a candidate selector: low-rank codebooks of this rank
     selector_top_k: int = 0             #   over the top-k tokens of each block row
+    train_context_length: int | None = None   # the longest context it was trained on, where its config says
 
     def __post_init__(self):
         if self.block_size < 1:

@@ -418,7 +418,7 @@ def train_draft(args):
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=target.cfg.vocab_size,
         target_layer_ids=args.target_layers or ckpt.default_target_layer_ids(L, args.draft_layers),
         mask_token_id=tok.token_to_id("<|mask|>"), block_size=args.block_size, num_target_layers=L,
-        rope_theta=10000.0)
+        rope_theta=10000.0, train_context_length=args.prompt_len + args.resp_len)   # generate.py's default draft window
     drafter = M.DFlashDrafter(cfg)
     init_weights_(drafter, args.seed)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)

@@ -1,0 +1,137 @@
+"""Adaptive speculation and the default draft window: output == AR whatever the engine does at each step (rounds
+and plain steps in any pattern, with a stand-in proposer forcing every acceptance length and with real drafters);
+the drafter's proposals after a stretch of plain steps == the drafter run from scratch on full-forward features;
+the trace keeps its contract; the measuring policy switches as the costs say; the default window comes from
+the drafter's config and the flag overrides it."""
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import adaptive
+import checkpoint as ckpt
+import dflash
+import generate
+from helpers import (OracleProposer, embedded_pair, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target,
+                     tiny_target_config)
+from test_spec_equals_ar import scratch_mask
+
+
+@settings(max_examples=25)
+@given(pattern=st.lists(st.booleans(), min_size=1, max_size=12), seed=st.integers(0, 10 ** 6),
+       block=st.sampled_from([2, 4, 8, 16]), prompt_len=st.integers(1, 40))
+def test_any_step_pattern_equals_ar(pattern, seed, block, prompt_len):
+    """Rounds and plain steps in a forced pattern: output == AR with the stand-in proposer (every acceptance
+    length) and with a random real drafter (float64: exactly); the trace lists one entry per step, a plain step
+    as 1 with no drafts."""
+    rng, dtype = random.Random(seed), torch.float64
+    target = random_target(tiny_target_config(vocab_size=50), seed % 97, dtype)
+    prompt = [rng.randrange(50) for _ in range(prompt_len)]
+    ar = dflash.run(target, prompt, 40)
+    oracle = OracleProposer(len(prompt), ar.output_ids, 50, seed)
+    drafter = random_drafter(kind_draft_config(target.cfg, rng.choice(["dflash", "sliding", "dflash2"]), target_layer_ids=[0, 2],
+                                               num_target_layers=None, block_size=16), seed % 89, dtype)
+    for proposer in (oracle, dflash.DrafterProposer(drafter, target)):
+        eng = dflash.Engine(target, proposer, block, 128, policy=adaptive.Pattern(pattern))
+        res = eng.run(prompt, 40)
+        assert res.output_ids == ar.output_ids, (pattern, type(proposer).__name__)
+        assert 1 + sum(res.acceptance_lengths) == len(res.output_ids)
+        assert len(res.draft_ids) == len(res.acceptance_lengths) == len(res.step_kinds)
+        for kind, a, d in zip(res.step_kinds, res.acceptance_lengths, res.draft_ids):
+            assert (kind, a, d) == ("plain", 1, []) if kind == "plain" else (kind == "verify" and len(d) == block - 1)
+
+
+@pytest.mark.parametrize("kind,block,pattern", [("dflash", 8, [False] * 5 + [True]), ("dflash", 4, [True, False, False]),
+                                                ("sliding", 8, [False] * 19 + [True, True]), ("dflash2", 16, [False, True])])
+def test_drafts_after_plain_steps_equal_drafter_from_scratch(kind, block, pattern):
+    """After any stretch of plain steps (shorter and longer than a block: the feature buffer appended when full),
+    every proposal == the drafter run from scratch on full-forward target features of the committed prefix."""
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 7)
+    dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
+    drafter = random_drafter(dcfg, 7)
+    prompt = [random.Random(7).randrange(40) for _ in range(23)]
+    res = dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, 160, policy=adaptive.Pattern(pattern)).run(prompt, 90)
+    assert res.step_kinds.count("plain") >= 20 and res.step_kinds.count("verify") >= 3
+    seq = torch.tensor([prompt + res.output_ids])
+    with torch.no_grad():
+        _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
+        for step in [s for s in res.steps if s.kind == "verify"]:
+            start = step.start
+            blk = torch.full((1, block), dcfg.mask_token_id)
+            blk[0, 0] = seq[0, start]
+            masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
+            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), masks)
+            assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids, start
+
+
+class FakeStep:
+    def __init__(self, kind, n, seconds):
+        self.kind, self.tokens, self.draft_seconds, self.verify_seconds = kind, [0] * n, 0.0, seconds
+
+
+def test_policy_follows_the_measured_costs():
+    """Rounds of 3 tokens at 20 ms against plain steps at 10 ms: speculation pays (150 vs 100 tok/s) and goes on;
+    rounds of 1.5 tokens: it loses, the policy takes `wait` plain steps, probes once, and waits twice as long
+    after a lost probe, up to max_wait; a winning probe returns to speculating."""
+    p = adaptive.Adaptive(first_wait=4, max_wait=16, smoothing=1.0)
+    steps = []
+
+    def run(n, tokens):
+        for _ in range(n):
+            spec = p.speculate()
+            steps.append(spec)
+            p.observe(FakeStep("verify", tokens, 0.020) if spec else FakeStep("plain", 1, 0.010))
+    run(2, 3)
+    assert steps == [True, True]
+    run(6, 3)                                   # one plain step measures the baseline, then rounds again
+    assert steps[2:] == [False] + [True] * 5
+    steps.clear()
+    run(1, 1)                                   # a round of 1 token: 50 tok/s < 100
+    run(4 + 8 + 16 + 16, 1)
+    assert steps == [True] + [False] * 3 + [True] + [False] * 7 + [True] + [False] * 15 + [True] + [False] * 15 + [True]
+    steps.clear()
+    run(16 + 2, 4)                              # the probe wins: speculating again
+    assert steps[-3:] == [True, True, True]
+
+
+def test_default_window_from_the_config(tmp_path):
+    """train_context_length (dflash_config, written by train.py), else a sliding drafter's window, else none;
+    generate.py applies it unless --draft-window says otherwise (0 = none)."""
+    from helpers import tiny_draft_config
+    cfg = tiny_target_config()
+    assert ckpt.default_draft_window(tiny_draft_config(cfg)) is None
+    assert ckpt.default_draft_window(kind_draft_config(cfg, "sliding")) == 5
+    assert ckpt.default_draft_window(tiny_draft_config(cfg, train_context_length=300)) == 300
+    d = random_drafter(tiny_draft_config(cfg, train_context_length=300, num_target_layers=None), 1, torch.float32)
+    ckpt.save_drafter(d, str(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["dflash_config"]["train_context_length"] == 300
+    assert ckpt.load_drafter(str(tmp_path), cfg).cfg.train_context_length == 300
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+@pytest.mark.parametrize("flag, window", [([], 208), (["--draft-window", "0"], None), (["--draft-window", "64"], 64)])
+def test_generate_applies_the_default_window(capsys, flag, window):
+    assert generate.main(["--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json", *flag]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["draft_window"] == window and res["adaptive"] is True
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
+    """The embedded pair on a prompt longer than its training context, default settings: the output is AR's and the
+    trace's contract holds (plain steps appear as 1 with no drafts)."""
+    import bench
+    target, drafter, _, _ = embedded_pair()
+    prompt = bench.long_prompts(ckpt.load_tokenizer(target.path), 1, 600)[0]
+    ids = ",".join(map(str, prompt))
+    assert generate.main(["--prompt-ids", ids, "--max-new-tokens", "48", "--json", "--draft", "none"]) == 0
+    ar = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert generate.main(["--prompt-ids", ids, "--max-new-tokens", "48", "--json"]) == 0
+    sp = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sp["output_ids"] == ar["output_ids"] and len(sp["prompt_ids"]) == 600
+    assert 1 + sum(sp["acceptance_lengths"]) == 48 and len(sp["step_kinds"]) == len(sp["draft_ids"]) == len(sp["acceptance_lengths"])
