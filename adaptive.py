@@ -17,28 +17,35 @@ from __future__ import annotations
 
 
 class Adaptive:
-    """speculate() -> round (True) or plain step (False); observe(step) after each step. Per generation: reset()."""
+    """speculate() -> round (True) or plain step (False); observe(step) after each step. Per generation: reset().
 
-    def __init__(self, first_wait: int = 8, max_wait: int = 256, smoothing: float = 0.3):
-        self.first_wait, self.max_wait, self.alpha = first_wait, max_wait, smoothing
+    Acceptance per round is noisy and often bimodal (a round commits 1 token or the whole block), so `tau` is the
+    mean of the last `window` rounds, judged only after `min_rounds` of them; step times are moving averages.
+    Speculation is switched off only when it is measured more than `margin` slower than plain steps, and a probe
+    round is judged with the rounds before it, so one lucky or unlucky round does not flip the decision."""
+
+    def __init__(self, first_wait: int = 8, max_wait: int = 256, window: int = 8, min_rounds: int = 3,
+                 margin: float = 0.1, smoothing: float = 0.3):
+        self.first_wait, self.max_wait, self.window, self.min_rounds = first_wait, max_wait, window, min_rounds
+        self.margin, self.alpha = margin, smoothing
         self.reset()
 
     def reset(self) -> None:
-        self.tau = self.round_s = self.plain_s = None      # moving averages: tokens per round, seconds per step
-        self.wait, self.left, self.probing = self.first_wait, 0, False
-        self.rounds = self.plains = 0
+        self.taus, self.round_s, self.plain_s = [], None, None     # last rounds' tokens; seconds per step
+        self.wait, self.left, self.probing, self.rounds = self.first_wait, 0, False, 0
 
     def _mix(self, old, new):
         return new if old is None else old + self.alpha * (new - old)
 
     def paying(self) -> bool:
-        """Tokens per second of rounds >= of plain steps (True until both have been measured)."""
-        if self.tau is None or self.plain_s is None:
+        """Rounds' tokens per second at least (1 - margin) x plain steps' (True until both have been measured)."""
+        if len(self.taus) < self.min_rounds or self.plain_s is None:
             return True
-        return self.tau / self.round_s >= 1.0 / self.plain_s
+        tau = sum(self.taus) / len(self.taus)
+        return tau / self.round_s >= (1 - self.margin) / self.plain_s
 
     def speculate(self) -> bool:
-        if self.plain_s is None and self.rounds >= 2:      # measure one plain step early: the baseline to beat
+        if self.plain_s is None and self.rounds >= 2:   # measure one plain step early: the baseline to beat
             return False
         if self.left > 0:                                  # plain steps to go; the last one is replaced by a probe round
             self.left -= 1
@@ -49,7 +56,7 @@ class Adaptive:
     def observe(self, step) -> None:
         if step.kind == "verify":
             self.rounds += 1
-            self.tau = self._mix(self.tau, len(step.tokens))
+            self.taus = (self.taus + [len(step.tokens)])[-self.window:]
             self.round_s = self._mix(self.round_s, step.draft_seconds + step.verify_seconds)
             if self.paying():
                 self.probing, self.wait = False, self.first_wait
@@ -58,7 +65,6 @@ class Adaptive:
                     self.wait = min(2 * self.wait, self.max_wait)
                 self.left, self.probing = self.wait, False
         elif step.kind == "plain":
-            self.plains += 1
             self.plain_s = self._mix(self.plain_s, step.verify_seconds)
 
 

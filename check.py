@@ -88,6 +88,7 @@ class Case:
     dtype: str | None = None                   # the engine's, when the trace says
     name: str = ""
     block_size: int | None = None              # without draft_ids: a step that commits fewer was a partial acceptance
+    step_kinds: list | None = None             # "verify" or "plain" per step (generate.py's adaptive speculation)
 
 
 def _ids(v, what: str, where: str) -> list:
@@ -137,7 +138,8 @@ def to_cases(obj, where: str) -> list:
         drafts = [_ids(d, "each draft_ids entry", where) for d in drafts]
     block = obj.get("block_size")
     return [Case(_ids(prompt, "prompt_ids", where), _ids(obj["output_ids"], "output_ids", where), drafts, accepted,
-                 **sampling, name=where, block_size=block if isinstance(block, int) and block > 1 else None)]
+                 **sampling, name=where, block_size=block if isinstance(block, int) and block > 1 else None,
+                 step_kinds=obj.get("step_kinds") if isinstance(obj.get("step_kinds"), list) else None)]
 
 
 def read_cases(path: str) -> list:
@@ -277,7 +279,8 @@ def steps_after_partial(case: Case, index: int) -> int | None:
         if c <= index < c + a:
             return None if last_partial is None else s - last_partial
         drafts = len(case.draft_ids[s]) if case.draft_ids is not None else case.block_size - 1
-        if a < drafts + 1:
+        plain = case.step_kinds is not None and s < len(case.step_kinds) and case.step_kinds[s] == "plain"
+        if a < drafts + 1 and not plain:            # a plain step (no drafts) rejected nothing
             last_partial = s
         c += a
     return None

@@ -77,7 +77,7 @@ def test_policy_follows_the_measured_costs():
     """Rounds of 3 tokens at 20 ms against plain steps at 10 ms: speculation pays (150 vs 100 tok/s) and goes on;
     rounds of 1.5 tokens: it loses, the policy takes `wait` plain steps, probes once, and waits twice as long
     after a lost probe, up to max_wait; a winning probe returns to speculating."""
-    p = adaptive.Adaptive(first_wait=4, max_wait=16, smoothing=1.0)
+    p = adaptive.Adaptive(first_wait=4, max_wait=16, smoothing=1.0, window=1, min_rounds=1, margin=0.0)
     steps = []
 
     def run(n, tokens):
@@ -96,6 +96,19 @@ def test_policy_follows_the_measured_costs():
     steps.clear()
     run(16 + 2, 4)                              # the probe wins: speculating again
     assert steps[-3:] == [True, True, True]
+
+
+def test_policy_judges_a_window_of_rounds_with_a_margin():
+    """The defaults: no verdict before 3 rounds; the mean of the last 8 rounds against plain steps, switched off
+    only when more than 10% slower: 1.8 tokens per 20 ms round (90 tok/s) vs 10 ms plain steps goes on, 1.7 stops."""
+    for tokens, goes_on in ((1.8, True), (1.7, False)):
+        p = adaptive.Adaptive()
+        p.plain_s, p.round_s = 0.010, 0.020
+        p.taus = [tokens] * 8
+        assert p.paying() is goes_on
+    p = adaptive.Adaptive()
+    p.plain_s, p.round_s, p.taus = 0.010, 0.020, [1, 1]
+    assert p.paying()                                         # two rounds: too few to judge
 
 
 def test_default_window_from_the_config(tmp_path):
