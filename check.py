@@ -458,8 +458,19 @@ ids, and per verify step its drafts and committed counts if it can report them),
 
     python check.py --target {target} ENGINE_TRACES.jsonl
 
-Every token should be a match or a tie; each verify step's acceptance should be what the target allows. The
-requests that make vLLM and SGLang return token ids are in the dflash-fast README, "Checking your engine".
+Every token should be a match or a tie; each verify step's acceptance should be what the target allows.
+
+Serving this pair and asking for token ids (field names from the engines' sources; not run by dflash-fast):
+
+    vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{draft}", "num_speculative_tokens": 15}}'
+    POST /v1/completions  {{"prompt": PROMPT_IDS, "max_tokens": {max_new}, "temperature": 0, "ignore_eos": true,
+                            "return_token_ids": true}}            -> choices[0].prompt_token_ids, choices[0].token_ids
+
+    python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH --speculative-draft-model-path {draft}
+    POST /generate  {{"input_ids": PROMPT_IDS, "sampling_params": {{"max_new_tokens": {max_new}, "temperature": 0,
+                      "ignore_eos": true}}, "return_prompt_token_ids": true}}      -> prompt_token_ids, output_ids
+
+Save each response as one line of a JSON-lines file; check.py reads these responses as they are.
 """
 
 

@@ -158,8 +158,9 @@ def test_dflash_json_equals_transformers_greedy(ckpt, runs):
     assert res["mode"] == "dflash" and res["block_size"] == BLOCK and res["decode_seconds"] > 0
     assert sum(res["acceptance_lengths"]) + 1 == len(res["output_ids"])
     assert len(res["draft_ids"]) == len(res["acceptance_lengths"])
-    assert all(len(d) == BLOCK - 1 for d in res["draft_ids"])
-    assert all(1 <= a <= BLOCK for a in res["acceptance_lengths"])
+    assert len(res["step_kinds"]) == len(res["draft_ids"]) and set(res["step_kinds"]) <= {"verify", "plain"}
+    for kind, d, a in zip(res["step_kinds"], res["draft_ids"], res["acceptance_lengths"]):    # adaptive speculation:
+        assert (len(d), 1 <= a <= BLOCK) == (BLOCK - 1, True) if kind == "verify" else (d, a) == ([], 1)   # plain steps too
 
 
 def test_ar_json_equals_transformers_greedy(ckpt, runs):
@@ -210,7 +211,7 @@ def test_smaller_block_size_same_output(ckpt, capsys, block):
     res = main_json(capsys, "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
                     "--max-new-tokens", MAX_NEW, "--json", "--block-size", block)
     assert res["output_ids"] == ckpt["ref"] and res["block_size"] == block
-    assert all(len(d) == block - 1 for d in res["draft_ids"])
+    assert all(len(d) == block - 1 if k == "verify" else d == [] for d, k in zip(res["draft_ids"], res["step_kinds"]))
     assert sum(res["acceptance_lengths"]) + 1 == MAX_NEW
 
 
