@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -15,3 +16,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (restored after). The models are tiny: a second OpenMP thread buys
+    nothing, and when other work holds the 2 cores the threads' barriers make every forward many times slower.
+    bfloat16 products also round by how the work is split between threads (tests/test_near_ties.py)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

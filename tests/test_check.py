@@ -20,12 +20,9 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
-def pair():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def pair(one_thread):
     target, drafter, p1, p2 = embedded_pair()
-    yield target, dflash.DrafterProposer(drafter, target), p1, p2
-    torch.set_num_threads(n)
+    return target, dflash.DrafterProposer(drafter, target), p1, p2
 
 
 def trace(res, **kw) -> check.Case:

@@ -52,13 +52,7 @@ def hf_greedy(hf, prompt, max_new):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process work on one thread too (restored after), for the reason ENV gives."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")      # in-process work on one thread too (conftest.py)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,14 +21,7 @@ IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 # fixtures and helpers
 # --------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: a second OpenMP thread buys nothing, and when other work holds the 2 cores the
-    threads' barriers make every forward many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,7 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hi
 IMG, VS, VE = 90, 88, 89           # <|image_pad|>, <|vision_start|>, <|vision_end|> in the tiny vocab
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest.py
 
 
 def hf_moe_text_config(**kw):

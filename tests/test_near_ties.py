@@ -37,15 +37,6 @@ assert BOUND == 2.0
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """bfloat16 products round according to how the work is split between threads: one thread, as measured."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
 def runs(one_thread):
     """The bfloat16 pair and its float32 twin (the same bfloat16 weights, upcast exactly), and for each prompt
     (prompt ids, greedy AR output, greedy DFlash output) in bfloat16."""
