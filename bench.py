@@ -41,7 +41,7 @@ import adaptive
 import dflash
 import checkpoint as ckpt
 import model as M
-from check import NEAR_TIE_STEPS, rounding_step, teacher_forced_logits
+from check import NEAR_TIE_STEPS, margin_errors, rounding_step, teacher_forced_logits
 from generate import ATTENTION, COMPILE_MODES, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
@@ -569,15 +569,6 @@ def position_margins(ref: M.Qwen35, prompt: list, out: list) -> tuple:
     return (top2[:, 0] - top2[:, 1]).cpu(), top2[:, 0].cpu(), (top2[:, 0] - taken).cpu()
 
 
-def margin_errors(run_model: M.Qwen35, ref: M.Qwen35, ids: list, start: int) -> torch.Tensor:
-    """How much the run's precision moves a top-2 margin: both models teacher-forced over ids; for each row from
-    `start`, |margin in run_model - margin in ref| between the reference's top two tokens -> [n]."""
-    zr, zm = teacher_forced_logits(ref, ids)[start:], teacher_forced_logits(run_model, ids)[start:]
-    idx = zr.topk(2, dim=-1).indices
-    mr, mm = zr.gather(1, idx), zm.gather(1, idx)
-    return ((mm[:, 0] - mm[:, 1]) - (mr[:, 0] - mr[:, 1])).abs().cpu()
-
-
 def quantiles(x: torch.Tensor, qs=(0.0, 0.01, 0.05, 0.25, 0.5)) -> list:
     """The given quantiles of a 1-D tensor (0.0 = the minimum)."""
     return [float(v) for v in torch.quantile(x.double(), torch.tensor(qs, dtype=torch.float64))]
@@ -624,7 +615,7 @@ def parting_main(args, device) -> dict:
         compared += len(ar) if parts["float32"] is None else parts["float32"].index + 1
         m, t, g = position_margins(refs["float32"], p, ar)
         margins.append(m), tops.append(t), ar_gaps.append(g)
-        errors.append(margin_errors(target, refs["float64"], p + ar[:-1], len(p) - 1))
+        errors.append(margin_errors(target, refs["float64"], p + ar[:-1], len(p) - 1)[0])
         print(parting_row(i, p, parts, dtype), flush=True)
     return parting_summary(args, dtype, block, prompts, partings, compared, torch.cat(margins), torch.cat(tops),
                            torch.cat(ar_gaps), torch.cat(errors), time.perf_counter() - t_start)

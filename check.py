@@ -476,19 +476,21 @@ Save each response as one line of a JSON-lines file; check.py reads these respon
 
 # ---- Calibration --------------------------------------------------------------------------------------------
 
-def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch.Tensor:
-    """How far a low-precision forward moves our top-2 margins: both models teacher-forced over the case; at each
-    output row, |margin in target_lo - margin in target_ref| between target_ref's top two tokens, in rounding steps
-    of target_lo's dtype at the top logit -> [n]."""
-    ids = case.prompt_ids + case.output_ids[:-1]
-    start = len(case.prompt_ids) - 1
-    zr, zl = teacher_forced_logits(target_ref, ids)[start:], teacher_forced_logits(target_lo, ids)[start:]
+def margin_errors(run_model: M.Qwen35, ref: M.Qwen35, ids: list, start: int) -> tuple:
+    """How much a run's precision moves a top-2 margin: both models teacher-forced over ids; for each row from
+    `start`, |margin in run_model - margin in ref| between the reference's top two tokens, in logits [n], and the
+    reference's top logit there [n] (both on the CPU)."""
+    zr, zm = teacher_forced_logits(ref, ids)[start:], teacher_forced_logits(run_model, ids)[start:]
     idx = zr.topk(2, dim=-1).indices
-    mr, ml = zr.gather(1, idx), zl.gather(1, idx)
-    moved = ((ml[:, 0] - ml[:, 1]) - (mr[:, 0] - mr[:, 1])).abs()
+    mr, mm = zr.gather(1, idx), zm.gather(1, idx)
+    return ((mm[:, 0] - mm[:, 1]) - (mr[:, 0] - mr[:, 1])).abs().cpu(), zr.max(-1).values.cpu()
+
+
+def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch.Tensor:
+    """margin_errors over a case's output rows, in rounding steps of target_lo's dtype at the top logit -> [n]."""
+    moved, top = margin_errors(target_lo, target_ref, case.prompt_ids + case.output_ids[:-1], len(case.prompt_ids) - 1)
     dtype = target_lo.embed_tokens.weight.dtype
-    steps = torch.tensor([rounding_step(float(v), dtype) for v in zr.max(-1).values], dtype=torch.float64, device=moved.device)
-    return (moved / steps).cpu()
+    return moved / torch.tensor([rounding_step(float(v), dtype) for v in top], dtype=torch.float64)
 
 
 # ---- Command line ---------------------------------------------------------------------------------------------

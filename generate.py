@@ -161,7 +161,7 @@ def load(args, device, dtype) -> tuple:
     return target, tokenizer, proposer
 
 
-def chat_flags_check(args, as_chat: bool, template) -> None:
+def chat_flags_check(args, as_chat: bool) -> None:
     """The chat-only flags without chat mode: say why chat mode is off."""
     used = [f for f, on in (("--system", args.system is not None), ("--messages", args.messages), ("--tools", args.tools),
                             ("--no-think", args.no_think)) if on]
@@ -178,7 +178,7 @@ def chat_flags_check(args, as_chat: bool, template) -> None:
 
 def prompt_ids_of(args, target, tokenizer, as_chat: bool, template, specials, tools) -> list:
     """The prompt's token ids: a chat turn rendered by the template, plain text, or --prompt-ids."""
-    chat_flags_check(args, as_chat, template)
+    chat_flags_check(args, as_chat)
     if args.prompt is None and args.prompt_ids is None and not (as_chat and args.messages):
         raise dflash.GenerationError("give a prompt: --prompt TEXT, --prompt-ids IDS, or (chat) --messages FILE")
     if as_chat:
