@@ -274,16 +274,19 @@ def train_target(args):
 # Job 2: the drafter
 # ==================================================================================================
 
-def dflash_mask_mod(anchors: torch.Tensor, block_size: int, ctx_len: int):
+def dflash_mask_mod(anchors: torch.Tensor, block_size: int, ctx_len: int, window: int | None = None):
     """The training mask as a FlexAttention mask_mod over (batch b, head h, query q, key kv).
     anchors [N, nA]: row b packs nA blocks; block i = queries i*B .. i*B+B-1, anchored at anchors[b, i].
     Keys are the ctx_len context positions of row b followed by the same packed blocks.
-    Visible: a context key strictly before the query's anchor (its features exist at inference time), or a
-    key in the query's own block (both ways). Never another block."""
+    Visible: a context key strictly before the query's anchor (its features exist at inference time) and, with
+    a window, no more than `window` positions before it (what `--draft-window` lets a draft see), or a key in
+    the query's own block (both ways). Never another block."""
     def mask_mod(b, h, q, kv):
         blk = q // block_size
         is_ctx = kv < ctx_len
         ctx_ok = is_ctx & (kv < anchors[b, blk])
+        if window is not None:
+            ctx_ok = ctx_ok & (kv >= anchors[b, blk] - window)
         own = (~is_ctx) & ((kv - ctx_len) // block_size == blk)
         return ctx_ok | own
     return mask_mod
@@ -297,10 +300,10 @@ def dense_mask(mask_mod, n_batch: int, n_q: int, n_kv: int) -> torch.Tensor:
     return mask_mod(b, 0, q, kv)
 
 
-def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int, device):
+def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int, device, window: int | None = None):
     """One mask for the whole packed batch: a FlexAttention BlockMask on CUDA, the same mask dense elsewhere."""
     N, nA = anchors.shape
-    mm = dflash_mask_mod(anchors, block_size, ctx_len)
+    mm = dflash_mask_mod(anchors, block_size, ctx_len, window)
     n_q = nA * block_size
     if torch.device(device).type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
@@ -337,34 +340,72 @@ def build_draft_data(target, tok, n_seq: int, prompt_len: int, resp_len: int, se
     return torch.cat(seqs)
 
 
-def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, gen):
-    """One packed batch: each row of seqs [N, S] gets n_anchors random anchors inside its response; all
-    N * n_anchors blocks go through the drafter in one forward with one mask. -> (weighted CE, acceptance)."""
+def draft_hidden(drafter, target, seqs, anchors, feats, offset: int = 0, window: int | None = None):
+    """The drafter's output for blocks anchored at anchors [N, nA] (columns of seqs [N, S]; column 0 is position
+    `offset` of the sequence), packed into one forward with one mask: feats [N, S, F] the target's features of
+    those columns; window: the drafter's attention span over the context (None: everything before the
+    anchor), as `--draft-window` at inference. -> [N, nA, B, H]."""
+    cfg = drafter.cfg
+    N, S = seqs.shape
+    n_anchors, B = anchors.shape[1], cfg.block_size
+    blocks = torch.full((N, n_anchors, B), cfg.mask_token_id, device=seqs.device)
+    blocks[:, :, 0] = seqs.gather(1, anchors)
+    with torch.no_grad():
+        emb = target.embed_tokens(blocks.flatten(1)) * cfg.input_embedding_scale   # shared, frozen
+    bpos = offset + (anchors[:, :, None] + torch.arange(B)).flatten(1)     # [N, nA*B], positions in the sequence
+    mask = training_mask(anchors, B, S, seqs.device, window)
+    h = drafter(emb, feats, bpos, offset + torch.arange(S), mask)           # [N, nA*B, H]
+    return h.view(N, n_anchors, B, -1)
+
+
+def draft_loss(drafter, target, seqs, prompt_len, n_anchors, block_size, gamma, gen, feats=None, offset: int = 0,
+               window: int | None = None):
+    """One packed batch: each row of seqs [N, S] gets n_anchors random anchors inside its response (columns
+    prompt_len ..); all N * n_anchors blocks go through the drafter in one forward (draft_hidden).
+    feats [N, S, F]: the target's features of those columns when precomputed (a long-prompt crop, whose column 0
+    is position `offset` of the sequence); else computed here. -> (weighted CE, acceptance)."""
     cfg = drafter.cfg
     N, S = seqs.shape
     B = block_size
+    assert B == cfg.block_size, "the block size is the drafter's"
     k = torch.arange(1, B)
     w = torch.exp(-(k - 1).float() / gamma)                                  # exp(-(k-1)/gamma), k = 1..B-1
-    with torch.no_grad():                                                    # the target is frozen
-        _, feats = target(seqs, torch.arange(S), feature_layers=tuple(cfg.target_layer_ids))
+    if feats is None:
+        with torch.no_grad():                                                # the target is frozen
+            _, feats = target(seqs, torch.arange(S), feature_layers=tuple(cfg.target_layer_ids))
     # anchors inside the response, with room for the whole block: [N, nA]
     anchors = torch.stack([prompt_len + torch.randperm(S - prompt_len - B + 1, generator=gen)[:n_anchors]
                            for _ in range(N)])
-    blocks = torch.full((N, n_anchors, B), cfg.mask_token_id)
-    blocks[:, :, 0] = seqs.gather(1, anchors)
     labels = seqs.gather(1, (anchors[:, :, None] + k).flatten(1)).view(N, n_anchors, B - 1)
-    with torch.no_grad():
-        emb = target.embed_tokens(blocks.flatten(1)) * cfg.input_embedding_scale   # shared, frozen
-    bpos = (anchors[:, :, None] + torch.arange(B)).flatten(1)              # [N, nA*B]
-    mask = training_mask(anchors, B, S, seqs.device)
-    h = drafter(emb, feats, bpos, torch.arange(S), mask)             # [N, nA*B, H]
-    h = h.view(N, n_anchors, B, -1)[:, :, 1:]                               # position 0 is not trained
+    h = draft_hidden(drafter, target, seqs, anchors, feats, offset, window)[:, :, 1:]   # position 0 is not trained
     logits = drafter.draft_logits(h, target.lm_head)                        # through the frozen lm_head
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(N, n_anchors, B - 1)
     loss = (ce * w).sum() / (w.sum() * N * n_anchors)
     with torch.no_grad():                                                   # tokens a verify would commit
         acc = (logits.argmax(-1) == labels).int().cumprod(-1).sum(-1).float().mean() + 1
     return loss, float(acc)
+
+
+@torch.no_grad()
+def build_long_data(target, tok, feature_layers: tuple, n_seq: int, prompt_len: int, resp_len: int, window: int,
+                    seed: int, batch: int = 8) -> dict:
+    """Long-context training data for a windowed drafter: prompts of prompt_len tokens (random windows of the
+    training split) + the target's greedy response, of which only what a draft with a `window` reads is kept:
+    tokens and target features (a full forward over the whole sequence, so they carry the long context) at
+    positions prompt_len - window .. prompt_len + resp_len - 1. -> {"tokens" [n,W+R], "feats" [n,W+R,F], "offset"}."""
+    stream = token_stream(tok, "train")
+    g = torch.Generator().manual_seed(seed)
+    keep, toks, feats = prompt_len - window, [], []
+    t0 = time.time()
+    for i in range(0, n_seq, batch):
+        starts = torch.randint(0, len(stream) - prompt_len, (min(batch, n_seq - i),), generator=g)
+        prompts = torch.stack([stream[s:s + prompt_len] for s in starts])
+        seqs = torch.cat([prompts, regenerate(target, prompts, resp_len)], 1)
+        _, f = target(seqs, torch.arange(seqs.shape[1]), feature_layers=feature_layers, last_logits_only=True)
+        toks.append(seqs[:, keep:])
+        feats.append(f[:, keep:].clone())
+        print(f"long prompts of {prompt_len}: {i + len(starts)}/{n_seq} sequences  {time.time() - t0:.0f}s", flush=True)
+    return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "offset": keep}
 
 
 def grow_drafter_(big: M.DFlashDrafter, small: M.DFlashDrafter) -> None:
@@ -412,13 +453,18 @@ def train_draft(args):
         seqs = more if seqs is None else torch.cat([seqs, more])
         torch.save(seqs, data_path)
     print(f"training on {len(seqs)} regenerated sequences", flush=True)
+    if args.long_prompts and args.window is None:
+        raise SystemExit("--long-prompts needs --window (the drafter's attention span: the data keeps only that much context)")
+    if args.window is not None and not 1 <= args.window <= min(args.long_prompts or [args.window]):
+        raise SystemExit(f"--window must be between 1 and the shortest --long-prompts length, got {args.window}")
     L = target.cfg.num_hidden_layers
     cfg = M.DraftConfig(
         hidden_size=target.cfg.hidden_size, intermediate_size=args.draft_intermediate, num_hidden_layers=args.draft_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=target.cfg.vocab_size,
         target_layer_ids=args.target_layers or ckpt.default_target_layer_ids(L, args.draft_layers),
         mask_token_id=tok.token_to_id("<|mask|>"), block_size=args.block_size, num_target_layers=L,
-        rope_theta=10000.0, train_context_length=args.prompt_len + args.resp_len)   # generate.py's default draft window
+        rope_theta=10000.0,    # the context a draft saw in training: generate.py's default draft window
+        train_context_length=args.window or args.prompt_len + args.resp_len)
     drafter = M.DFlashDrafter(cfg)
     init_weights_(drafter, args.seed)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -433,6 +479,17 @@ def train_draft(args):
     if args.resume and os.path.exists(state_path):
         step, _ = load_state(state_path, drafter, opt)
         print(f"resumed at step {step}", flush=True)
+    # Buckets of training data: the regenerated short sequences, then one per --long-prompts length (built once,
+    # kept in <out>/long-<P>.pt). Each step trains on one bucket drawn uniformly.
+    buckets = [(seqs, None, args.prompt_len, 0)]
+    for P in args.long_prompts or []:
+        path = os.path.join(args.out, f"long-{P}.pt")
+        data = torch.load(path, weights_only=True) if os.path.exists(path) else None
+        if data is None or len(data["tokens"]) < args.long_n_seq or data["offset"] != P - args.window:
+            data = build_long_data(target, tok, tuple(cfg.target_layer_ids), args.long_n_seq, P, args.resp_len,
+                                   args.window, args.seed + P)
+            torch.save(data, path)
+        buckets.append((data["tokens"], data["feats"], args.window, data["offset"]))
     gen = torch.Generator().manual_seed(args.seed + step)
     budget = Budget(args.minutes, args.steps)
     t0, ema = time.time(), None
@@ -440,8 +497,10 @@ def train_draft(args):
     while not budget.done(step):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
-        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
-        loss, acc = draft_loss(drafter, target, seqs[idx], args.prompt_len, args.anchors, args.block_size, args.gamma, gen)
+        toks, feats, prompt_len, offset = buckets[int(torch.randint(0, len(buckets), (), generator=gen))]
+        idx = torch.randint(0, len(toks), (args.batch,), generator=gen)
+        loss, acc = draft_loss(drafter, target, toks[idx], prompt_len, args.anchors, args.block_size, args.gamma, gen,
+                               None if feats is None else feats[idx], offset, args.window)
         optimizer_step(drafter, opt, loss)
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
@@ -497,6 +556,13 @@ def main(argv=None):
     d.add_argument("--anchors", type=int, default=32)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=2e-3)
+    d.add_argument("--window", type=int, default=None,
+                   help="the drafter's attention span over the context in training (default: all of it); recorded as "
+                        "the drafter's train_context_length, generate.py's default --draft-window")
+    d.add_argument("--long-prompts", type=lambda x: [int(i) for i in x.split(",")], default=None,
+                   help="also train on prompts of these lengths, e.g. 500,1500,3000 (needs --window): the target's "
+                        "features then carry a long context, as at inference on long prompts")
+    d.add_argument("--long-n-seq", type=int, default=64, help="sequences per --long-prompts length")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     {"target": train_target, "draft": train_draft}[args.job](args)

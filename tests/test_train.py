@@ -183,3 +183,29 @@ def test_state_files_load_weights_only(tmp_path):
     torch.save({"model": drafter.state_dict(), "extra": _Payload()}, path)
     with pytest.raises(Exception, match="[Ww]eights only"):
         train.load_state(path, drafter, opt)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_long_prompt_crop_trains_what_inference_drafts(window):
+    """The long-prompt path of training (features of a full forward, cropped to the last `window` context
+    positions before the response, positions offset, the windowed mask) gives each block the hidden states the
+    engine's drafter computes at that anchor on the whole sequence with --draft-window `window`."""
+    torch.manual_seed(0)
+    tcfg = tiny_target_config(vocab_size=40)
+    target = random_target(tcfg, 1, torch.float32)
+    drafter = M.DFlashDrafter(tiny_draft_config(tcfg, block_size=4))
+    train.init_weights_(drafter, 1)
+    S, P, B = 50, 30, 4
+    seq = torch.randint(0, 39, (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, feats = target(seq, torch.arange(S), feature_layers=tuple(drafter.cfg.target_layer_ids))
+        keep = 0 if window is None else P - window          # what build_long_data keeps
+        anchors = torch.tensor([[P, 37, S - B]]) - keep
+        h = train.draft_hidden(drafter, target, seq[:, keep:], anchors, feats[:, keep:], keep, window)
+        for i, a in enumerate((anchors[0] + keep).tolist()):
+            cache = M.DraftCache(drafter.cfg, S + B, torch.float32, "cpu")
+            drafter.append_context(feats[:, :a], torch.arange(a), cache)
+            block = torch.full((1, B), drafter.cfg.mask_token_id)
+            block[0, 0] = seq[0, a]
+            ref = drafter.draft(target.embed_tokens(block), torch.tensor(a), cache, M.DenseMasks(S + B, B, window))
+            torch.testing.assert_close(h[0, i], ref[0], rtol=1e-5, atol=1e-5)
