@@ -2,75 +2,128 @@
 generate.py and bench.py (`--no-adaptive` turns it off: pure DFlash, for benchmarks and oracle runs).
 
 A round costs a draft and a B-token verify and commits `tau` tokens on average; a plain step costs one decode and
-commits one token. Speculation pays while tau / round_seconds > 1 / plain_seconds. Both sides are measured as the
-generation runs (moving averages of the steps' own wall times), because the ratio of a verify to a decode differs
-by device, model and context length, and acceptance falls when a prompt is longer than the drafter's training
-context. While speculating would lose, the engine takes plain steps: the same target call as AR decoding plus the
-token's features appended to the drafter's context (dflash.Engine._plain), so the output stays exactly AR's and
-drafting can resume at any step. It resumes for one probe round after `wait` plain steps; a probe that loses
-again doubles the wait (up to `max_wait`), one that wins returns to speculating.
+commits one token. Speculation pays while tau / round_seconds >= 1 / plain_seconds. Both sides are measured as
+the generation runs (moving averages of the steps' own wall times), because the ratio of a verify to a decode
+differs by device, model and context length, and acceptance falls when a prompt is longer than the drafter's
+training context. While speculating would lose, the engine takes plain steps: the same target call as AR decoding
+plus the token's features appended to the drafter's context (dflash.Engine.decode with plain=True), so the
+output stays exactly AR's and drafting can resume at any step.
+
+Whether to resume is tested by a look, not a round: after `wait` plain steps the drafter drafts once, as a round
+would, but nothing is verified (Step.look); the plain steps that follow are the target's own tokens, so they say
+how many of the look's proposals a round would have accepted, at the price of a draft alone (a quarter to a third
+of a round on the embedded pair). A look that would have paid resumes speculation at once; one that would have
+lost doubles the wait (up to `max_wait`).
 
 Output never depends on the policy: every step, round or plain, commits only the target's own greedy tokens
 (tests/test_adaptive.py forces arbitrary step patterns).
 """
 from __future__ import annotations
 
+import statistics
+
 
 class Adaptive:
-    """speculate() -> round (True) or plain step (False); observe(step) after each step. Per generation: reset().
+    """speculate() -> round (True) or plain step (False); look() -> whether that plain step drafts first (a probe);
+    observe(step) after each step. Per generation: reset().
 
     Acceptance per round is noisy and often bimodal (a round commits 1 token or the whole block), so `tau` is the
-    mean of the last `window` rounds, judged only after `min_rounds` of them; step times are moving averages.
-    Speculation is switched off only when it is measured more than `margin` slower than plain steps, and a probe
-    round is judged with the rounds before it, so one lucky or unlucky round does not flip the decision."""
+    mean of the last `window` rounds, judged only after `min_rounds` of them (a look's would-be acceptance counts
+    as a round). Step times are medians of the last `window` steps of each kind: a step the OS or another process
+    interrupted is an outlier, not a trend. One plain step is measured before the first verdict (an error in it
+    matters only near the break-even, where either choice costs little). Speculation stops when it is measured slower than plain
+    steps (by more than `margin`, a fraction)."""
 
     def __init__(self, first_wait: int = 8, max_wait: int = 256, window: int = 8, min_rounds: int = 3,
-                 margin: float = 0.1, smoothing: float = 0.3):
+                 margin: float = 0.0):
         self.first_wait, self.max_wait, self.window, self.min_rounds = first_wait, max_wait, window, min_rounds
-        self.margin, self.alpha = margin, smoothing
+        self.margin = margin
         self.reset()
 
     def reset(self) -> None:
-        self.taus, self.round_s, self.plain_s = [], None, None     # last rounds' tokens; seconds per step
-        self.wait, self.left, self.probing, self.rounds = self.first_wait, 0, False, 0
+        self.taus, self.round_times, self.plain_times = [], [], []    # last rounds' tokens; seconds per step
+        self.wait, self.left, self.rounds = self.first_wait, 0, 0
+        self.looking, self.pending = False, None    # a look is due; a look's proposals not yet matched, and the count matched
+        self.resumed = False                        # speculating again on a look's word, not yet confirmed by rounds
 
-    def _mix(self, old, new):
-        return new if old is None else old + self.alpha * (new - old)
+    def _keep(self, times: list, t: float) -> None:
+        times.append(t)
+        del times[:-self.window]
 
-    def paying(self) -> bool:
-        """Rounds' tokens per second at least (1 - margin) x plain steps' (True until both have been measured)."""
-        if len(self.taus) < self.min_rounds or self.plain_s is None:
-            return True
-        tau = sum(self.taus) / len(self.taus)
+    @property
+    def round_s(self):
+        return statistics.median(self.round_times) if self.round_times else None
+
+    @property
+    def plain_s(self):
+        return statistics.median(self.plain_times) if self.plain_times else None
+
+    def pays(self, tau: float) -> bool:
+        """Rounds of tau tokens at least (1 - margin) x as many tokens per second as plain steps."""
         return tau / self.round_s >= (1 - self.margin) / self.plain_s
 
+    def paying(self) -> bool:
+        """The mean of the last rounds pays (True until enough rounds and a plain step have been measured; after
+        a look resumed speculation, the look and one round are enough)."""
+        if len(self.taus) < (2 if self.resumed else self.min_rounds) or self.plain_s is None:
+            return True
+        return self.pays(sum(self.taus) / len(self.taus))
+
     def speculate(self) -> bool:
-        if self.plain_s is None and self.rounds >= 2:   # measure one plain step early: the baseline to beat
+        if not self.plain_times and self.rounds >= self.min_rounds - 1:   # one plain step: the baseline to beat
             return False
-        if self.left > 0:                                  # plain steps to go; the last one is replaced by a probe round
+        if self.pending is not None:                       # a look is being matched: plain steps until it is judged
+            return False
+        if self.left > 0:                                  # plain steps to go; the last one looks
             self.left -= 1
-            self.probing = self.left == 0
-            return self.probing
+            self.looking = self.left == 0
+            return False
         return True
+
+    def look(self) -> bool:
+        """Whether the plain step about to run drafts first (asked after speculate() said False)."""
+        looking, self.looking = self.looking, False
+        return looking
 
     def observe(self, step) -> None:
         if step.kind == "verify":
             self.rounds += 1
             self.taus = (self.taus + [len(step.tokens)])[-self.window:]
-            self.round_s = self._mix(self.round_s, step.draft_seconds + step.verify_seconds)
-            if self.paying():
-                self.probing, self.wait = False, self.first_wait
-            else:                                          # lost: plain steps for a while, longer after a failed probe
-                if self.probing:
+            self._keep(self.round_times, step.draft_seconds + step.verify_seconds)
+            if not self.paying():                          # lost: plain steps for a while, then a look
+                if self.resumed:                           # the look that resumed was lucky: wait longer next time
                     self.wait = min(2 * self.wait, self.max_wait)
-                self.left, self.probing = self.wait, False
+                self.left, self.resumed = self.wait, False
+            elif len(self.taus) >= self.min_rounds:        # confirmed by rounds: short waits again
+                self.wait, self.resumed = self.first_wait, False
         elif step.kind == "plain":
-            self.plain_s = self._mix(self.plain_s, step.verify_seconds)
+            self._keep(self.plain_times, step.verify_seconds)
+            if step.look is not None:
+                self.pending = (list(step.look), 0)
+            if self.pending is not None:
+                self._match(step.tokens[0])
+
+    def _match(self, token: int) -> None:
+        """A plain step's token against the pending look's next proposal; judge the look once it is decided."""
+        proposals, n = self.pending
+        matched = n < len(proposals) and token == proposals[n]
+        n += matched
+        # A round would have committed at least n + 1 tokens (n proposals and its bonus token): speculate again as
+        # soon as that pays, without waiting for the look's first miss (judged afresh by the rounds that follow).
+        if self.round_s is not None and self.pays(n + 1):
+            self.pending, self.taus, self.left, self.resumed = None, [n + 1], 0, True
+        elif matched and n < len(proposals):
+            self.pending = (proposals, n)
+        else:                                              # missed: it would have lost
+            self.pending = None
+            self.wait = min(2 * self.wait, self.max_wait)
+            self.left = self.wait
 
 
 class Pattern:
-    """A fixed step pattern, cycled: True = round, False = plain step. Compile warm-ups use [True, False] so both
-    step kinds are compiled before the timed run; tests force arbitrary patterns with it."""
+    """A fixed step pattern, cycled: True = round, False = plain step, "look" = a plain step that drafts first.
+    Compile warm-ups use [True, "look"] so every step kind is compiled before the timed run; tests force arbitrary
+    patterns with it."""
 
     def __init__(self, pattern):
         self.pattern = list(pattern)
@@ -81,7 +134,10 @@ class Pattern:
 
     def speculate(self) -> bool:
         self.i += 1
-        return self.pattern[(self.i - 1) % len(self.pattern)]
+        return self.pattern[(self.i - 1) % len(self.pattern)] is True
+
+    def look(self) -> bool:
+        return self.pattern[(self.i - 1) % len(self.pattern)] == "look"
 
     def observe(self, step) -> None:
         pass

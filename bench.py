@@ -111,10 +111,10 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     ar_engine = dflash.Engine(target, None, 1, capacity, **kw)
     # --preset times the steps themselves: every step a round (random drafts would switch adaptive speculation off)
     policy = None if getattr(args, "no_adaptive", True) or getattr(args, "preset", None) else adaptive.Adaptive()
-    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw, policy=adaptive.Pattern([True, False]) if policy else None)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw, policy=adaptive.Pattern([True, "look"]) if policy else None)
     t0 = time.perf_counter()
     ar_engine.run(prompt, 8, stops)
-    sp_engine.run(prompt, 3 * block, stops)            # both step kinds (round, plain) warmed up
+    sp_engine.run(prompt, 3 * block, stops)            # every step kind (round, plain, look) warmed up
     sp_engine.policy = policy
     return ar_engine, sp_engine, time.perf_counter() - t0
 

@@ -40,6 +40,8 @@ class Step:
     stop: bool = False                          # generation ends after this step
     draft_seconds: float = 0.0                  # wall time of the draft forward (verify steps)
     verify_seconds: float = 0.0                 # wall time of the target forward + accept + commit
+    look: list | None = None                    # "plain" after a look: the proposals of a draft made first and never
+                                                # verified (adaptive speculation's probe); not part of the trace
 
 
 @dataclass
@@ -395,7 +397,10 @@ class Engine:
             if self.proposer is None:
                 yield self.decode(seq)
                 continue
-            step = self.round(seq) if self.policy is None or self.policy.speculate() else self.decode(seq, plain=True)
+            if self.policy is None or self.policy.speculate():
+                step = self.round(seq)
+            else:
+                step = self.decode(seq, plain=True, look=getattr(self.policy, "look", lambda: False)())
             if self.policy is not None:
                 self.policy.observe(step)
             yield step
@@ -455,22 +460,31 @@ class Engine:
         seq.feat_pos, seq.plain_run = pos, None
         return Step("verify", start, new, proposals, a, seq.done, t1 - t0, t2 - t1)
 
-    def decode(self, seq: _Sequence, plain: bool = False) -> Step:
+    def decode(self, seq: _Sequence, plain: bool = False, look: bool = False) -> Step:
         """One plain AR step: the baseline DFlash must equal. plain (a DFlash engine, adaptive speculation): the same
         step also keeps the token's features for the drafter's context, in a B-row buffer that is appended whole
-        when full, or by the next round's draft like a verify's features (rows past the committed ones hidden)."""
-        start, t0 = seq.start, self._clock()
-        if plain and seq.feats is not None:
-            if seq.plain_run in (None, self.block):    # pending rows (a round's, or a full buffer) into the context;
-                self.proposer.prefill(seq.feats, seq.feat_pos)    # rows at >= start are hidden, overwritten later
-                seq.feats, seq.feat_pos, seq.plain_run = self._plain_buf, seq.start_t + self.offsets, 0
+        when full, or by the next round's draft like a verify's features (rows past the committed ones hidden).
+        look: first draft as a round would (greedily, the same draft step) without verifying: the proposals come
+        back in Step.look, and the plain steps that follow show how many of them a round would have accepted,
+        at the cost of a draft alone (adaptive.Adaptive's probe)."""
+        start, t0, proposals = seq.start, self._clock(), None
+        if look and self.block > 1:
+            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, self.block - 1)
+            proposals = (drafted[0] if isinstance(drafted, tuple) else drafted).tolist()
+        feeding = plain and seq.feats is not None
+        if feeding and seq.plain_run in (None, self.block):    # pending rows (a round's, or a full buffer) into the
+            self.proposer.prefill(seq.feats, seq.feat_pos)     # context; rows at >= start are hidden, overwritten later
+            seq.feats, seq.feat_pos, seq.plain_run = self._plain_buf, seq.start_t + self.offsets, 0
+        t1 = self._clock()                                     # (the look and the feeding are timed apart)
+        if feeding:
             logits = self.plain_step(seq.last.view(1, 1), seq.start_t, seq.feats, seq.start_t - seq.feat_pos[:1])
             seq.plain_run += 1
         else:
             logits = self.decode_step(seq.last.view(1, 1), seq.start_t)
         new = seq.take([int(self.pick(logits))])                                 # the one host sync per token
         seq.advance(1, new[0])
-        return Step("plain" if plain else "decode", start, new, stop=seq.done, verify_seconds=self._clock() - t0)
+        return Step("plain" if plain else "decode", start, new, stop=seq.done, draft_seconds=t1 - t0,
+                    verify_seconds=self._clock() - t1, look=proposals)
 
     def pick(self, logits):
         """One token from logits [V] on the device: argmax, or a draw at the generation's Sampling."""

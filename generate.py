@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()
-        engine.policy = adaptive.Pattern([True, False]) if policy else None     # both step kinds compiled now
+        engine.policy = adaptive.Pattern([True, "look"]) if policy else None     # every step kind compiled now
         engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images)
         engine.policy = policy
         compile_seconds = time.perf_counter() - t0

@@ -21,12 +21,12 @@ from test_spec_equals_ar import scratch_mask
 
 
 @settings(max_examples=25)
-@given(pattern=st.lists(st.booleans(), min_size=1, max_size=12), seed=st.integers(0, 10 ** 6),
+@given(pattern=st.lists(st.sampled_from([True, False, "look"]), min_size=1, max_size=12), seed=st.integers(0, 10 ** 6),
        block=st.sampled_from([2, 4, 8, 16]), prompt_len=st.integers(1, 40))
 def test_any_step_pattern_equals_ar(pattern, seed, block, prompt_len):
-    """Rounds and plain steps in a forced pattern: output == AR with the stand-in proposer (every acceptance
-    length) and with a random real drafter (float64: exactly); the trace lists one entry per step, a plain step
-    as 1 with no drafts."""
+    """Rounds, plain steps and looks (plain steps that draft first) in a forced pattern: output == AR with the
+    stand-in proposer (every acceptance length) and with a random real drafter (float64: exactly); the trace lists
+    one entry per step, a plain step (look or not) as 1 with no drafts."""
     rng, dtype = random.Random(seed), torch.float64
     target = random_target(tiny_target_config(vocab_size=50), seed % 97, dtype)
     prompt = [rng.randrange(50) for _ in range(prompt_len)]
@@ -44,11 +44,13 @@ def test_any_step_pattern_equals_ar(pattern, seed, block, prompt_len):
             assert (kind, a, d) == ("plain", 1, []) if kind == "plain" else (kind == "verify" and len(d) == block - 1)
 
 
-@pytest.mark.parametrize("kind,block,pattern", [("dflash", 8, [False] * 5 + [True]), ("dflash", 4, [True, False, False]),
-                                                ("sliding", 8, [False] * 19 + [True, True]), ("dflash2", 16, [False, True])])
+@pytest.mark.parametrize("kind,block,pattern", [("dflash", 8, [False] * 5 + [True]), ("dflash", 4, [True, False, "look"]),
+                                                ("sliding", 8, [False] * 7 + ["look"] + [False] * 11 + [True, True]),
+                                                ("dflash2", 16, ["look", True]), ("dflash", 8, [False] * 16 + ["look", False, True])])
 def test_drafts_after_plain_steps_equal_drafter_from_scratch(kind, block, pattern):
     """After any stretch of plain steps (shorter and longer than a block: the feature buffer appended when full),
-    every proposal == the drafter run from scratch on full-forward target features of the committed prefix."""
+    every proposal, a round's or a look's, == the drafter run from scratch on full-forward target features of the
+    committed prefix."""
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, 7)
     dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
@@ -56,59 +58,69 @@ def test_drafts_after_plain_steps_equal_drafter_from_scratch(kind, block, patter
     prompt = [random.Random(7).randrange(40) for _ in range(23)]
     res = dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, 160, policy=adaptive.Pattern(pattern)).run(prompt, 90)
     assert res.step_kinds.count("plain") >= 20 and res.step_kinds.count("verify") >= 3
+    looks = [s for s in res.steps if s.look is not None]
+    assert len(looks) >= 2 * ("look" in pattern)
     seq = torch.tensor([prompt + res.output_ids])
     with torch.no_grad():
         _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
-        for step in [s for s in res.steps if s.kind == "verify"]:
+        for step in [s for s in res.steps if s.kind == "verify" or s.look is not None]:
             start = step.start
             blk = torch.full((1, block), dcfg.mask_token_id)
             blk[0, 0] = seq[0, start]
             masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
             h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), masks)
-            assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids, start
+            proposals = step.draft_ids if step.kind == "verify" else step.look
+            assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == proposals, start
 
 
 class FakeStep:
-    def __init__(self, kind, n, seconds):
-        self.kind, self.tokens, self.draft_seconds, self.verify_seconds = kind, [0] * n, 0.0, seconds
+    def __init__(self, kind, tokens, seconds, look=None):
+        self.kind, self.tokens, self.draft_seconds, self.verify_seconds, self.look = kind, tokens, 0.0, seconds, look
+
+
+def drive(p, n, round_tokens, proposals=(), round_s=0.020):
+    """n steps under policy p: a round commits round_tokens tokens in round_s; a plain step commits token 0 in
+    10 ms, and a look proposes `proposals`. -> the steps as a string: R round, . plain step, L look."""
+    kinds = ""
+    for _ in range(n):
+        if p.speculate():
+            kinds += "R"
+            p.observe(FakeStep("verify", [0] * round_tokens, round_s))
+        else:
+            look = p.look()
+            kinds += "L" if look else "."
+            p.observe(FakeStep("plain", [0], 0.010, list(proposals) if look else None))
+    return kinds
 
 
 def test_policy_follows_the_measured_costs():
-    """Rounds of 3 tokens at 20 ms against plain steps at 10 ms: speculation pays (150 vs 100 tok/s) and goes on;
-    rounds of 1.5 tokens: it loses, the policy takes `wait` plain steps, probes once, and waits twice as long
-    after a lost probe, up to max_wait; a winning probe returns to speculating."""
-    p = adaptive.Adaptive(first_wait=4, max_wait=16, smoothing=1.0, window=1, min_rounds=1, margin=0.0)
-    steps = []
-
-    def run(n, tokens):
-        for _ in range(n):
-            spec = p.speculate()
-            steps.append(spec)
-            p.observe(FakeStep("verify", tokens, 0.020) if spec else FakeStep("plain", 1, 0.010))
-    run(2, 3)
-    assert steps == [True, True]
-    run(6, 3)                                   # one plain step measures the baseline, then rounds again
-    assert steps[2:] == [False] + [True] * 5
-    steps.clear()
-    run(1, 1)                                   # a round of 1 token: 50 tok/s < 100
-    run(4 + 8 + 16 + 16, 1)
-    assert steps == [True] + [False] * 3 + [True] + [False] * 7 + [True] + [False] * 15 + [True] + [False] * 15 + [True]
-    steps.clear()
-    run(16 + 2, 4)                              # the probe wins: speculating again
-    assert steps[-3:] == [True, True, True]
+    """Rounds of 3 tokens at 20 ms against plain steps at 10 ms pay (150 vs 100 tok/s) and go on; rounds of 1 token
+    lose: `wait` plain steps, the last a look; a look whose proposals the next tokens miss doubles the wait (up to
+    max_wait); one whose proposals they match resumes speculating as soon as the matched ones would have paid."""
+    p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
+    assert drive(p, 6, 3) == "R.RRRR"              # one plain step after the first round: the baseline
+    assert drive(p, 2 + 4 + 8 + 16 + 16, 1, [1, 1, 1]) == "RR" + "...L" + "." * 7 + "L" + ("." * 15 + "L") * 2
+    assert drive(p, 16 + 2, 4, [0, 0, 0, 5]) == "." * 15 + "L" + "RR"   # 1 matched + bonus: 2 tokens / 20 ms pays
+    p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
+    assert drive(p, 4, 1, round_s=0.030) == "R.R."  # lost at 1 token / 30 ms
+    assert drive(p, 3 + 4, 4, [0, 0, 0, 5], round_s=0.030) == "..L.RRR"   # at 30 ms a round must commit 3: two matches
 
 
-def test_policy_judges_a_window_of_rounds_with_a_margin():
-    """The defaults: no verdict before 3 rounds; the mean of the last 8 rounds against plain steps, switched off
-    only when more than 10% slower: 1.8 tokens per 20 ms round (90 tok/s) vs 10 ms plain steps goes on, 1.7 stops."""
-    for tokens, goes_on in ((1.8, True), (1.7, False)):
+def test_policy_judges_the_mean_of_rounds_against_medians():
+    """The defaults: no verdict before 3 rounds; the mean tokens of the last 8 rounds against the median step
+    times: 2 tokens per 20 ms round vs 10 ms plain steps goes on, 1.9 stops; one slow plain step among others
+    does not move the baseline; after a look resumed speculation, the look and one round are judged."""
+    for tokens, goes_on in ((2.0, True), (1.9, False)):
         p = adaptive.Adaptive()
-        p.plain_s, p.round_s = 0.010, 0.020
-        p.taus = [tokens] * 8
+        p.plain_times, p.round_times, p.taus = [0.010] * 4, [0.020] * 4, [tokens] * 8
         assert p.paying() is goes_on
     p = adaptive.Adaptive()
-    p.plain_s, p.round_s, p.taus = 0.010, 0.020, [1, 1]
+    p.plain_times, p.round_times, p.taus = [0.010, 0.010, 0.500], [0.020] * 3, [1.9] * 8
+    assert not p.paying()                                     # the 0.5 s outlier would have made 1.9 tokens pay
+    p.taus = [1, 1]
     assert p.paying()                                         # two rounds: too few to judge
+    p.resumed = True
+    assert not p.paying()
 
 
 def test_default_window_from_the_config(tmp_path):
