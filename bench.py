@@ -223,9 +223,10 @@ def main(argv=None):
             extra = f"  eager DFlash {eager_tps[-1]:8.1f} tok/s"
         rows.append((ar_tps, sp_tps, sp.mean_acceptance_length, same))
         ar_res.append(ar), sp_res.append(sp)
-        plain = sp.step_kinds.count("plain")
+        plain, looks = sp.step_kinds.count("plain"), sum(s.look is not None for s in sp.steps)
         print(f"prompt {i}: {len(p)} tokens -> {len(sp.output_ids)}  AR {ar_tps:8.1f} tok/s  DFlash {sp_tps:8.1f} tok/s  "
-              f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  plain steps {plain:3d}  identical {same}{extra}", flush=True)
+              f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  plain steps {plain:3d} "
+              f"(looks {looks})  identical {same}{extra}", flush=True)
 
     ar_med = statistics.median(r[0] for r in rows)
     sp_med = statistics.median(r[1] for r in rows)
@@ -239,12 +240,14 @@ def main(argv=None):
     hist = [all_acc.count(k) for k in range(1, block + 1)]
     decode_ms, draft_ms, verify_ms = step_ms(ar_all, "decode", "verify_seconds"), step_ms(sp_all, "verify", "draft_seconds"), step_ms(sp_all, "verify", "verify_seconds")
     plain_ms = step_ms(sp_all, "plain", "verify_seconds")         # a decode that also feeds the drafter's context
+    look_ms = 1000 * statistics.median(looks) if (looks := [s.draft_seconds for r in sp_all for s in r.steps if s.look is not None]) else None
     print(f"median: AR {ar_med:.1f} tok/s, DFlash {sp_med:.1f} tok/s, median per-prompt speedup {statistics.median(speedups):.2f}x "
           f"(quartiles {quart[0]:.2f} / {quart[2]:.2f}, min {min(speedups):.2f}, max {max(speedups):.2f}); "
           f"whole run (all tokens / all decode time) {agg:.2f}x")
     print(f"mean acceptance length {tau:.2f} (block {block}); histogram of tokens per verify step 1..{block}: {hist}")
     print(f"ms per step (median): decode {decode_ms:.2f}, draft {draft_ms:.2f}, verify {verify_ms:.2f}"
-          + (f", plain (decode + the drafter's context) {plain_ms:.2f}" if plain_ms else ""))
+          + (f", plain (decode + the drafter's context) {plain_ms:.2f}" if plain_ms else "")
+          + (f", look (a draft alone) {look_ms:.2f}" if look_ms else ""))
     wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
     print(bw_line)
     print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
@@ -266,8 +269,8 @@ def main(argv=None):
         "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
         "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
         "compile_mode": mode, "attention": args.attention, "onednn": args.onednn, "cpp_wrapper": bool(mode and args.cpp_wrapper),
-        "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "prompt_len": args.prompt_len,
-        "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
+        "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "look_ms": look_ms, "prompt_len": args.prompt_len,
+        "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "looks": sum(s.look is not None for r in sp_res for s in r.steps), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
     }))
 
 
