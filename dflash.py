@@ -9,8 +9,10 @@ token or at max_new_tokens) and COMMIT (TargetCache.commit(n): the rollback of t
 A proposer has `max_block_size`, `feature_layers` (the target layers whose outputs it reads), `reset(capacity,
 masks)`, `prefill(feats, pos)` and `propose(last, start, feats, feat_pos, n)` -> proposals [n], or (proposals,
 q) with their draft distributions q [n, V] (None: one-hot); one that samples its draft also has `draft_noise(n)`
-and takes the noise and temperature as two more arguments. DrafterProposer wraps the DFlash and DFlash2
-drafters; the tests use stand-ins that force every acceptance length.
+and takes the noise and temperature as two more arguments. One with `wants_next_ids` (mtp.MTPProposer) also
+gets `next_ids=`, the committed token after each feature row's position, in prefill and propose, and its first
+feature rows include the position before `start`. `compilable`: propose is one static-shape graph.
+DrafterProposer wraps the DFlash and DFlash2 drafters; the tests use stand-ins that force every acceptance length.
 """
 from __future__ import annotations
 
@@ -149,6 +151,8 @@ def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Te
 class DrafterProposer:
     """The real proposer: the DFlash drafter with its context cache, sharing the target's embedding and lm_head."""
 
+    compilable = True
+
     def __init__(self, drafter: DFlashDrafter, target: Qwen35, window: int | None = None):
         """window: each draft sees only the last `window` committed positions (None = all; long prompts)."""
         if window is not None and window < 1:
@@ -266,7 +270,7 @@ class _Sequence:
 
     def __init__(self, first: int, start: int, max_new_tokens: int, stops: set, upload):
         self.upload, self.stops, self.max_new = upload, stops, max_new_tokens
-        self.n_out, self.start, self.feats, self.feat_pos = 1, start, None, None
+        self.n_out, self.start, self.feats, self.feat_pos, self.feat_next = 1, start, None, None, None
         self.plain_run = None    # plain steps whose features fill `feats` since it was last appended (None: a round's)
         self.done = first in stops or max_new_tokens <= 1
         self.last, self.start_t = self.upload([first, start]).split(1)
@@ -325,6 +329,7 @@ class Engine:
         self._host = None                    # pinned host buffer of _upload (CUDA)
         self.decode_step, self.verify_step, self.commit, self.plain_step = self._decode, self._verify, self.cache.commit, self._plain
         self.draft_step = proposer.propose if proposer is not None else None
+        self._next_ids = getattr(proposer, "wants_next_ids", False)
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
 
@@ -341,7 +346,7 @@ class Engine:
         self.decode_step = torch.compile(self._decode, **opts)
         self.verify_step = torch.compile(self._verify, **opts)
         self.commit = torch.compile(self.cache.commit, **opts)
-        if isinstance(self.proposer, DrafterProposer):
+        if getattr(self.proposer, "compilable", False):
             self.draft_step = torch.compile(self.proposer.propose, **opts)
             self.plain_step = torch.compile(self._plain, **opts)
 
@@ -412,7 +417,7 @@ class Engine:
         self.cache.reset()
         if self.proposer is not None:
             self.proposer.reset(self.capacity, self.masks)
-            if self._graphs and isinstance(self.proposer, DrafterProposer):
+            if self._graphs and getattr(self.proposer, "compilable", False):
                 mark_static_(self.proposer.cache)    # (re)allocated by reset when another Engine resized it
         pos = torch.arange(T0, device=device)
         self.rope_delta.fill_(0 if images is None else images.rope_delta)
@@ -426,15 +431,25 @@ class Engine:
         first = int(self.pick(logits[0, -1]))
         seq = _Sequence(first, T0, max_new_tokens, stops, self._upload)
         if self.proposer is not None:
-            self.proposer.prefill(feats, pos)
-            # The first draft gets placeholder features at positions >= start: hidden, overwritten by the first verify's.
+            B, back = self.block, 0
+            if self._next_ids:      # the token after each row: the prompt shifted by one, then the first token
+                nxt = torch.tensor(prompt_ids[1:] + [first], device=device)
+                self.proposer.prefill(feats, pos, next_ids=nxt)
+                back = min(T0, B)   # the first draft re-reads the prompt's last rows (it starts from the one before start)
+                seq.feat_next = torch.cat([nxt[T0 - back:], nxt.new_zeros(B - back)])
+            else:
+                self.proposer.prefill(feats, pos)
+            # The first draft gets the prompt's last `back` rows and placeholders at positions >= start: hidden,
+            # overwritten by the first verify's.
             if feats is not None:
-                seq.feats = torch.zeros(1, self.block, feats.shape[-1], dtype=feats.dtype, device=device)
+                seq.feats = torch.cat([feats[:, T0 - back:], feats.new_zeros(1, B - back, feats.shape[-1])], 1)
                 if getattr(self, "_plain_buf", None) is None or self._plain_buf.shape != seq.feats.shape:
                     self._plain_buf = torch.zeros_like(seq.feats)    # plain steps' features (decode(plain=True)),
+                    self._plain_next = torch.zeros(B, dtype=torch.long, device=device)   # and their next tokens
                     if self._graphs:                                 # written in place by the compiled plain step
                         torch._dynamo.mark_static_address(self._plain_buf, guard=False)
-            seq.feat_pos = seq.start_t + self.offsets
+                        torch._dynamo.mark_static_address(self._plain_next, guard=False)
+            seq.feat_pos = seq.start_t - back + self.offsets
         yield Step("prefill", T0 - 1, [first], stop=seq.done)
         return seq
 
@@ -444,11 +459,13 @@ class Engine:
         t0 = self._clock()
         proposals, q = torch.zeros(0, dtype=torch.long, device=self.device), None
         if B > 1:
-            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, B - 1, *self._draft_noise(B - 1))
+            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, B - 1, *self._draft_noise(B - 1),
+                                      **self._next_kw(seq))
             proposals, q = drafted if isinstance(drafted, tuple) else (drafted, None)              # [B-1], [B-1,V]
         t1 = self._clock()
         block = torch.cat([seq.last, proposals])[None]
         posterior, accepted, feats = self.verify_step(block, pos, *self._noise(B), *(() if q is None else (q,)))
+        posterior_t, proposals_t = posterior, proposals
         a, *rest = torch.cat([accepted.view(1), posterior, proposals]).tolist()    # the round's one host sync
         posterior, proposals = rest[:B], rest[B:]
         new = seq.take(proposals[:a] + [posterior[a]])
@@ -458,6 +475,8 @@ class Engine:
         # tokens are at positions >= the next start, hidden from the next block and overwritten by its append.
         seq.feats = feats.clone() if self._graphs and feats is not None else feats     # CUDA graphs reuse outputs
         seq.feat_pos, seq.plain_run = pos, None
+        if self._next_ids:   # row j's next token: proposal j while accepted, then the target's token (the bonus)
+            seq.feat_next = torch.where(self.offsets < accepted, torch.cat([proposals_t, proposals_t[:1]]), posterior_t)
         return Step("verify", start, new, proposals, a, seq.done, t1 - t0, t2 - t1)
 
     def decode(self, seq: _Sequence, plain: bool = False, look: bool = False) -> Step:
@@ -469,22 +488,31 @@ class Engine:
         at the cost of a draft alone (adaptive.Adaptive's probe)."""
         start, t0, proposals = seq.start, self._clock(), None
         if look and self.block > 1:
-            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, self.block - 1)
+            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, self.block - 1, **self._next_kw(seq))
             proposals = (drafted[0] if isinstance(drafted, tuple) else drafted).tolist()
         feeding = plain and seq.feats is not None
         if feeding and seq.plain_run in (None, self.block):    # pending rows (a round's, or a full buffer) into the
-            self.proposer.prefill(seq.feats, seq.feat_pos)     # context; rows at >= start are hidden, overwritten later
-            seq.feats, seq.feat_pos, seq.plain_run = self._plain_buf, seq.start_t + self.offsets, 0
+            self.proposer.prefill(seq.feats, seq.feat_pos, **self._next_kw(seq))   # context; rows at >= start are
+            seq.feats, seq.feat_pos, seq.plain_run = self._plain_buf, seq.start_t + self.offsets, 0   # hidden, rewritten
+            seq.feat_next = self._plain_next
         t1 = self._clock()                                     # (the look and the feeding are timed apart)
         if feeding:
-            logits = self.plain_step(seq.last.view(1, 1), seq.start_t, seq.feats, seq.start_t - seq.feat_pos[:1])
+            slot = seq.start_t - seq.feat_pos[:1]
+            logits = self.plain_step(seq.last.view(1, 1), seq.start_t, seq.feats, slot)
             seq.plain_run += 1
         else:
             logits = self.decode_step(seq.last.view(1, 1), seq.start_t)
-        new = seq.take([int(self.pick(logits))])                                 # the one host sync per token
+        tok = self.pick(logits)
+        if feeding and self._next_ids:
+            self._plain_next.index_copy_(0, slot, tok.view(1))                   # the token after the row just kept
+        new = seq.take([int(tok)])                                               # the one host sync per token
         seq.advance(1, new[0])
         return Step("plain" if plain else "decode", start, new, stop=seq.done, draft_seconds=t1 - t0,
                     verify_seconds=self._clock() - t1, look=proposals)
+
+    def _next_kw(self, seq) -> dict:
+        """next_ids= for a proposer that reads the token after each feature row (wants_next_ids), else nothing."""
+        return {"next_ids": seq.feat_next} if self._next_ids else {}
 
     def pick(self, logits):
         """One token from logits [V] on the device: argmax, or a draw at the generation's Sampling."""

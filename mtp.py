@@ -1,0 +1,124 @@
+"""Qwen3.5's own multi-token-prediction (MTP) head as a proposer: the baseline DFlash is compared with.
+
+The published Qwen3.5 checkpoints carry, beside the decoder, a one-layer head under `mtp.*` that transformers
+drops on load. One MTP step (docs/method.md#the-mtp-baseline):
+
+    x = fc(cat([pre_fc_norm_embedding(embed(token[t+1])), pre_fc_norm_hidden(hidden[t])]))   embedding first
+    x = layers[0](x) at position t          the main model's gated full-attention decoder layer, own KV cache
+    h = norm(x);  logits = lm_head(h)        shared embedding and lm_head; predicts token[t+2]
+
+`hidden[t]` is the target's final hidden state after its final norm (the lm_head's input) at position t. The head
+runs over every committed position (the prompt at prefill, then each round's verified rows), so its KV cache holds
+one entry per position, as SGLang's and vLLM's MTP workers keep it. A draft of K tokens is K chained steps: the
+first pairs the target's hidden state at the last committed position's predecessor with the last committed token;
+step k+1 pairs step k's normed output with step k's proposal, one position further. So MTP drafts sequentially (K
+calls of one layer) where DFlash drafts a whole block in one call of several layers.
+
+Sources: vLLM `vllm/model_executor/models/qwen3_5_mtp.py` and `qwen3_next_mtp.py` (the layer, the names, the
+concatenation order), `vllm/v1/spec_decode/llm_base_proposer.py` (the input ids shifted by one, the positions
+left as the target's); SGLang `python/sglang/srt/models/qwen3_5_mtp.py` and `speculative/eagle_worker.py` (the
+post-norm hidden states captured in full for the draft's prefill, the draft's KV re-written after each verify).
+
+    MTPHead        the mtp.* module (checkpoint names minus the `mtp.` prefix)
+    MTPProposer    the Engine's proposer: K chained steps -> K proposals; one-hot drafts (greedy), so sampling
+                   stays exact through the same speculative rule as DFlash's
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model import AttnCache, DecoderLayer, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
+
+MTP_MAX_STEPS = 15      # a verify of K + 1 <= 16 tokens: the GDN caches keep at most 16 writes per call
+
+
+class MTPHead(nn.Module):
+    """mtp.fc [H, 2H]; mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm [H] (zero-centred RMSNorms);
+    mtp.layers.0: one full-attention DecoderLayer of the target's shapes (SwiGLU MLP, or the sparse MoE block in the
+    mixture-of-experts models)."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
+        self.norm = ZeroCenteredRMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, emb, hidden, cos, sin, pos, mask, cache: AttnCache | None = None):
+        """emb [B,T,H] the embeddings of the tokens after the rows' positions; hidden [B,T,H] the post-norm hidden
+        states at positions pos [T] (the target's, or a previous step's output); cos, sin the target's RoPE at pos;
+        mask over the keys (causal [T,T] without a cache, else the cache's). -> the normed output [B,T,H]: the
+        lm_head's input, and the next chained step's hidden."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.norm(self.layers[0](x, cos, sin, pos, mask, cache, False))
+
+
+class _MTPCache:
+    """The head's KV cache: one attention layer (`layers`, as Engine's static-address marking expects)."""
+
+    def __init__(self, cfg: TargetConfig, capacity: int, dtype, device):
+        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.capacity = capacity
+        self.layers = [AttnCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
+
+
+class MTPProposer:
+    """The MTP head through dflash.Engine's proposer interface (module doc of dflash.py), with `steps` = K chained
+    steps per draft (the Engine's block size is K + 1). Besides the target's features it reads, for each feature
+    row at position p, the committed token at p + 1 (`next_ids`, kept aligned by the Engine: `wants_next_ids`)."""
+
+    wants_next_ids = True
+
+    def __init__(self, head: MTPHead, target: Qwen35, steps: int = 3):
+        if not 1 <= steps <= MTP_MAX_STEPS:
+            from dflash import GenerationError
+            raise GenerationError(f"--mtp-steps must be between 1 and {MTP_MAX_STEPS}, got {steps}")
+        self.head, self.target, self.steps = head, target, steps
+        self.cache = None
+        self.window = None          # no draft window: the head sees the whole context, as published engines run it
+
+    @property
+    def max_block_size(self) -> int:
+        return self.steps + 1
+
+    @property
+    def feature_layers(self) -> tuple:
+        return (self.target.cfg.num_hidden_layers - 1,)     # the last layer's output after the final norm
+
+    def reset(self, capacity: int, masks) -> None:
+        if self.cache is None or self.cache.capacity != capacity:
+            w = self.head.fc.weight
+            self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device)
+        self.masks = DenseMasks(capacity)       # the head is one causal layer: SDPA's dense mask whatever the target uses
+
+    def draft_noise(self, n: int):
+        return None                             # greedy drafts (one-hot q) at any temperature
+
+    def _rows(self, ids, hidden, pos):
+        """The head over rows at positions pos [T]: ids [T] the next tokens, hidden [1,T,H]; writes the KV cache."""
+        emb = self.target.embed_tokens(ids)[None]
+        cos, sin = self.target.rope(pos, emb.dtype)
+        return self.head(emb, hidden.to(emb.dtype), cos, sin, pos, self.masks.target(pos), self.cache.layers[0])
+
+    def prefill(self, feats: torch.Tensor, pos: torch.Tensor, next_ids: torch.Tensor = None) -> None:
+        """Every committed row into the KV cache: feats [1,T,H] post-norm hidden states at positions pos [T], next_ids
+        [T] the token after each (rows whose next token is not committed yet sit at positions the next call rewrites)."""
+        self._rows(next_ids, feats, pos)
+
+    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None, expo=None, temperature: float = 1.0):
+        """last [1] at position start [1]; feats [1,R,H] hidden states at feat_pos [R] (contiguous, including the
+        position start - 1; rows at >= start are stale and rewritten here or later), next_ids [R] -> proposals [n]
+        for positions start+1 .. start+n, and None (one-hot drafts). The first call over the R rows rewrites their
+        KV entries and yields the step at start - 1 (its next token is `last`); n - 1 one-row steps follow."""
+        out = self._rows(next_ids, feats, feat_pos)                                  # [1,R,H]
+        h = out.index_select(1, (start - 1 - feat_pos[:1]).reshape(1))              # the row at start - 1
+        tok = self.target.lm_head(h)[0, -1].argmax(-1, keepdim=True)                # [1]
+        proposals = [tok]
+        for k in range(1, n):
+            h = self._rows(tok, h, (start + k - 1).reshape(1))
+            tok = self.target.lm_head(h)[0, -1].argmax(-1, keepdim=True)
+            proposals.append(tok)
+        return torch.cat(proposals), None

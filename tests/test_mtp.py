@@ -1,0 +1,128 @@
+"""Qwen3.5's MTP head as a proposer (mtp.py): output == AR whatever the head proposes, at every acceptance length,
+through rounds, plain steps and looks; the head's proposals made incrementally by the Engine == the head run from
+scratch on full-forward target hidden states; loading the published names."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import adaptive
+import dflash
+import model as M
+import mtp
+from helpers import randomize_, random_target, tiny_target_config
+from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
+
+
+def random_head(target, seed, dtype=torch.float64):
+    return randomize_(mtp.MTPHead(target.cfg), seed).to(dtype).eval()
+
+
+@torch.no_grad()
+def scratch_proposals(head, target, ids: list, start: int, n: int) -> list:
+    """The head from scratch: the target's full forward over ids[:start + 1] (no cache), rows (hidden[p],
+    ids[p + 1]) at positions 0 .. start - 1 in one causal call, then each chained step appended as a row and the
+    whole call redone (no KV cache anywhere)."""
+    L = target.cfg.num_hidden_layers
+    seq = torch.tensor([ids[:start + 1]])
+    _, hidden = target(seq, torch.arange(start + 1), feature_layers=(L - 1,))
+    emb, hid = target.embed_tokens(seq[:, 1:]), hidden[:, :start]
+    out = []
+    for _ in range(n):
+        T = emb.shape[1]
+        cos, sin = target.rope(torch.arange(T), emb.dtype)
+        h = head(emb, hid, cos, sin, torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril())[:, -1:]
+        tok = target.lm_head(h)[0, -1].argmax()
+        out.append(int(tok))
+        emb, hid = torch.cat([emb, target.embed_tokens(tok.view(1, 1))], 1), torch.cat([hid, h], 1)
+    return out
+
+
+class OracleMTP:
+    """The real MTP proposer, whose proposals are recorded and then replaced by the true continuation with one
+    corruption at an index cycling through a seeded permutation of 0..n: every acceptance length occurs, and
+    the head's cache still sees every next_ids pattern the Engine makes after it."""
+
+    wants_next_ids = True
+
+    def __init__(self, inner: mtp.MTPProposer, prompt_len: int, continuation: list, vocab: int, seed: int):
+        self.inner, self.T0, self.cont, self.V = inner, prompt_len, continuation, vocab
+        self.rng, self.plan, self.real = random.Random(seed), [], []
+        self.max_block_size, self.feature_layers = inner.max_block_size, inner.feature_layers
+
+    def reset(self, capacity, masks):
+        self.inner.reset(capacity, masks)
+
+    def prefill(self, feats, pos, next_ids=None):
+        self.inner.prefill(feats, pos, next_ids=next_ids)
+
+    def propose(self, last, start, feats, feat_pos, n, next_ids=None):
+        real, _ = self.inner.propose(last, start, feats, feat_pos, n, next_ids=next_ids)
+        self.real.append((int(start), real.tolist()))
+        if not self.plan:
+            self.plan = list(range(n + 1))
+            self.rng.shuffle(self.plan)
+        a = self.plan.pop()
+        i = int(start) - self.T0 + 1
+        out = (self.cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
+        if a < n:
+            out[a] = (out[a] + 1 + self.rng.randrange(self.V - 1)) % self.V
+        return torch.tensor(out)
+
+
+@settings(max_examples=20, deadline=None)
+@given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), prompt_len=st.integers(1, 40), steps=st.integers(1, 15),
+       pattern=st.lists(st.sampled_from([True, True, False, "look"]), min_size=1, max_size=8))
+def test_mtp_equals_ar_and_drafts_from_scratch(cfg, seed, prompt_len, steps, pattern):
+    """float64, random target and head: the real MTP proposer equals AR; behind the oracle every acceptance length
+    occurs, through rounds, plain steps and looks in a forced pattern, and every proposal the head made (round or
+    look) equals the head run from scratch on the committed prefix."""
+    rng = random.Random(seed)
+    target = random_target(cfg, seed % 101)
+    head = random_head(target, seed % 103)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
+    ar = dflash.run(target, prompt, 40)
+    real = dflash.run(target, prompt, 40, proposer=mtp.MTPProposer(head, target, steps), block_size=steps + 1)
+    assert real.output_ids == ar.output_ids
+    oracle = OracleMTP(mtp.MTPProposer(head, target, steps), len(prompt), ar.output_ids, cfg.vocab_size, seed)
+    eng = dflash.Engine(target, oracle, steps + 1, len(prompt) + 40 + steps, policy=adaptive.Pattern(pattern))
+    res = eng.run(prompt, 40)
+    assert res.output_ids == ar.output_ids
+    assert 1 + sum(res.acceptance_lengths) == len(res.output_ids)
+    ids = prompt + ar.output_ids
+    for start, proposals in oracle.real:
+        assert proposals == scratch_proposals(head, target, ids, start, steps), start
+
+
+def test_every_acceptance_length_and_float32():
+    """K = 7 behind the oracle: all of 0..7 accepted at least once; float32 equals AR up to a near-tie."""
+    cfg = tiny_target_config(vocab_size=60)
+    target = random_target(cfg, 3)
+    head = random_head(target, 4)
+    prompt = list(range(5, 25))
+    ar = dflash.run(target, prompt, 120)
+    oracle = OracleMTP(mtp.MTPProposer(head, target, 7), len(prompt), ar.output_ids, 60, 0)
+    res = dflash.run(target, prompt, 120, proposer=oracle, block_size=8)
+    assert res.output_ids == ar.output_ids
+    assert set(range(1, 9)) <= set(res.acceptance_lengths)
+    t32, h32 = target.float(), head.float()
+    ar32 = dflash.run(t32, prompt, 60)
+    sp32 = dflash.run(t32, prompt, 60, proposer=mtp.MTPProposer(h32, t32, 3), block_size=4)
+    if sp32.output_ids != ar32.output_ids:
+        assert first_divergence_is_near_tie(t32, prompt, ar32.output_ids, sp32.output_ids, 1e-4)
+
+
+def test_sampling_runs_and_keeps_the_trace():
+    target = random_target(tiny_target_config(vocab_size=40), 5)
+    head = random_head(target, 6)
+    eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 80)
+    res = eng.run([1, 2, 3], 40, sampling=dflash.Sampling(temperature=0.8), generator=torch.Generator().manual_seed(0))
+    assert 1 + sum(res.acceptance_lengths) == len(res.output_ids) == 40
+
+
+def test_steps_out_of_range():
+    target = random_target(tiny_target_config(vocab_size=40), 5)
+    for k in (0, 16):
+        with pytest.raises(dflash.GenerationError, match="--mtp-steps"):
+            mtp.MTPProposer(random_head(target, 1), target, k)
