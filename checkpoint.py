@@ -492,25 +492,31 @@ def stop_token_ids(path: str, cfg: TargetConfig) -> list:
     return list(cfg.eos_token_id)
 
 
+def hf_tensors(state: dict, dtype, rename) -> dict:
+    """Our parameters -> the published layout in `dtype`, names through rename(our name): experts one tensor per
+    expert (fuse_experts reversed), the GDN conv weight as conv1d [C, 1, K]."""
+    tensors = {}
+    for name, p in state.items():
+        t = p.detach().to(dtype).contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+            for e in range(t.shape[0]):
+                for kind, part in zip(kinds, t[e].chunk(len(kinds))):
+                    tensors[rename(f"{name.rsplit('.', 1)[0]}.{e}.{kind}_proj.weight")] = part.contiguous()
+            continue
+        if name.endswith("conv_weight"):
+            name, t = name.replace("conv_weight", "conv1d.weight"), t[:, None, :].contiguous()
+        tensors[rename(name)] = t
+    return tensors
+
+
 def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
     """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text); a mixture-of-experts model as
     Qwen3_5MoeForCausalLM (qwen3_5_moe_text) with one tensor per expert, the layout of the published files."""
     from safetensors.torch import save_file
     cfg = model.cfg
-    tensors = {}
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        t = p.detach().to(dtype).contiguous()
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):          # fuse_experts reversed
-            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
-            for e in range(t.shape[0]):
-                for kind, part in zip(kinds, t[e].chunk(len(kinds))):
-                    tensors[f"model.{name.rsplit('.', 1)[0]}.{e}.{kind}_proj.weight"] = part.contiguous()
-            continue
-        if name.endswith("conv_weight"):
-            name, t = name.replace("conv_weight", "conv1d.weight"), t[:, None, :].contiguous()
-        tensors[name if name.startswith("lm_head") else "model." + name] = t
+    state = {n: p for n, p in model.state_dict().items() if not (n == "lm_head.weight" and cfg.tie_word_embeddings)}
+    tensors = hf_tensors(state, dtype, lambda n: n if n.startswith("lm_head") else "model." + n)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     config = {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",

@@ -42,7 +42,10 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
-    p.add_argument("--draft", default=None, help="DFlash drafter folder or repo id, or 'none' for plain AR (default: the embedded drafter with the embedded target)")
+    p.add_argument("--draft", default=None, help="DFlash drafter folder or repo id, 'mtp' for the target's own MTP head (mtp.py), "
+                                               "or 'none' for plain AR (default: the embedded drafter with the embedded target)")
+    p.add_argument("--mtp-steps", type=int, default=None, help="with --draft mtp: chained MTP steps per draft, K = 1..15 (the "
+                                                           "target verifies K + 1 tokens; default 3)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json); with --chat, the user turn")
     g.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (used as is, never templated)")
@@ -152,12 +155,19 @@ def load(args, device, dtype) -> tuple:
     proposer = None
     if args.draft_window is not None and args.draft_window < 0:
         raise dflash.GenerationError(f"--draft-window must be >= 0 (0 = the whole context), got {args.draft_window}")
-    if args.draft.lower() != "none":
+    if args.mtp_steps is not None and args.draft.lower() != "mtp":
+        raise dflash.GenerationError(f"--mtp-steps applies to --draft mtp, not to --draft {args.draft}")
+    if args.draft.lower() == "mtp":
+        import mtp
+        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
+        if args.draft_window:
+            raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
+    elif args.draft.lower() != "none":
         drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
         window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
         proposer = dflash.DrafterProposer(drafter, target, window)
     if args.onednn:
-        use_onednn(target, proposer.drafter if proposer else None)
+        use_onednn(target, getattr(proposer, "drafter", None))
     return target, tokenizer, proposer
 
 
@@ -295,7 +305,7 @@ def main(argv=None) -> int:
             "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
             "decode_tokens_per_s": n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0,
             "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
-            "cache_len": capacity, "mode": "dflash" if proposer else "ar", "adaptive": policy is not None,
+            "cache_len": capacity, "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar", "adaptive": policy is not None,
             "draft_window": proposer.window if proposer else None, "device": device, "dtype": str(dtype).replace("torch.", ""),
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)

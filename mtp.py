@@ -22,13 +22,19 @@ post-norm hidden states captured in full for the draft's prefill, the draft's KV
     MTPHead        the mtp.* module (checkpoint names minus the `mtp.` prefix)
     MTPProposer    the Engine's proposer: K chained steps -> K proposals; one-hot drafts (greedy), so sampling
                    stays exact through the same speculative rule as DFlash's
+    load_mtp       the head from a target checkpoint folder (the published names; per-expert or fused MoE MLPs)
+    save_mtp       a head into a target checkpoint folder under the same names (train.py mtp)
 """
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 from torch import nn
 
-from model import AttnCache, DecoderLayer, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
+import checkpoint as ckpt
+from model import AttnCache, CheckpointError, DecoderLayer, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
 
 MTP_MAX_STEPS = 15      # a verify of K + 1 <= 16 tokens: the GDN caches keep at most 16 writes per call
 
@@ -122,3 +128,51 @@ class MTPProposer:
             tok = self.target.lm_head(h)[0, -1].argmax(-1, keepdim=True)
             proposals.append(tok)
         return torch.cat(proposals), None
+
+
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+
+
+def load_mtp(path: str, target: Qwen35, dtype=None) -> MTPHead:
+    """The `mtp.*` tensors of the target checkpoint at `path` (the folder the target was loaded from) -> MTPHead
+    on the target's device, in `dtype` (default: the target's). One clear error when the checkpoint has none."""
+    raw = ckpt.read_config(path)
+    tc = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+    n = tc.get("mtp_num_hidden_layers")
+    tensors = ckpt.read_safetensors(path, keep=lambda k: k.startswith(MTP_PREFIXES))
+    if not tensors:
+        raise CheckpointError(f"{path} has no MTP head (no mtp.* tensors); --draft mtp needs a Qwen3.5 checkpoint that "
+                              f"ships one (the published ones do), or train one: python train.py mtp --target {path}")
+    if n is not None and n != 1:
+        raise CheckpointError(f"mtp_num_hidden_layers = {n!r} in {path}/config.json; the published Qwen3.5 heads have "
+                              "one layer, which is what this project runs")
+    tensors = {k.split("mtp.", 1)[1]: t for k, t in tensors.items()}
+    cfg = target.cfg
+    if cfg.num_experts:
+        ckpt.fuse_experts(tensors, cfg.num_experts)
+    head = MTPHead(cfg)
+    w = target.embed_tokens.weight
+    ckpt.load_into(head, tensors, dtype or w.dtype, "MTP head")
+    return head.to(w.device).eval()
+
+
+def save_mtp(head: MTPHead, path: str) -> None:
+    """Write `head` into the target checkpoint folder `path` (one model.safetensors) as mtp.* tensors in the file's
+    own dtype, every other tensor kept byte for byte, and mark config.json (mtp_num_hidden_layers: 1)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    f = os.path.join(path, "model.safetensors")
+    if not os.path.exists(f):
+        raise CheckpointError(f"{path} has no single model.safetensors to add the MTP head to")
+    with safe_open(f, framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys() if not k.startswith(MTP_PREFIXES)}
+        metadata = fh.metadata() or {"format": "pt"}
+    dtype = next(iter(tensors.values())).dtype
+    tensors.update(ckpt.hf_tensors(head.state_dict(), dtype, lambda n: "mtp." + n))
+    save_file(tensors, f, metadata=metadata)
+    cfg_file = os.path.join(path, "config.json")
+    raw = ckpt.read_config(path)
+    (raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw).update(
+        mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    with open(cfg_file, "w") as fh:
+        json.dump(raw, fh, indent=2)

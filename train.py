@@ -2,6 +2,7 @@
 
     python train.py target --out checkpoints/tiny-qwen35 --minutes 25
     python train.py draft  --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-dflash --minutes 25
+    python train.py mtp    --target checkpoints/tiny-qwen35 --out /tmp/mtp-run --minutes 20   (writes mtp.* into --target)
 
 `target`: a byte-level BPE tokenizer (`tokenizers`) and a small hybrid model (Gated DeltaNet + gated attention)
 trained on the Python standard library's own source, which every machine with Python has; files are split
@@ -519,10 +520,103 @@ def train_draft(args):
     print(json.dumps(summary), flush=True)
 
 
+# ==================================================================================================
+# Job 3: the MTP head (Qwen3.5's multi-token prediction, the baseline DFlash is compared with)
+# ==================================================================================================
+
+def mtp_training_mask(S: int, steps: int) -> torch.Tensor:
+    """[steps*S, steps*S] over rows (step k, index i), k = 1..steps: step 1 is the causal pass over the committed
+    rows (i at position i); step k row i sits at position i + k - 1 and sees step-1 rows j <= i and its own row
+    of steps 2..k, which is what the k-th chained step of a draft anchored after row i sees in the KV cache."""
+    k = torch.arange(steps).repeat_interleave(S)            # 0-based step of each row
+    i = torch.arange(S).repeat(steps)
+    qk, qi, kk, ki = k[:, None], i[:, None], k[None, :], i[None, :]
+    first = (kk == 0) & (ki <= qi)
+    chain = (kk > 0) & (kk <= qk) & (ki == qi)
+    return first | chain
+
+
+def mtp_hidden(head, target, seqs, steps: int) -> torch.Tensor:
+    """seqs [N, S]. Step 1 pairs the target's post-norm hidden state at i with token i+1 (it predicts token i+2);
+    step k pairs step k-1's output at row i with token i+k (teacher forcing) and predicts token i+k+1. Step k
+    needs step k-1's outputs, so k passes, each over steps 1..k with mtp_training_mask.
+    -> the head's outputs [N, steps, R, H] for rows i < R = S - steps - 1 (a label at every step)."""
+    N, S = seqs.shape
+    with torch.no_grad():
+        _, hidden = target(seqs, torch.arange(S), feature_layers=(target.cfg.num_hidden_layers - 1,))
+        emb_all = target.embed_tokens(seqs)
+    R = S - steps - 1
+    mask = mtp_training_mask(R, steps)
+    h, embs, hids, pos = hidden[:, :R], [], [], []
+    for k in range(1, steps + 1):
+        embs.append(emb_all[:, k:k + R])
+        hids.append(h)
+        pos.append(torch.arange(R) + k - 1)
+        p = torch.cat(pos)
+        cos, sin = target.rope(p, hidden.dtype)
+        outs = head(torch.cat(embs, 1), torch.cat(hids, 1), cos, sin, p, mask[:k * R, :k * R])
+        h = outs[:, (k - 1) * R:]
+    return outs.view(N, steps, R, -1)
+
+
+def mtp_loss(head, target, seqs, steps: int) -> tuple:
+    """seqs [N, S] of the target's own greedy text -> (mean cross-entropy over the steps, the tokens per round K =
+    steps chained steps would give, teacher-forced)."""
+    outs = mtp_hidden(head, target, seqs, steps)
+    R = outs.shape[2]
+    logits = target.lm_head(outs)
+    labels = torch.stack([seqs[:, k + 1:k + 1 + R] for k in range(1, steps + 1)], 1)
+    loss = F.cross_entropy(logits.flatten(0, 2), labels.flatten())
+    with torch.no_grad():
+        acc = (logits.argmax(-1) == labels).int().cumprod(1).sum(1).float().mean() + 1
+    return loss, float(acc)
+
+
+def train_mtp(args):
+    """Train an MTP head for the target at --target (frozen) and write it into that checkpoint as mtp.*."""
+    import mtp
+    torch.manual_seed(args.seed)
+    target = ckpt.load_target(args.target, torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
+    seqs = build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
+    head = mtp.MTPHead(target.cfg)
+    init_weights_(head, args.seed)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.zero_()                                    # zero-centred norms: 0 is the identity
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed)
+    budget, step, t0, ema = Budget(args.minutes, args.steps), 0, time.time(), None
+    head.train()
+    while not budget.done(step):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
+        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
+        loss, acc = mtp_loss(head, target, seqs[idx], args.train_steps)
+        optimizer_step(head, opt, loss)
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % args.log_every == 0:
+            print(f"step {step}  loss {loss.item():.3f}  ema {ema:.3f}  train acceptance ({args.train_steps} steps) {acc:.2f}  "
+                  f"lr {opt.param_groups[0]['lr']:.2e}  {(time.time() - t0) / 60:.1f} min", flush=True)
+    head.eval()
+    mtp.save_mtp(head, args.target)
+    summary = {"job": "mtp", "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
+               "params": sum(p.numel() for p in head.parameters())}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "training.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    print(json.dumps(summary), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="job", required=True)
-    for job in ("target", "draft"):
+    for job in ("target", "draft", "mtp"):
         s = sub.add_parser(job)
         s.add_argument("--out", required=True)
         s.add_argument("--minutes", type=float, default=20.0)
@@ -563,9 +657,17 @@ def main(argv=None):
                    help="also train on prompts of these lengths, e.g. 500,1500,3000 (needs --window): the target's "
                         "features then carry a long context, as at inference on long prompts")
     d.add_argument("--long-n-seq", type=int, default=64, help="sequences per --long-prompts length")
+    m = sub.choices["mtp"]
+    m.add_argument("--target", required=True, help="the target checkpoint folder; the head is written into it (mtp.*)")
+    m.add_argument("--train-steps", type=int, default=3, help="chained MTP steps trained together (teacher-forced)")
+    m.add_argument("--n-seq", type=int, default=512, help="sequences of the target's own greedy text to train on")
+    m.add_argument("--prompt-len", type=int, default=48)
+    m.add_argument("--resp-len", type=int, default=160)
+    m.add_argument("--batch", type=int, default=8)
+    m.add_argument("--lr", type=float, default=2e-3)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"target": train_target, "draft": train_draft}[args.job](args)
+    {"target": train_target, "draft": train_draft, "mtp": train_mtp}[args.job](args)
 
 
 if __name__ == "__main__":

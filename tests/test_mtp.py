@@ -126,3 +126,25 @@ def test_steps_out_of_range():
     for k in (0, 16):
         with pytest.raises(dflash.GenerationError, match="--mtp-steps"):
             mtp.MTPProposer(random_head(target, 1), target, k)
+
+
+def test_training_forward_is_the_chained_head():
+    """train.mtp_hidden (all chained steps in one masked forward per step) == the head run from scratch with the
+    true tokens in place of its proposals: step k at row i sees the committed rows up to i and its own chain."""
+    import train
+    target = random_target(tiny_target_config(vocab_size=40), 8)
+    head = random_head(target, 9)
+    S, K = 30, 3
+    seq = torch.randint(0, 40, (1, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        outs = train.mtp_hidden(head, target, seq, K)
+        _, hidden = target(seq, torch.arange(S), feature_layers=(target.cfg.num_hidden_layers - 1,))
+        for i in (0, 7, outs.shape[2] - 1):
+            emb, hid = target.embed_tokens(seq[:, 1:i + 2]), hidden[:, :i + 1]
+            for k in range(K):
+                T = emb.shape[1]
+                cos, sin = target.rope(torch.arange(T), emb.dtype)
+                h = head(emb, hid, cos, sin, torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril())[:, -1:]
+                torch.testing.assert_close(outs[0, k, i], h[0, 0], rtol=1e-9, atol=1e-9)
+                emb = torch.cat([emb, target.embed_tokens(seq[:, i + k + 2:i + k + 3])], 1)
+                hid = torch.cat([hid, h], 1)

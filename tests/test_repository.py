@@ -84,8 +84,9 @@ def test_core_files_are_small_and_plain():
                 assert length <= 60, f"{name}: {node.name} is {length} lines (keep functions to about 60)"
     # About 1,300 lines held the dense target and the original drafter; the mixture-of-experts block, the sliding
     # and DFlash2 drafter variants and the general accept rule brought it to about 1,520; plain steps between
-    # rounds (adaptive speculation; the policy itself lives in adaptive.py) to about 1,580.
-    assert total <= 1600, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,600)"
+    # rounds (adaptive speculation; the policy itself lives in adaptive.py) to about 1,580; looks, and the
+    # next-token rows the MTP head reads (the head itself lives in mtp.py), to about 1,620.
+    assert total <= 1650, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,650)"
 
 
 def test_optional_modules_are_imported_only_where_selected():
