@@ -19,6 +19,7 @@ bandwidth of a decode step against a measured device-to-device copy (CUDA), and 
 a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on Qwen3.5-9B).
 
     python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
+    python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
 
 `--parting` times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
 where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
@@ -91,6 +92,10 @@ def parse_args(argv=None):
                         "prompts of this many tokens (long_prompts) instead of the 30-60 token ones")
     p.add_argument("--draft-window", type=int, default=None, help="as generate.py's (default: the drafter's training context; 0 = none)")
     p.add_argument("--no-adaptive", action="store_true", help="pure DFlash rounds (default: adaptive speculation, as generate.py)")
+    p.add_argument("--methods", default=None,
+                   help="instead of one drafter: AR and each of these proposers on the same prompts in one run, e.g. "
+                        "dflash,mtp3,mtp7,mtp15 (mtpK: the target's MTP head, K chained steps); a table of tau and speedup "
+                        "per method, as the MMFlash paper compares them")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -176,6 +181,8 @@ def main(argv=None):
         return preset_main(args, device)
     if args.parting:
         return parting_main(args, device)
+    if args.methods:
+        return methods_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target = ckpt.load_target(args.target, dtype, device)
@@ -272,6 +279,78 @@ def main(argv=None):
         "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "look_ms": look_ms, "prompt_len": args.prompt_len,
         "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "looks": sum(s.look is not None for r in sp_res for s in r.steps), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
     }))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --methods: DFlash and the MTP head side by side
+# ---------------------------------------------------------------------------------------------------------------
+
+def method_proposers(args, target, dtype, device) -> dict:
+    """--methods names -> {name: (proposer, block size)}: dflash (--draft, its block size and default window) and
+    mtpK (the target checkpoint's MTP head, K chained steps, block K + 1)."""
+    import mtp
+    out, head = {}, None
+    for name in args.methods.split(","):
+        if name == "dflash":
+            drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+            window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
+            out[name] = (dflash.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
+        elif name.startswith("mtp") and name[3:].isdigit():
+            head = head or mtp.load_mtp(target.path, target, dtype)
+            out[name] = (mtp.MTPProposer(head, target, int(name[3:])), int(name[3:]) + 1)
+        else:
+            raise dflash.GenerationError(f"--methods: unknown method '{name}'; use dflash or mtpK (K = 1..15), comma-separated")
+    return out
+
+
+def methods_main(args, device) -> dict:
+    """AR and every --methods proposer on each prompt in turn (each engine warmed up first), in one process:
+    per method the mean tokens per round (tau, rounds only) and the median per-prompt speedup over AR."""
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    target = ckpt.load_target(args.target, dtype, device)
+    tok = ckpt.load_tokenizer(target.path)
+    prompts, stops = load_prompts(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
+    methods = method_proposers(args, target, dtype, device)
+    capacity = bench_capacity(prompts, args.max_new_tokens, max(b for _, b in methods.values()))
+    ar_engine = dflash.Engine(target, None, 1, capacity)
+    ar_engine.run(prompts[0], 8, stops)
+    engines = {}
+    for name, (proposer, block) in methods.items():
+        engines[name] = dflash.Engine(target, proposer, block, capacity, policy=adaptive.Pattern([True, "look"]))
+        engines[name].run(prompts[0], 3 * block, stops)                    # warm-up: every step kind
+        engines[name].policy = None if args.no_adaptive else adaptive.Adaptive()
+    runs = {name: [] for name in engines}
+    speedups = {name: [] for name in engines}
+    for i, p in enumerate(prompts):
+        ar_t, sp_t = [], {name: [] for name in engines}
+        for _ in range(args.repeat):
+            ar = ar_engine.run(p, args.max_new_tokens, stops, profile=True)
+            ar_t.append((len(ar.output_ids) - 1) / ar.decode_seconds)
+            for name, eng in engines.items():
+                res = eng.run(p, args.max_new_tokens, stops, profile=True)
+                if res.output_ids != ar.output_ids:
+                    raise SystemExit(f"{name} output differs from AR on prompt {i}: a bug (greedy, {dtype})")
+                sp_t[name].append((len(res.output_ids) - 1) / res.decode_seconds)
+                runs[name].append(res)
+        line = []
+        for name in engines:
+            speedups[name].append(statistics.median(sp_t[name]) / statistics.median(ar_t))
+            line.append(f"{name} {speedups[name][-1]:.2f}x tau {runs[name][-1].mean_acceptance_length:.2f}")
+        print(f"prompt {i}: {len(p)} tokens; " + ", ".join(line), flush=True)
+    table = {}
+    for name in engines:
+        acc = [a for r in runs[name] for a in r.verify_lengths]
+        table[name] = {"tau": sum(acc) / len(acc) if acc else 0.0, "speedup": statistics.median(speedups[name]),
+                       "speedup_min": min(speedups[name]), "block_size": methods[name][1]}
+    print(f"\n| method | tau | speedup (median per prompt) | slowest prompt |\n|---|---|---|---|")
+    for name, row in table.items():
+        print(f"| {name} (block {row['block_size']}) | {row['tau']:.2f} | {row['speedup']:.2f}x | {row['speedup_min']:.2f}x |")
+    print("outputs identical to AR: all")
+    result = {"methods": table, "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens,
+              "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+              "adaptive": not args.no_adaptive, "prompt_len": args.prompt_len}
+    print(json.dumps(result))
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------

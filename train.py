@@ -481,7 +481,8 @@ def train_draft(args):
         step, _ = load_state(state_path, drafter, opt)
         print(f"resumed at step {step}", flush=True)
     # Buckets of training data: the regenerated short sequences, then one per --long-prompts length (built once,
-    # kept in <out>/long-<P>.pt). Each step trains on one bucket drawn uniformly.
+    # kept in <out>/long-<P>.pt). Each step trains on one bucket: a long one (drawn uniformly) with probability
+    # --long-share, else the short sequences.
     buckets = [(seqs, None, args.prompt_len, 0)]
     for P in args.long_prompts or []:
         path = os.path.join(args.out, f"long-{P}.pt")
@@ -498,7 +499,9 @@ def train_draft(args):
     while not budget.done(step):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
-        toks, feats, prompt_len, offset = buckets[int(torch.randint(0, len(buckets), (), generator=gen))]
+        long_step = len(buckets) > 1 and float(torch.rand((), generator=gen)) < args.long_share
+        pick = 1 + int(torch.randint(0, len(buckets) - 1, (), generator=gen)) if long_step else 0
+        toks, feats, prompt_len, offset = buckets[pick]
         idx = torch.randint(0, len(toks), (args.batch,), generator=gen)
         loss, acc = draft_loss(drafter, target, toks[idx], prompt_len, args.anchors, args.block_size, args.gamma, gen,
                                None if feats is None else feats[idx], offset, args.window)
@@ -657,6 +660,7 @@ def main(argv=None):
                    help="also train on prompts of these lengths, e.g. 500,1500,3000 (needs --window): the target's "
                         "features then carry a long context, as at inference on long prompts")
     d.add_argument("--long-n-seq", type=int, default=64, help="sequences per --long-prompts length")
+    d.add_argument("--long-share", type=float, default=0.5, help="with --long-prompts: the share of steps on long prompts")
     m = sub.choices["mtp"]
     m.add_argument("--target", required=True, help="the target checkpoint folder; the head is written into it (mtp.*)")
     m.add_argument("--train-steps", type=int, default=3, help="chained MTP steps trained together (teacher-forced)")

@@ -148,3 +148,113 @@ def test_training_forward_is_the_chained_head():
                 torch.testing.assert_close(outs[0, k, i], h[0, 0], rtol=1e-9, atol=1e-9)
                 emb = torch.cat([emb, target.embed_tokens(seq[:, i + k + 2:i + k + 3])], 1)
                 hid = torch.cat([hid, h], 1)
+
+
+PUBLISHED_NAMES = ["fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"] + [
+    f"layers.0.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                                     "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+                                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+
+
+def saved_target(tmp_path, **cfg_kw):
+    import checkpoint as ckpt
+    target = random_target(tiny_target_config(vocab_size=40, **cfg_kw), 2, torch.float32)
+    ckpt.save_target(target, str(tmp_path), torch.float32)
+    return ckpt.load_target(str(tmp_path), torch.float32)
+
+
+def test_load_the_published_names(tmp_path):
+    """A head written under the 15 published names (mtp. or model.mtp. prefix) loads into MTPHead equal; the file's
+    other tensors and the target are untouched; a checkpoint without the head, or with a 2-layer one, is refused."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    import checkpoint as ckpt
+    target = saved_target(tmp_path)
+    with pytest.raises(M.CheckpointError, match="no MTP head.*train.py mtp"):
+        mtp.load_mtp(str(tmp_path), target)
+    before = ckpt.read_safetensors(str(tmp_path))
+    head = random_head(target, 3, torch.float32)
+    mtp.save_mtp(head, str(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as fh:
+        names = sorted(k[4:] for k in fh.keys() if k.startswith("mtp."))
+        assert all(torch.equal(fh.get_tensor(k), t) for k, t in before.items())
+    assert names == sorted(PUBLISHED_NAMES)
+    got = mtp.load_mtp(str(tmp_path), target)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in head.state_dict().items())
+    assert torch.equal(ckpt.load_target(str(tmp_path)).lm_head.weight, target.lm_head.weight)
+    tensors = ckpt.read_safetensors(str(tmp_path))                      # the multimodal files' spelling
+    save_file({("model." + k if k.startswith("mtp.") else k): v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(mtp.load_mtp(str(tmp_path), target).fc.weight, head.fc.weight)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["mtp_num_hidden_layers"] == 1
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 2}))
+    with pytest.raises(M.CheckpointError, match="mtp_num_hidden_layers = 2"):
+        mtp.load_mtp(str(tmp_path), target)
+
+
+def test_load_a_mixture_of_experts_head(tmp_path):
+    """MoE target: the head's MLP is the sparse MoE block, written one tensor per expert (the published layout)
+    and read back fused, or read from a fused file."""
+    from safetensors.torch import save_file
+    import checkpoint as ckpt
+    target = saved_target(tmp_path, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+                          shared_expert_intermediate_size=20)
+    head = random_head(target, 5, torch.float32)
+    assert isinstance(head.layers[0].mlp, M.SparseMoE)
+    mtp.save_mtp(head, str(tmp_path))
+    tensors = ckpt.read_safetensors(str(tmp_path))
+    assert "mtp.layers.0.mlp.experts.3.down_proj.weight" in tensors and "mtp.layers.0.mlp.gate.weight" in tensors
+    got = mtp.load_mtp(str(tmp_path), target)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in head.state_dict().items())
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    fused.update({"mtp." + k: v for k, v in head.state_dict().items() if ".experts." in k})
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    got = mtp.load_mtp(str(tmp_path), target)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in head.state_dict().items())
+    prompt = [1, 2, 3, 4]
+    assert dflash.run(target, prompt, 20, proposer=mtp.MTPProposer(got, target, 2), block_size=3).output_ids == \
+        dflash.run(target, prompt, 20).output_ids
+
+
+from helpers import HAS_EMBEDDED_PAIR  # noqa: E402
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_embedded_head_from_the_command_line(capsys):
+    """The shipped target carries a trained head: generate.py --draft mtp equals --draft none, and says mtp."""
+    import json
+    import generate
+    ids = "510,292,11,91,301"
+    assert generate.main(["--prompt-ids", ids, "--max-new-tokens", "40", "--json", "--draft", "none"]) == 0
+    ar = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert generate.main(["--prompt-ids", ids, "--max-new-tokens", "40", "--json", "--draft", "mtp", "--mtp-steps", "5"]) == 0
+    sp = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sp["output_ids"] == ar["output_ids"] and sp["mode"] == "mtp" and sp["block_size"] == 6
+    assert 1 + sum(sp["acceptance_lengths"]) == len(sp["output_ids"])
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_embedded_head_accepts_and_bench_compares(capsys):
+    """bench.py --methods on held-out prompts: the trained head's mean tokens per round is above 1.5 (it predicts
+    the target's text), every output equals AR, and the table names each method."""
+    import json
+    import bench
+    bench.main(["--methods", "dflash,mtp3", "--heldout", "6", "--max-new-tokens", "48", "--no-adaptive"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert set(res["methods"]) == {"dflash", "mtp3"} and res["methods"]["mtp3"]["block_size"] == 4
+    assert res["methods"]["mtp3"]["tau"] > 1.5 and res["methods"]["dflash"]["tau"] > 1.5
+    assert any(line.startswith("| mtp3 (block 4) |") for line in lines) and "outputs identical to AR: all" in lines
+
+
+def test_command_line_errors(tmp_path, capsys):
+    """--draft mtp on a target without a head, and --mtp-steps without --draft mtp: one error line each."""
+    import generate
+    saved_target(tmp_path)
+    assert generate.cli(["--target", str(tmp_path), "--draft", "mtp", "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no MTP head" in err[0]
+    assert generate.cli(["--target", str(tmp_path), "--draft", "none", "--mtp-steps", "3", "--prompt-ids", "1,2"]) == 2
+    assert "--mtp-steps applies to --draft mtp" in capsys.readouterr().err
+    assert generate.cli(["--target", str(tmp_path), "--draft", "mtp", "--mtp-steps", "0", "--prompt-ids", "1,2"]) == 2
