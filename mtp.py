@@ -77,6 +77,7 @@ class MTPProposer:
     row at position p, the committed token at p + 1 (`next_ids`, kept aligned by the Engine: `wants_next_ids`)."""
 
     wants_next_ids = True
+    compilable = True           # propose is one static-shape graph: K - 1 chained steps unrolled
 
     def __init__(self, head: MTPHead, target: Qwen35, steps: int = 3):
         if not 1 <= steps <= MTP_MAX_STEPS:

@@ -101,6 +101,27 @@ def test_compiled_drafter_variants(kind, tmp_path, monkeypatch):
     assert res.output_ids == eager.output_ids and res.draft_ids == eager.draft_ids
 
 
+def test_compiled_mtp_head(tmp_path, monkeypatch):
+    """The MTP proposer's K chained steps compile as one graph (fullgraph), with rounds and plain steps and looks
+    warmed up, no recompiles afterwards, and the eager engine's tokens and proposals."""
+    import torch
+    import torch._dynamo
+    import adaptive
+    import mtp
+    from helpers import randomize_, random_target, tiny_target_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    target = random_target(tiny_target_config(vocab_size=40), 13, torch.float32)
+    head = randomize_(mtp.MTPHead(target.cfg), 14).float().eval()
+    prompt, pattern = list(range(1, 30)), [True, True, False, "look", False, True]
+    eager = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 64, policy=adaptive.Pattern(pattern)).run(prompt, 24)
+    eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 64, compile_mode="default", policy=adaptive.Pattern(pattern))
+    eng.run(prompt[:9], 12)                                                  # warm-up: every step kind
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        res = eng.run(prompt, 24)
+    assert res.output_ids == eager.output_ids and res.draft_ids == eager.draft_ids
+
+
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
     """`generate.py --compile` for two prompts of different lengths (one process, a fresh inductor cache): the
