@@ -116,12 +116,19 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     ar_engine = dflash.Engine(target, None, 1, capacity, **kw)
     # --preset times the steps themselves: every step a round (random drafts would switch adaptive speculation off)
     policy = None if getattr(args, "no_adaptive", True) or getattr(args, "preset", None) else adaptive.Adaptive()
-    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw, policy=adaptive.Pattern([True, "look"]) if policy else None)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw)
     t0 = time.perf_counter()
     ar_engine.run(prompt, 8, stops)
-    sp_engine.run(prompt, 3 * block, stops)            # every step kind (round, plain, look) warmed up
-    sp_engine.policy = policy
+    warm_spec_engine(sp_engine, prompt, stops, policy)
     return ar_engine, sp_engine, time.perf_counter() - t0
+
+
+def warm_spec_engine(engine, prompt: list, stops, policy) -> None:
+    """A throw-away run of a speculative engine; with a policy, every step kind (round, plain, look) runs in it,
+    so the timed run compiles nothing new. Then the engine gets `policy` (None: pure rounds)."""
+    engine.policy = adaptive.Pattern([True, "look"]) if policy else None
+    engine.run(prompt, 3 * engine.block, stops)
+    engine.policy = policy
 
 
 def load_prompts(args, tok, path: str) -> list:
@@ -189,7 +196,7 @@ def main(argv=None):
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     if args.onednn:
         use_onednn(target, drafter)
-    window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
+    window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = dflash.DrafterProposer(drafter, target, window)
     block = args.block_size or drafter.cfg.block_size
     tok = ckpt.load_tokenizer(target.path)
@@ -293,7 +300,7 @@ def method_proposers(args, target, dtype, device) -> dict:
     for name in args.methods.split(","):
         if name == "dflash":
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-            window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
+            window = ckpt.draft_window(drafter.cfg, args.draft_window)
             out[name] = (dflash.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
         elif name.startswith("mtp") and name[3:].isdigit():
             head = head or mtp.load_mtp(target.path, target, dtype)
@@ -316,9 +323,8 @@ def methods_main(args, device) -> dict:
     ar_engine.run(prompts[0], 8, stops)
     engines = {}
     for name, (proposer, block) in methods.items():
-        engines[name] = dflash.Engine(target, proposer, block, capacity, policy=adaptive.Pattern([True, "look"]))
-        engines[name].run(prompts[0], 3 * block, stops)                    # warm-up: every step kind
-        engines[name].policy = None if args.no_adaptive else adaptive.Adaptive()
+        engines[name] = dflash.Engine(target, proposer, block, capacity)
+        warm_spec_engine(engines[name], prompts[0], stops, None if args.no_adaptive else adaptive.Adaptive())
     runs = {name: [] for name in engines}
     speedups = {name: [] for name in engines}
     for i, p in enumerate(prompts):

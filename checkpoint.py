@@ -259,11 +259,16 @@ def default_draft_window(cfg: DraftConfig) -> int | None:
     """The draft window to use when none is asked for: the context the drafter was trained on. A drafter's
     acceptance collapses on contexts much longer than its training ones, and a window of that length restores
     most of it (z-lab's cards say the same of theirs). Read from `train_context_length` in dflash_config (train.py
-    records it: its --prompt-len + --resp-len), else a sliding drafter's `sliding_window` (the reach its sliding
-    layers were trained with); None (no window) when the config states neither."""
+    records it: its --window, else --prompt-len + --resp-len), else a sliding drafter's `sliding_window` (the reach
+    its sliding layers were trained with); None (no window) when the config states neither."""
     if cfg.train_context_length is not None:
         return cfg.train_context_length
     return cfg.sliding_window if "sliding_attention" in cfg.layer_types else None
+
+
+def draft_window(cfg: DraftConfig, flag: int | None) -> int | None:
+    """The window a run uses: --draft-window `flag` when given (0 = none), else default_draft_window(cfg)."""
+    return default_draft_window(cfg) if flag is None else (flag or None)
 
 
 def check_fits(draft: DraftConfig, target: TargetConfig) -> None:

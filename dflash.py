@@ -465,7 +465,8 @@ class Engine:
         t1 = self._clock()
         block = torch.cat([seq.last, proposals])[None]
         posterior, accepted, feats = self.verify_step(block, pos, *self._noise(B), *(() if q is None else (q,)))
-        posterior_t, proposals_t = posterior, proposals
+        if self._next_ids:   # row j's next token: proposal j while accepted, then the target's token (the bonus)
+            seq.feat_next = torch.where(self.offsets < accepted, torch.cat([proposals, proposals[:1]]), posterior)
         a, *rest = torch.cat([accepted.view(1), posterior, proposals]).tolist()    # the round's one host sync
         posterior, proposals = rest[:B], rest[B:]
         new = seq.take(proposals[:a] + [posterior[a]])
@@ -475,8 +476,6 @@ class Engine:
         # tokens are at positions >= the next start, hidden from the next block and overwritten by its append.
         seq.feats = feats.clone() if self._graphs and feats is not None else feats     # CUDA graphs reuse outputs
         seq.feat_pos, seq.plain_run = pos, None
-        if self._next_ids:   # row j's next token: proposal j while accepted, then the target's token (the bonus)
-            seq.feat_next = torch.where(self.offsets < accepted, torch.cat([proposals_t, proposals_t[:1]]), posterior_t)
         return Step("verify", start, new, proposals, a, seq.done, t1 - t0, t2 - t1)
 
     def decode(self, seq: _Sequence, plain: bool = False, look: bool = False) -> Step:

@@ -159,12 +159,12 @@ def load(args, device, dtype) -> tuple:
         raise dflash.GenerationError(f"--mtp-steps applies to --draft mtp, not to --draft {args.draft}")
     if args.draft.lower() == "mtp":
         import mtp
-        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
-        if args.draft_window:
+        if args.draft_window:       # refused before the head is read
             raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
+        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
     elif args.draft.lower() != "none":
         drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-        window = ckpt.default_draft_window(drafter.cfg) if args.draft_window is None else (args.draft_window or None)
+        window = ckpt.draft_window(drafter.cfg, args.draft_window)
         proposer = dflash.DrafterProposer(drafter, target, window)
     if args.onednn:
         use_onednn(target, getattr(proposer, "drafter", None))
