@@ -9,11 +9,17 @@ training context. While speculating would lose, the engine takes plain steps: th
 plus the token's features appended to the drafter's context (dflash.Engine.decode with plain=True), so the
 output stays exactly AR's and drafting can resume at any step.
 
-Whether to resume is tested by a look, not a round: after `wait` plain steps the drafter drafts once, as a round
-would, but nothing is verified (Step.look); the plain steps that follow are the target's own tokens, so they say
-how many of the look's proposals a round would have accepted, at the price of a draft alone (a quarter to a third
-of a round on the embedded pair). A look that would have paid resumes speculation at once; one that would have
-lost doubles the wait (up to `max_wait`).
+Whether to speculate is tested by a look, not a round: the drafter drafts once, as a round would, but nothing is
+verified (Step.look); the plain steps that follow are the target's own tokens, so they say how many of the look's
+proposals a round would have accepted, at the price of a draft alone (a quarter to a half of a round on the
+embedded pair). A generation starts with a look, because its first rounds are its worst: a drafter's acceptance
+is lowest before the text settles into a pattern (on the embedded pair the first round of a 30-60 token prompt
+commits 1.9 tokens on average, the first three 2.9, against the 2.3 a round must commit to pay on a CPU), and a
+look costs a fraction of what a losing round does. A look that would have paid starts (or resumes) speculation at
+once; one that would have lost doubles the wait before the next look (from `first_wait`, 8 plain steps, up to
+`max_wait`, 256): after a missed opening look the next one comes 16 plain steps later, then 32, 64, ..., so on a
+prompt where the drafter never helps the looks cost about log2(n / 8) drafts in n tokens. Rounds that lose go
+back to plain steps for `wait` steps before the next look.
 
 Output never depends on the policy: every step, round or plain, commits only the target's own greedy tokens
 (tests/test_adaptive.py forces arbitrary step patterns).
@@ -27,22 +33,25 @@ class Adaptive:
     """speculate() -> round (True) or plain step (False); look() -> whether that plain step drafts first (a probe);
     observe(step) after each step. Per generation: reset().
 
-    Acceptance per round is noisy and often bimodal (a round commits 1 token or the whole block), so `tau` is the
-    mean of the last `window` rounds, judged only after `min_rounds` of them (a look's would-be acceptance counts
-    as a round). Step times are medians of the last `window` steps of each kind: a step the OS or another process
-    interrupted is an outlier, not a trend. One plain step is measured before the first verdict (an error in it
-    matters only near the break-even, where either choice costs little). Speculation stops when it is measured slower than plain
-    steps (by more than `margin`, a fraction)."""
+    The first step is a plain step that looks. Acceptance per round is noisy and often bimodal (a round commits 1
+    token or the whole block), so `tau` is the mean of the last `window` rounds, judged only after `min_rounds` of
+    them (after a look started speculation: the look, whose would-be acceptance counts as a round, and one round).
+    Step times are medians of the last `window` steps of each kind: a step the OS or another process interrupted is
+    an outlier, not a trend. Before any round is timed, a round is estimated as a look plus `verify_steps` plain
+    steps (a B-token verify costs 1.3 to 2.3 decode steps on the CPUs measured, about one on a GPU; the first
+    rounds then replace the estimate). Speculation stops when it is measured slower than plain steps (by more than
+    `margin`, a fraction)."""
 
     def __init__(self, first_wait: int = 8, max_wait: int = 256, window: int = 8, min_rounds: int = 3,
-                 margin: float = 0.0):
+                 margin: float = 0.0, verify_steps: float = 2.0):
         self.first_wait, self.max_wait, self.window, self.min_rounds = first_wait, max_wait, window, min_rounds
-        self.margin = margin
+        self.margin, self.verify_steps = margin, verify_steps
         self.reset()
 
     def reset(self) -> None:
-        self.taus, self.round_times, self.plain_times = [], [], []    # last rounds' tokens; seconds per step
-        self.wait, self.left, self.rounds = self.first_wait, 0, 0
+        self.taus, self.round_times, self.plain_times, self.look_times = [], [], [], []   # tokens; seconds per step
+        self.wait, self.rounds = self.first_wait, 0
+        self.left = 1                               # plain steps to go, the last one a look: the generation opens with one
         self.looking, self.pending = False, None    # a look is due; a look's proposals not yet matched, and the count matched
         self.resumed = False                        # speculating again on a look's word, not yet confirmed by rounds
 
@@ -52,7 +61,12 @@ class Adaptive:
 
     @property
     def round_s(self):
-        return statistics.median(self.round_times) if self.round_times else None
+        """Seconds per round: measured, else estimated from a look and a plain step (None before both)."""
+        if self.round_times:
+            return statistics.median(self.round_times)
+        if self.look_times and self.plain_times:
+            return statistics.median(self.look_times) + self.verify_steps * self.plain_s
+        return None
 
     @property
     def plain_s(self):
@@ -70,8 +84,6 @@ class Adaptive:
         return self.pays(sum(self.taus) / len(self.taus))
 
     def speculate(self) -> bool:
-        if not self.plain_times and self.rounds >= self.min_rounds - 1:   # one plain step: the baseline to beat
-            return False
         if self.pending is not None:                       # a look is being matched: plain steps until it is judged
             return False
         if self.left > 0:                                  # plain steps to go; the last one looks
@@ -99,6 +111,7 @@ class Adaptive:
         elif step.kind == "plain":
             self._keep(self.plain_times, step.verify_seconds)
             if step.look is not None:
+                self._keep(self.look_times, step.draft_seconds)
                 self.pending = (list(step.look), 0)
             if self.pending is not None:
                 self._match(step.tokens[0])

@@ -95,5 +95,9 @@ class FlexMasks:
     def target(self, pos) -> BlockMask:
         return causal_rows(self.causal, pos)
 
+    def draft_slots(self, start):
+        """None: a draft reads the whole cache (the block mask skips the key tiles it cannot see)."""
+        return None
+
     def draft(self, start, n: int, causal: bool = False, sliding: int | None = None) -> BlockMask:
         return draft_rows(self.drafts, start, n, self.window, causal, sliding)

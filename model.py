@@ -330,10 +330,17 @@ def draft_visible(capacity: int, window: int | None, start, q_idx, kv_idx, causa
 
 class DenseMasks:
     """The masks of cached calls as boolean tensors for SDPA, rebuilt every call from its positions (a few
-    elementwise ops). flex.FlexMasks has the same interface with FlexAttention block masks built once."""
+    elementwise ops). flex.FlexMasks has the same interface with FlexAttention block masks built once.
+
+    A draft with a window shorter than the cache reads only the window: `draft_slots` gives the `window` cache
+    slots before the block's start, the drafter gathers their K/V (a static shape, so it compiles), and `draft`
+    masks [those slots ; block] instead of [whole cache ; block]. On a 3,000-token prompt with the embedded
+    drafter's 208-position window that is 224 keys per block row instead of about 3,200, a third of a draft's time
+    on a CPU; what the block sees is the same."""
 
     def __init__(self, capacity: int, block: int | None = None, window: int | None = None, device=None):
         self.capacity, self.window = capacity, window
+        self.gathers = window is not None and window < capacity
 
     def target(self, pos):
         """A target call at positions pos [T] -> [T, capacity]: a query at p sees the slots <= p. Slots past the
@@ -341,12 +348,26 @@ class DenseMasks:
         seen, so attention needs no rollback."""
         return torch.arange(self.capacity, device=pos.device)[None, :] <= pos[:, None]
 
+    def draft_slots(self, start):
+        """The cache slots a draft starting at `start` (0-d tensor) reads: the window's, start - window ..
+        start - 1 ([window], those before slot 0 clamped to it and hidden by `draft`), or None: the whole cache."""
+        if not self.gathers:
+            return None
+        return (start - self.window + torch.arange(self.window, device=start.device)).clamp(min=0)
+
     def draft(self, start, n: int, causal: bool = False, sliding: int | None = None):
-        """A draft block of n tokens starting at `start` (0-d tensor) -> [n, capacity + n] over [cache ; block], for
-        the layers of one attention kind (DraftConfig.attention_kind)."""
-        kv_idx = torch.arange(self.capacity + n, device=start.device)
+        """A draft block of n tokens starting at `start` (0-d tensor) -> [n, keys + n] over [cache ; block] (keys:
+        capacity, or the window's slots when draft_slots gives them), for the layers of one attention kind
+        (DraftConfig.attention_kind)."""
         q_idx = torch.arange(n, device=start.device)[:, None]
-        return draft_visible(self.capacity, self.window, start, q_idx, kv_idx[None, :], causal, sliding).expand(n, -1)
+        if not self.gathers:
+            kv_idx = torch.arange(self.capacity + n, device=start.device)
+            return draft_visible(self.capacity, self.window, start, q_idx, kv_idx[None, :], causal, sliding).expand(n, -1)
+        # columns numbered as draft_visible numbers them: a context slot by its position, block token i as capacity + i
+        slots = start - self.window + torch.arange(self.window, device=start.device)     # unclamped: < 0 is no slot
+        kv_idx = torch.cat([slots, self.capacity + torch.arange(n, device=start.device)])
+        real = torch.cat([slots >= 0, torch.ones(n, dtype=torch.bool, device=start.device)])
+        return (draft_visible(self.capacity, self.window, start, q_idx, kv_idx[None, :], causal, sliding) & real).expand(n, -1)
 
 
 # ---- Target: Qwen3.5 hybrid ----------------------------------------------------------------------
@@ -823,8 +844,11 @@ class DFlashDrafter(nn.Module):
         n, start = block_embeds.shape[1], start.view(-1)[0]
         rope = self.rope(start + torch.arange(n, device=start.device), block_embeds.dtype)
         by_kind = {kind: masks.draft(start, n, *kind) for kind in dict.fromkeys(self.kinds)}
+        slots = masks.draft_slots(start)              # a window shorter than the cache: read only its slots
         x = block_embeds
         for layer, lc, kind in zip(self.layers, cache.layers, self.kinds):
+            if slots is not None:
+                lc = AttnCache(lc.k.index_select(2, slots), lc.v.index_select(2, slots))
             x = layer.draft(x, rope, lc, by_kind[kind])
         return self.norm(x)
 

@@ -74,13 +74,13 @@ def test_drafts_after_plain_steps_equal_drafter_from_scratch(kind, block, patter
 
 
 class FakeStep:
-    def __init__(self, kind, tokens, seconds, look=None):
-        self.kind, self.tokens, self.draft_seconds, self.verify_seconds, self.look = kind, tokens, 0.0, seconds, look
+    def __init__(self, kind, tokens, seconds, look=None, look_s=0.0):
+        self.kind, self.tokens, self.draft_seconds, self.verify_seconds, self.look = kind, tokens, look_s, seconds, look
 
 
 def drive(p, n, round_tokens, proposals=(), round_s=0.020):
     """n steps under policy p: a round commits round_tokens tokens in round_s; a plain step commits token 0 in
-    10 ms, and a look proposes `proposals`. -> the steps as a string: R round, . plain step, L look."""
+    10 ms, and a look proposes `proposals` in 5 ms. -> the steps as a string: R round, . plain step, L look."""
     kinds = ""
     for _ in range(n):
         if p.speculate():
@@ -89,25 +89,46 @@ def drive(p, n, round_tokens, proposals=(), round_s=0.020):
         else:
             look = p.look()
             kinds += "L" if look else "."
-            p.observe(FakeStep("plain", [0], 0.010, list(proposals) if look else None))
+            p.observe(FakeStep("plain", [0], 0.010, list(proposals) if look else None, 0.005 if look else 0.0))
     return kinds
 
 
 def test_policy_follows_the_measured_costs():
-    """Rounds of 3 tokens at 20 ms against plain steps at 10 ms pay (150 vs 100 tok/s) and go on; rounds of 1 token
-    lose: `wait` plain steps, the last a look; a look whose proposals the next tokens miss doubles the wait (up to
-    max_wait); one whose proposals they match resumes speculating as soon as the matched ones would have paid."""
+    """A generation opens with a look. Before a round is timed, a round is estimated as a look (5 ms) and two plain
+    steps (10 ms each): 25 ms, so the look starts speculating once two of its proposals are matched (3 tokens per
+    25 ms beat 1 per 10). Rounds of 3 tokens at 20 ms against plain steps at 10 ms pay (150 vs 100 tok/s) and go
+    on; rounds of 1 token lose: `wait` plain steps, the last a look; a look whose proposals the next tokens miss
+    doubles the wait (up to max_wait); one whose proposals they match resumes speculating as soon as the matched
+    ones would have paid, now at the measured round time."""
     p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
-    assert drive(p, 6, 3) == "R.RRRR"              # one plain step after the first round: the baseline
+    assert drive(p, 6, 3, [0, 0, 0]) == "L.RRRR"
     assert drive(p, 2 + 4 + 8 + 16 + 16, 1, [1, 1, 1]) == "RR" + "...L" + "." * 7 + "L" + ("." * 15 + "L") * 2
     assert drive(p, 16 + 2, 4, [0, 0, 0, 5]) == "." * 15 + "L" + "RR"   # 1 matched + bonus: 2 tokens / 20 ms pays
     p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
-    assert drive(p, 4, 1, round_s=0.030) == "R.R."  # lost at 1 token / 30 ms
-    assert drive(p, 3 + 4, 4, [0, 0, 0, 5], round_s=0.030) == "..L.RRR"   # at 30 ms a round must commit 3: two matches
+    assert drive(p, 1 + 8 + 16, 1, [1]) == "L" + "." * 7 + "L" + "." * 15 + "L"   # missed looks double the wait
+    p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
+    # resumed on the look's word, the look and one round are judged: (3 + 1) tokens / 2 per 30 ms loses; the look
+    # was lucky, so the wait doubles: 8 plain steps, the last a look
+    assert drive(p, 4, 1, [0, 0, 0], round_s=0.030) == "L.R."
+    assert drive(p, 6 + 6, 4, [0, 0, 0, 5], round_s=0.030) == "." * 6 + "L" + "." + "RRRR"   # at 30 ms: two matches
+
+
+def test_policy_opens_with_a_look_and_estimates_rounds():
+    """The first step is a plain step that looks, whatever came before reset(); a round's cost is estimated from
+    the look and the plain steps until a round is timed, then measured."""
+    p = adaptive.Adaptive(verify_steps=2.0)
+    for _ in range(2):
+        assert p.speculate() is False and p.look() is True
+        assert p.round_s is None
+        p.observe(FakeStep("plain", [0], 0.010, [9], 0.004))
+        assert p.round_s == pytest.approx(0.004 + 2 * 0.010)
+        p.observe(FakeStep("verify", [0], 0.050))
+        assert p.round_s == pytest.approx(0.050)
+        p.reset()
 
 
 def test_policy_judges_the_mean_of_rounds_against_medians():
-    """The defaults: no verdict before 3 rounds; the mean tokens of the last 8 rounds against the median step
+    """The defaults: no verdict before 3 rounds (unless a look started them); the mean tokens of the last 8 rounds against the median step
     times: 2 tokens per 20 ms round vs 10 ms plain steps goes on, 1.9 stops; one slow plain step among others
     does not move the baseline; after a look resumed speculation, the look and one round are judged."""
     for tokens, goes_on in ((2.0, True), (1.9, False)):
