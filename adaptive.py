@@ -154,3 +154,36 @@ class Pattern:
 
     def observe(self, step) -> None:
         pass
+
+
+class _Replayed:
+    """A Step as the policy sees it (kind, tokens, draft_seconds, verify_seconds, look), for replay()."""
+
+    def __init__(self, kind, tokens, verify_seconds, look=None, draft_seconds=0.0):
+        self.kind, self.tokens, self.verify_seconds, self.look, self.draft_seconds = kind, tokens, verify_seconds, look, draft_seconds
+
+
+def replay(policy, output_ids: list, drafts: list, plain_s: float, look_s: float, round_s: float) -> tuple:
+    """A policy's decisions on a recorded generation, without noise: output_ids (the first from prefill included)
+    and drafts[t], the proposals a draft after output_ids[t] makes (a generation with a look at every step records
+    them: Pattern(["look"]), Step.look). A round at t commits its proposals while they equal the output, plus one;
+    steps cost the given seconds. -> (AR time / the policy's time, the steps as a string: R round, . plain, L look).
+    The drafts are the same whichever steps a policy takes (the drafter's context is the committed prefix's features
+    either way), so one recording replays any policy."""
+    N, t, spent, kinds = len(output_ids), 0, 0.0, []
+    policy.reset()
+    while t < N - 1:
+        if policy.speculate():
+            props, a = drafts[t], 0
+            while a < len(props) and t + 1 + a < N and props[a] == output_ids[t + 1 + a]:
+                a += 1
+            n = min(a + 1, N - 1 - t)
+            policy.observe(_Replayed("verify", output_ids[t + 1:t + 1 + n], round_s))
+            spent, t = spent + round_s, t + n
+            kinds.append("R")
+        else:
+            look = policy.look()
+            policy.observe(_Replayed("plain", [output_ids[t + 1]], plain_s, drafts[t] if look else None, look_s if look else 0.0))
+            spent, t = spent + plain_s + (look_s if look else 0.0), t + 1
+            kinds.append("L" if look else ".")
+    return (N - 1) * plain_s / spent if spent else 1.0, "".join(kinds)

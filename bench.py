@@ -97,9 +97,21 @@ def parse_args(argv=None):
                         "dflash,mtp3,mtp7,mtp15 (mtpK: the target's MTP head, K chained steps); a table of tau and speedup "
                         "per method, as the MMFlash paper compares them")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
+    p.add_argument("--replay", action="store_true",
+                   help="instead of timing the policy: record each prompt's drafts at every position (a look at every step) "
+                        "and pure rounds once, then replay adaptive speculation on the recording at the run's median step "
+                        "costs (adaptive.replay): its decisions without the timing noise, per prompt, against AR and pure rounds")
+    p.add_argument("--policy", default="",
+                   help="with --replay: adaptive.Adaptive settings, e.g. first_wait=16,verify_steps=3 (default: the defaults)")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    try:
+        args.policy_kw = policy_settings(args.policy)
+    except ValueError as e:
+        p.error(str(e))
+    if args.policy and not args.replay:
+        p.error("--policy is for --replay")
     if args.parting and args.preset:
         p.error("--parting runs checkpoints, not a --preset")
     if args.preset and not args.random_weights:
@@ -190,6 +202,8 @@ def main(argv=None):
         return parting_main(args, device)
     if args.methods:
         return methods_main(args, device)
+    if args.replay:
+        return replay_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target = ckpt.load_target(args.target, dtype, device)
@@ -286,6 +300,75 @@ def main(argv=None):
         "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "look_ms": look_ms, "prompt_len": args.prompt_len,
         "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "looks": sum(s.look is not None for r in sp_res for s in r.steps), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
     }))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --replay: the adaptive policy without the timing noise
+# ---------------------------------------------------------------------------------------------------------------
+
+def policy_settings(text: str) -> dict:
+    """"first_wait=16,verify_steps=3" -> keyword arguments of adaptive.Adaptive (numbers), checked by name."""
+    import inspect
+    known = [k for k in inspect.signature(adaptive.Adaptive).parameters]
+    kw = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in known or not eq:
+            raise ValueError(f"--policy: {item!r} is not NAME=NUMBER with NAME one of {', '.join(known)}")
+        try:
+            kw[key] = float(value) if key in ("margin", "verify_steps") else int(value)
+        except ValueError:
+            raise ValueError(f"--policy: {key} must be a number, got {value!r}") from None
+    return kw
+
+
+def replay_main(args, device) -> dict:
+    """Per prompt: one generation with a look at every step (adaptive.Pattern(["look"])) records the drafter's
+    proposals after every output token, and one generation of pure rounds measures a round; then
+    adaptive.replay runs the policy on the recording at the run's median costs of a plain step, a look and a
+    round. A plain step stands for an AR step (the same target call). The machine's noise moves the costs, not the
+    decisions, so policies can be compared prompt by prompt; the real timing is bench.py without --replay."""
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    target = ckpt.load_target(args.target, dtype, device)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    window = ckpt.draft_window(drafter.cfg, args.draft_window)
+    proposer = dflash.DrafterProposer(drafter, target, window)
+    block = args.block_size or drafter.cfg.block_size
+    tok = ckpt.load_tokenizer(target.path)
+    prompts, stops = load_prompts(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
+    engine = dflash.Engine(target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block))
+    warm_spec_engine(engine, prompts[0], stops, True)
+    looked, rounds = [], []
+    for p in prompts:
+        engine.policy = adaptive.Pattern(["look"])
+        looked.append(engine.run(p, args.max_new_tokens, stops))
+        engine.policy = None
+        rounds.append(engine.run(p, args.max_new_tokens, stops))
+        if rounds[-1].output_ids != looked[-1].output_ids:      # a float32 near-tie between two kernels' rounding
+            print(f"note: prompt {len(rounds) - 1}: rounds and plain steps part at a near-tie; replayed on the plain output")
+    plain_s = statistics.median(s.verify_seconds for r in looked for s in r.steps if s.kind == "plain")
+    look_s = statistics.median(s.draft_seconds for r in looked for s in r.steps if s.look is not None)
+    round_s = statistics.median(s.draft_seconds + s.verify_seconds for r in rounds for s in r.steps if s.kind == "verify")
+    print(f"costs (medians): plain step {1000 * plain_s:.2f} ms, look {1000 * look_s:.2f} ms, round {1000 * round_s:.2f} ms")
+    adaptive_x, rounds_x = [], []
+    for i, (lk, rd) in enumerate(zip(looked, rounds)):
+        drafts = [s.look or [] for s in lk.steps[1:]]
+        x, kinds = adaptive.replay(adaptive.Adaptive(**args.policy_kw), lk.output_ids, drafts, plain_s, look_s, round_s)
+        pure = (len(rd.output_ids) - 1) * plain_s / (len(rd.acceptance_lengths) * round_s) if rd.acceptance_lengths else 1.0
+        adaptive_x.append(x), rounds_x.append(pure)
+        print(f"prompt {i}: {len(lk.prompt_ids)} tokens  adaptive {x:5.2f}x  pure rounds {pure:5.2f}x (tau {rd.mean_acceptance_length:5.2f})  "
+              f"rounds {kinds.count('R')}, plain steps {kinds.count('.') + kinds.count('L')}, looks {kinds.count('L')}  {kinds[:60]}"
+              f"{'...' if len(kinds) > 60 else ''}", flush=True)
+    summary = {"replay": True, "policy": args.policy_kw, "prompts": len(prompts), "prompt_len": args.prompt_len,
+               "max_new_tokens": args.max_new_tokens, "plain_ms": 1000 * plain_s, "look_ms": 1000 * look_s,
+               "round_ms": 1000 * round_s, "adaptive_speedup": statistics.median(adaptive_x), "adaptive_min": min(adaptive_x),
+               "adaptive_geomean": statistics.geometric_mean(adaptive_x), "rounds_speedup": statistics.median(rounds_x),
+               "rounds_min": min(rounds_x), "adaptive_below_1": sum(x < 1 for x in adaptive_x)}
+    print(f"replayed speedup over AR: adaptive median {summary['adaptive_speedup']:.2f}x (min {summary['adaptive_min']:.3f}, "
+          f"geometric mean {summary['adaptive_geomean']:.2f}, {summary['adaptive_below_1']} below 1), pure rounds median "
+          f"{summary['rounds_speedup']:.2f}x (min {summary['rounds_min']:.2f})")
+    print(json.dumps(summary))
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -181,3 +181,39 @@ def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
     sp = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sp["output_ids"] == ar["output_ids"] and len(sp["prompt_ids"]) == 600
     assert 1 + sum(sp["acceptance_lengths"]) == 48 and len(sp["step_kinds"]) == len(sp["draft_ids"]) == len(sp["acceptance_lengths"])
+
+
+def test_replay_counts_what_the_policy_would_commit():
+    """adaptive.replay on a hand-made recording: a round at t commits the proposals that equal the output, plus one;
+    the time is summed from the given costs. Here drafts after token t propose the true next 3 tokens at t >= 4,
+    nothing right before. Costs: plain 1, look 0.5, round 2."""
+    out = list(range(20))
+    drafts = [[99, 99, 99] if t < 4 else out[t + 1:t + 4] + [99] * (3 - len(out[t + 1:t + 4])) for t in range(19)]
+    x, kinds = adaptive.replay(adaptive.Pattern([True]), out, drafts, 1.0, 0.5, 2.0)
+    # rounds at t = 0, 1, 2, 3 commit 1 each; at 4, 8, 12, 16 commit 4 each (3 proposals + the bonus): 19 tokens
+    assert kinds == "R" * 8 and x == pytest.approx(19 / 16)
+    x, kinds = adaptive.replay(adaptive.Pattern([False, "look"]), out, drafts, 1.0, 0.5, 2.0)
+    assert kinds == ".L" * 9 + "." and x == pytest.approx(19 / (19 + 9 * 0.5))
+    x, kinds = adaptive.replay(adaptive.Adaptive(first_wait=4, verify_steps=2.0), out, drafts, 1.0, 0.5, 2.0)
+    # the opening look at t = 0 misses (wait 8); the look at t = 8 matches 1, then 2: 3 tokens per estimated round
+    # of 2 (measured: none yet; the estimate is 0.5 + 2 = 2.5) pay, and rounds take the rest (4 + 4 + 1 tokens)
+    assert kinds == "L" + "." * 7 + "L." + "RRR", kinds
+
+
+def test_recorded_drafts_are_the_drafts_of_rounds():
+    """replay's premise: the proposals a look records after each token are those a round starting there drafts (the
+    drafter's context is the committed prefix's features either way). float64, a random target and drafter."""
+    rng, dtype = random.Random(3), torch.float64
+    target = random_target(tiny_target_config(vocab_size=50), 3, dtype)
+    prompt = [rng.randrange(50) for _ in range(17)]
+    drafter = random_drafter(kind_draft_config(target.cfg, "dflash", target_layer_ids=[0, 2], num_target_layers=None,
+                                               block_size=8), 5, dtype)
+    prop = dflash.DrafterProposer(drafter, target)
+    looked = dflash.Engine(target, prop, 8, 128, policy=adaptive.Pattern(["look"])).run(prompt, 60)
+    rounds = dflash.Engine(target, prop, 8, 128).run(prompt, 60)
+    assert looked.output_ids == rounds.output_ids
+    drafts = [s.look for s in looked.steps[1:]]
+    t = 0
+    for a, d in zip(rounds.acceptance_lengths, rounds.draft_ids):
+        assert drafts[t] == d, t
+        t += a
