@@ -17,8 +17,8 @@ is lowest before the text settles into a pattern (on the embedded pair the first
 commits 1.9 tokens on average, the first three 2.9, against the 2.3 a round must commit to pay on a CPU), and a
 look costs a fraction of what a losing round does. A look that would have paid starts (or resumes) speculation at
 once; one that would have lost doubles the wait before the next look (from `first_wait`, 8 plain steps, up to
-`max_wait`, 256): after a missed opening look the next one comes 16 plain steps later, then 32, 64, ..., so on a
-prompt where the drafter never helps the looks cost about log2(n / 8) drafts in n tokens. Rounds that lose go
+`max_wait`, 256): after a missed opening look the next one comes 8 plain steps later, then 16, 32, ..., so on a
+prompt where the drafter never helps the looks cost about log2(n / 4) drafts in n tokens. Rounds that lose go
 back to plain steps for `wait` steps before the next look.
 
 Output never depends on the policy: every step, round or plain, commits only the target's own greedy tokens
@@ -52,6 +52,7 @@ class Adaptive:
         self.taus, self.round_times, self.plain_times, self.look_times = [], [], [], []   # tokens; seconds per step
         self.wait, self.rounds = self.first_wait, 0
         self.left = 1                               # plain steps to go, the last one a look: the generation opens with one
+        self.opening = True                         # that look is not judged yet (a miss waits first_wait, not double)
         self.looking, self.pending = False, None    # a look is due; a look's proposals not yet matched, and the count matched
         self.resumed = False                        # speculating again on a look's word, not yet confirmed by rounds
 
@@ -129,8 +130,11 @@ class Adaptive:
             self.pending = (proposals, n)
         else:                                              # missed: it would have lost
             self.pending = None
-            self.wait = min(2 * self.wait, self.max_wait)
+            if not self.opening:
+                self.wait = min(2 * self.wait, self.max_wait)
             self.left = self.wait
+        if self.pending is None:
+            self.opening = False
 
 
 class Pattern:

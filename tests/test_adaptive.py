@@ -94,7 +94,7 @@ def drive(p, n, round_tokens, proposals=(), round_s=0.020):
 
 
 def test_policy_follows_the_measured_costs():
-    """A generation opens with a look. Before a round is timed, a round is estimated as a look (5 ms) and two plain
+    """A generation opens with a look; if it misses, the next comes after first_wait plain steps. Before a round is timed, a round is estimated as a look (5 ms) and two plain
     steps (10 ms each): 25 ms, so the look starts speculating once two of its proposals are matched (3 tokens per
     25 ms beat 1 per 10). Rounds of 3 tokens at 20 ms against plain steps at 10 ms pay (150 vs 100 tok/s) and go
     on; rounds of 1 token lose: `wait` plain steps, the last a look; a look whose proposals the next tokens miss
@@ -105,7 +105,8 @@ def test_policy_follows_the_measured_costs():
     assert drive(p, 2 + 4 + 8 + 16 + 16, 1, [1, 1, 1]) == "RR" + "...L" + "." * 7 + "L" + ("." * 15 + "L") * 2
     assert drive(p, 16 + 2, 4, [0, 0, 0, 5]) == "." * 15 + "L" + "RR"   # 1 matched + bonus: 2 tokens / 20 ms pays
     p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
-    assert drive(p, 1 + 8 + 16, 1, [1]) == "L" + "." * 7 + "L" + "." * 15 + "L"   # missed looks double the wait
+    # a missed opening look waits first_wait; later misses double it
+    assert drive(p, 1 + 4 + 8 + 16, 1, [1]) == "L" + "..." + "L" + "." * 7 + "L" + "." * 15 + "L"
     p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
     # resumed on the look's word, the look and one round are judged: (3 + 1) tokens / 2 per 30 ms loses; the look
     # was lucky, so the wait doubles: 8 plain steps, the last a look
@@ -195,9 +196,10 @@ def test_replay_counts_what_the_policy_would_commit():
     x, kinds = adaptive.replay(adaptive.Pattern([False, "look"]), out, drafts, 1.0, 0.5, 2.0)
     assert kinds == ".L" * 9 + "." and x == pytest.approx(19 / (19 + 9 * 0.5))
     x, kinds = adaptive.replay(adaptive.Adaptive(first_wait=4, verify_steps=2.0), out, drafts, 1.0, 0.5, 2.0)
-    # the opening look at t = 0 misses (wait 8); the look at t = 8 matches 1, then 2: 3 tokens per estimated round
-    # of 2 (measured: none yet; the estimate is 0.5 + 2 = 2.5) pay, and rounds take the rest (4 + 4 + 1 tokens)
-    assert kinds == "L" + "." * 7 + "L." + "RRR", kinds
+    # the opening look at t = 0 misses (wait 4); the look at t = 4 matches 1, then 2: 3 tokens per estimated round
+    # (none timed yet: a look and 2 plain steps, 2.5) pay, and rounds take the rest (4 + 4 + 4 + 1 tokens)
+    assert kinds == "L" + "..." + "L." + "RRRR", kinds
+    assert x == pytest.approx(19 / (1.5 + 3 + 1.5 + 1 + 4 * 2.0))
 
 
 def test_recorded_drafts_are_the_drafts_of_rounds():
