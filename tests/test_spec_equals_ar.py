@@ -175,3 +175,25 @@ def test_draft_window():
     assert short.output_ids == full.output_ids
     with pytest.raises(dflash.GenerationError):
         dflash.DrafterProposer(drafter, target, window=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["dflash", "sliding", "noncausal-window", "causal", "dflash2"])
+def test_windowed_draft_reads_only_its_window(kind):
+    """A draft window shorter than the cache: DenseMasks gathers the window's slots (draft_slots) and masks
+    [window ; block]; the drafter's output == the same draft over the whole cache with the full mask (float64),
+    for starts before the window has filled, at its edge and past it."""
+    cfg = tiny_target_config()
+    dcfg = kind_draft_config(cfg, kind, target_layer_ids=[0, 2], num_target_layers=None, block_size=8)
+    drafter = random_drafter(dcfg, 11, torch.float64)
+    C, T, W = 64, 8, 10
+    gen = torch.Generator().manual_seed(3)
+    cache = M.DraftCache(dcfg, C, torch.float64, "cpu")
+    drafter.append_context(torch.randn(1, C, 2 * cfg.hidden_size, dtype=torch.float64, generator=gen), torch.arange(C), cache)
+    gathered, full = M.DenseMasks(C, T, W), M.DenseMasks(C, T, W)
+    full.gathers = False                                   # the whole-cache path with the same window rule
+    assert gathered.draft_slots(torch.tensor(5)) is not None and full.draft_slots(torch.tensor(5)) is None
+    for start in (1, 5, W, W + 1, 33, C - T):
+        emb = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64, generator=gen)
+        s = torch.tensor([start])
+        torch.testing.assert_close(drafter.draft(emb, s, cache, gathered), drafter.draft(emb, s, cache, full), rtol=0, atol=1e-12)

@@ -191,22 +191,27 @@ def test_unknown_compile_mode_is_a_usage_error(capsys):
 # Ctrl-C
 # --------------------------------------------------------------------------------------------------
 
-def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch):
-    """KeyboardInterrupt in the third round: exit 130, the --json line holds the tokens generated so far
-    (a prefix of the full greedy output), one stderr line says so."""
+@pytest.mark.parametrize("extra", [[], ["--no-adaptive"]])
+def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
+    """KeyboardInterrupt in the third step after prefill (a round or a plain step, whichever adaptive speculation
+    takes; with --no-adaptive, a round): exit 130, the --json line holds the tokens generated so far (a prefix of the full greedy output), one
+    stderr line says so."""
     full = json.loads(run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
-                              "--max-new-tokens", "30", "--json")[1].strip().splitlines()[-1])
+                              "--max-new-tokens", "30", "--json", *extra)[1].strip().splitlines()[-1])
     calls = {"n": 0}
-    real = dflash.Engine.round
+    real_round, real_decode = dflash.Engine.round, dflash.Engine.decode
 
-    def round_then_interrupt(self, seq):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(self, seq)
-    monkeypatch.setattr(dflash.Engine, "round", round_then_interrupt)
+    def third_interrupts(real):
+        def step(self, seq, *a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return real(self, seq, *a, **kw)
+        return step
+    monkeypatch.setattr(dflash.Engine, "round", third_interrupts(real_round))
+    monkeypatch.setattr(dflash.Engine, "decode", third_interrupts(real_decode))
     rc, out, err = run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
-                           "--max-new-tokens", "30", "--json")
+                           "--max-new-tokens", "30", "--json", *extra)
     part = json.loads(out.strip().splitlines()[-1])
     assert rc == 130 and part["interrupted"] is True
     assert 1 < len(part["output_ids"]) < 30 and full["output_ids"][:len(part["output_ids"])] == part["output_ids"]
