@@ -116,6 +116,12 @@ def parse_args(argv=None):
         p.error("--parting runs checkpoints, not a --preset")
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
+    if args.replay:
+        clash = [flag for flag, on in (("--compile", args.compile), ("--preset", args.preset), ("--parting", args.parting),
+                                       ("--methods", args.methods), ("--vs-reference", args.vs_reference),
+                                       ("--no-adaptive", args.no_adaptive), ("--onednn", args.onednn)) if on]
+        if clash:
+            p.error(f"--replay runs the eager DFlash engine on checkpoints; drop {', '.join(clash)}")
     return args
 
 

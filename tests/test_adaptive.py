@@ -219,3 +219,20 @@ def test_recorded_drafts_are_the_drafts_of_rounds():
     for a, d in zip(rounds.acceptance_lengths, rounds.draft_ids):
         assert drafts[t] == d, t
         t += a
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_bench_replay(capsys):
+    """bench.py --replay on the embedded pair: a line per prompt and a summary whose figures follow from them;
+    --policy settings reach the policy and bad ones are usage errors."""
+    import bench
+    s = bench.main(["--replay", "--threads", "1", "--heldout", "2", "--max-new-tokens", "24", "--policy", "first_wait=4"])
+    out = capsys.readouterr().out
+    assert out.count("\nprompt ") + out.startswith("prompt ") == 2 and s["prompts"] == 2
+    assert s["policy"] == {"first_wait": 4} and 0 < s["adaptive_min"] <= s["adaptive_speedup"] and s["rounds_speedup"] > 0
+    assert json.loads(out.strip().splitlines()[-1]) == s
+    for bad in (["--replay", "--policy", "wait=4"], ["--replay", "--policy", "first_wait=x"], ["--policy", "first_wait=4"],
+                ["--replay", "--compile"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(bad)
+        assert e.value.code == 2
