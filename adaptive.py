@@ -3,7 +3,7 @@ generate.py and bench.py (`--no-adaptive` turns it off: pure DFlash, for benchma
 
 A round costs a draft and a B-token verify and commits `tau` tokens on average; a plain step costs one decode and
 commits one token. Speculation pays while tau / round_seconds >= 1 / plain_seconds. Both sides are measured as
-the generation runs (moving averages of the steps' own wall times), because the ratio of a verify to a decode
+the generation runs (medians of the steps' own wall times), because the ratio of a verify to a decode
 differs by device, model and context length, and acceptance falls when a prompt is longer than the drafter's
 training context. While speculating would lose, the engine takes plain steps: the same target call as AR decoding
 plus the token's features appended to the drafter's context (dflash.Engine.decode with plain=True), so the
@@ -11,10 +11,10 @@ output stays exactly AR's and drafting can resume at any step.
 
 Whether to speculate is tested by a look, not a round: the drafter drafts once, as a round would, but nothing is
 verified (Step.look); the plain steps that follow are the target's own tokens, so they say how many of the look's
-proposals a round would have accepted, at the price of a draft alone (a quarter to a half of a round on the
+proposals a round would have accepted, at the price of a draft alone (about a fifth of a round on the
 embedded pair). A generation starts with a look, because its first rounds are its worst: a drafter's acceptance
 is lowest before the text settles into a pattern (on the embedded pair the first round of a 30-60 token prompt
-commits 1.9 tokens on average, the first three 2.9, against the 2.3 a round must commit to pay on a CPU), and a
+commits 1.9 tokens on average, the first three 2.9, against the 2.1-2.8 a round must commit to pay on this CPU), and a
 look costs a fraction of what a losing round does. A look that would have paid starts (or resumes) speculation at
 once; one that would have lost doubles the wait before the next look (from `first_wait`, 8 plain steps, up to
 `max_wait`, 256): after a missed opening look the next one comes 8 plain steps later, then 16, 32, ..., so on a
