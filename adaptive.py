@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import statistics
 
+from dflash import Step
+
 
 class Adaptive:
     """speculate() -> round (True) or plain step (False); look() -> whether that plain step drafts first (a probe);
@@ -50,7 +52,7 @@ class Adaptive:
 
     def reset(self) -> None:
         self.taus, self.round_times, self.plain_times, self.look_times = [], [], [], []   # tokens; seconds per step
-        self.wait, self.rounds = self.first_wait, 0
+        self.wait = self.first_wait
         self.left = 1                               # plain steps to go, the last one a look: the generation opens with one
         self.opening = True                         # that look is not judged yet (a miss waits first_wait, not double)
         self.looking, self.pending = False, None    # a look is due; a look's proposals not yet matched, and the count matched
@@ -100,7 +102,6 @@ class Adaptive:
 
     def observe(self, step) -> None:
         if step.kind == "verify":
-            self.rounds += 1
             self.taus = (self.taus + [len(step.tokens)])[-self.window:]
             self._keep(self.round_times, step.draft_seconds + step.verify_seconds)
             if not self.paying():                          # lost: plain steps for a while, then a look
@@ -160,13 +161,6 @@ class Pattern:
         pass
 
 
-class _Replayed:
-    """A Step as the policy sees it (kind, tokens, draft_seconds, verify_seconds, look), for replay()."""
-
-    def __init__(self, kind, tokens, verify_seconds, look=None, draft_seconds=0.0):
-        self.kind, self.tokens, self.verify_seconds, self.look, self.draft_seconds = kind, tokens, verify_seconds, look, draft_seconds
-
-
 def replay(policy, output_ids: list, drafts: list, plain_s: float, look_s: float, round_s: float) -> tuple:
     """A policy's decisions on a recorded generation, without noise: output_ids (the first from prefill included)
     and drafts[t], the proposals a draft after output_ids[t] makes (a generation with a look at every step records
@@ -182,12 +176,13 @@ def replay(policy, output_ids: list, drafts: list, plain_s: float, look_s: float
             while a < len(props) and t + 1 + a < N and props[a] == output_ids[t + 1 + a]:
                 a += 1
             n = min(a + 1, N - 1 - t)
-            policy.observe(_Replayed("verify", output_ids[t + 1:t + 1 + n], round_s))
+            policy.observe(Step("verify", t, output_ids[t + 1:t + 1 + n], props, a, verify_seconds=round_s))
             spent, t = spent + round_s, t + n
             kinds.append("R")
         else:
             look = policy.look()
-            policy.observe(_Replayed("plain", [output_ids[t + 1]], plain_s, drafts[t] if look else None, look_s if look else 0.0))
+            policy.observe(Step("plain", t, [output_ids[t + 1]], draft_seconds=look_s if look else 0.0,
+                                verify_seconds=plain_s, look=drafts[t] if look else None))
             spent, t = spent + plain_s + (look_s if look else 0.0), t + 1
             kinds.append("L" if look else ".")
     return (N - 1) * plain_s / spent if spent else 1.0, "".join(kinds)

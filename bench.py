@@ -149,6 +149,20 @@ def warm_spec_engine(engine, prompt: list, stops, policy) -> None:
     engine.policy = policy
 
 
+def load_pair(args, dtype, device) -> tuple:
+    """The target and drafter of --target / --draft (with --onednn's products), the draft window, the proposer, the
+    block size, the prompts as ids and the stop ids. -> (target, drafter, window, proposer, block, prompts, stops)."""
+    target = ckpt.load_target(args.target, dtype, device)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    if args.onednn:
+        use_onednn(target, drafter)
+    window = ckpt.draft_window(drafter.cfg, args.draft_window)
+    proposer = dflash.DrafterProposer(drafter, target, window)
+    block = args.block_size or drafter.cfg.block_size
+    prompts = load_prompts(args, ckpt.load_tokenizer(target.path), target.path)
+    return target, drafter, window, proposer, block, prompts, ckpt.stop_token_ids(target.path, target.cfg)
+
+
 def load_prompts(args, tok, path: str) -> list:
     """The benchmark's prompts as token ids: --prompt and --prompts texts, else --heldout held-out prompts."""
     texts = list(args.prompt)
@@ -212,17 +226,7 @@ def main(argv=None):
         return replay_main(args, device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
-    target = ckpt.load_target(args.target, dtype, device)
-    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-    if args.onednn:
-        use_onednn(target, drafter)
-    window = ckpt.draft_window(drafter.cfg, args.draft_window)
-    proposer = dflash.DrafterProposer(drafter, target, window)
-    block = args.block_size or drafter.cfg.block_size
-    tok = ckpt.load_tokenizer(target.path)
-
-    prompts = load_prompts(args, tok, target.path)
-    stops = ckpt.stop_token_ids(target.path, target.cfg)
+    target, drafter, window, proposer, block, prompts, stops = load_pair(args, dtype, device)
 
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     mode = args.compile_mode if args.compile else None
@@ -313,16 +317,17 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------------------------------
 
 def policy_settings(text: str) -> dict:
-    """"first_wait=16,verify_steps=3" -> keyword arguments of adaptive.Adaptive (numbers), checked by name."""
+    """"first_wait=16,verify_steps=3" -> keyword arguments of adaptive.Adaptive (numbers of its defaults' types),
+    checked by name."""
     import inspect
-    known = [k for k in inspect.signature(adaptive.Adaptive).parameters]
+    known = {k: type(p.default) for k, p in inspect.signature(adaptive.Adaptive).parameters.items()}
     kw = {}
     for item in filter(None, text.split(",")):
         key, eq, value = item.partition("=")
         if key not in known or not eq:
             raise ValueError(f"--policy: {item!r} is not NAME=NUMBER with NAME one of {', '.join(known)}")
         try:
-            kw[key] = float(value) if key in ("margin", "verify_steps") else int(value)
+            kw[key] = known[key](value)
         except ValueError:
             raise ValueError(f"--policy: {key} must be a number, got {value!r}") from None
     return kw
@@ -335,13 +340,7 @@ def replay_main(args, device) -> dict:
     round. A plain step stands for an AR step (the same target call). The machine's noise moves the costs, not the
     decisions, so policies can be compared prompt by prompt; the real timing is bench.py without --replay."""
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
-    target = ckpt.load_target(args.target, dtype, device)
-    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-    window = ckpt.draft_window(drafter.cfg, args.draft_window)
-    proposer = dflash.DrafterProposer(drafter, target, window)
-    block = args.block_size or drafter.cfg.block_size
-    tok = ckpt.load_tokenizer(target.path)
-    prompts, stops = load_prompts(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
+    target, _, _, proposer, block, prompts, stops = load_pair(args, dtype, device)
     engine = dflash.Engine(target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block))
     warm_spec_engine(engine, prompts[0], stops, True)
     looked, rounds = [], []
