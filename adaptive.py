@@ -14,7 +14,7 @@ verified (Step.look); the plain steps that follow are the target's own tokens, s
 proposals a round would have accepted, at the price of a draft alone (about a fifth of a round on the
 embedded pair). A generation starts with a look, because its first rounds are its worst: a drafter's acceptance
 is lowest before the text settles into a pattern (on the embedded pair the first round of a 30-60 token prompt
-commits 1.9 tokens on average, the first three 2.9, against the 2.1-2.8 a round must commit to pay on this CPU), and a
+commits 1.9 tokens on average, the first three 3.0, against the 2.1-2.8 a round must commit to pay on this CPU), and a
 look costs a fraction of what a losing round does. A look that would have paid starts (or resumes) speculation at
 once; one that would have lost doubles the wait before the next look (from `first_wait`, 8 plain steps, up to
 `max_wait`, 256): after a missed opening look the next one comes 8 plain steps later, then 16, 32, ..., so on a

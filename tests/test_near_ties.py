@@ -22,16 +22,16 @@ TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
 DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
 NEW = 128
 # Two prompts of the README's examples and two held-out prompts (train.heldout_prompts, bench.py's order) that
-# part in bfloat16 with one CPU thread: measured here (AMD EPYC, AVX2, torch 2.13.0+cpu) at output tokens 57 and
-# 30, so the test sees partings to judge. Other CPUs or thread counts may part elsewhere; the property must hold
+# part in bfloat16 with one CPU thread: measured here (AMD EPYC, AVX2, torch 2.13.0+cpu, the pass-9 drafter) at
+# output tokens 8 and 42, so the test sees partings to judge. Other CPUs or thread counts may part elsewhere; the property must hold
 # wherever they do.
 TEXTS = ["def fibonacci(n):", "class Stack:"]
-HELDOUT = [17, 52]
+HELDOUT = [15, 17]
 
 # The bound: 2 rounding steps of bfloat16 at the top logit's magnitude (eps 2^-7 times 2^floor(log2 |z|); 0.03125
 # for logits in [4, 8)). Two runs pick different tokens only where their roundings move the float32 top-2 margin m
 # across 0, so |m| is at most the larger of the two moves; over 8,192 positions of the held-out runs a bfloat16
-# forward moved m by at most 1.64 steps (median 0.29), while half the positions have margins above 21 steps.
+# forward moved m by at most 1.79 steps (median 0.29), while half the positions have margins above 21 steps.
 BOUND = bench.NEAR_TIE_STEPS
 assert BOUND == 2.0
 
