@@ -436,7 +436,7 @@ def methods_main(args, device) -> dict:
         acc = [a for r in runs[name] for a in r.verify_lengths]
         table[name] = {"tau": sum(acc) / len(acc) if acc else 0.0, "speedup": statistics.median(speedups[name]),
                        "speedup_min": min(speedups[name]), "block_size": methods[name][1]}
-    print(f"\n| method | tau | speedup (median per prompt) | slowest prompt |\n|---|---|---|---|")
+    print("\n| method | tau | speedup (median per prompt) | slowest prompt |\n|---|---|---|---|")
     for name, row in table.items():
         print(f"| {name} (block {row['block_size']}) | {row['tau']:.2f} | {row['speedup']:.2f}x | {row['speedup_min']:.2f}x |")
     print("outputs identical to AR: all")

@@ -5,7 +5,6 @@ the trace keeps its contract; the measuring policy switches as the costs say; th
 the drafter's config and the flag overrides it."""
 import json
 import random
-import shutil
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ import torch
 
 import dflash
 import checkpoint as ckpt
-import model as M
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

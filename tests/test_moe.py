@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint as ckpt
 import dflash
 import model as M
-from helpers import edit_json, random_target, randomize_hf_norms_, tiny_draft_config, tiny_target_config
+from helpers import edit_json, random_target, randomize_hf_norms_, tiny_target_config
 from test_spec_equals_ar import check_spec_equals_ar
 
 TOL = 1e-4

@@ -13,7 +13,6 @@ import tempfile
 import time
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import checkpoint as ckpt_mod
