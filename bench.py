@@ -43,7 +43,7 @@ import dflash
 import checkpoint as ckpt
 import model as M
 from check import NEAR_TIE_STEPS, margin_errors, rounding_step, teacher_forced_logits
-from generate import ATTENTION, COMPILE_MODES, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, use_onednn
+from generate import ATTENTION, COMPILE_MODES, DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, compile_options, pick_dtype, use_onednn
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
 PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
@@ -224,7 +224,7 @@ def main(argv=None):
         return methods_main(args, device)
     if args.replay:
         return replay_main(args, device)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target, drafter, window, proposer, block, prompts, stops = load_pair(args, dtype, device)
 
@@ -339,7 +339,7 @@ def replay_main(args, device) -> dict:
     adaptive.replay runs the policy on the recording at the run's median costs of a plain step, a look and a
     round. A plain step stands for an AR step (the same target call). The machine's noise moves the costs, not the
     decisions, so policies can be compared prompt by prompt; the real timing is bench.py without --replay."""
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = pick_dtype(args.dtype, device)
     target, _, _, proposer, block, prompts, stops = load_pair(args, dtype, device)
     engine = dflash.Engine(target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block))
     warm_spec_engine(engine, prompts[0], stops, True)
@@ -401,7 +401,7 @@ def method_proposers(args, target, dtype, device) -> dict:
 def methods_main(args, device) -> dict:
     """AR and every --methods proposer on each prompt in turn (each engine warmed up first), in one process:
     per method the mean tokens per round (tau, rounds only) and the median per-prompt speedup over AR."""
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = pick_dtype(args.dtype, device)
     target = ckpt.load_target(args.target, dtype, device)
     tok = ckpt.load_tokenizer(target.path)
     prompts, stops = load_prompts(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
@@ -578,7 +578,7 @@ def preset_main(args, device) -> dict:
     """Time AR decode, verify and draft steps of a preset's shapes with the Engine (the same step functions and
     timings as the checkpoint benchmark), then print the step costs, the bandwidth and the projection."""
     cuda = torch.device(device).type == "cuda"
-    dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if cuda else None              # before the model takes the memory
     t0 = time.perf_counter()
     target, drafter = random_models(args.preset, device, dtype)
@@ -765,7 +765,7 @@ def parting_main(args, device) -> dict:
     teacher-forced gaps between the two tokens; the float32 margins at every AR position. A table, a summary, and
     one JSON line last."""
     t_start = time.perf_counter()
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = pick_dtype(args.dtype, device)
     target = ckpt.load_target(args.target, dtype, device)
     proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target)
     refs = {name: ckpt.load_target(args.target, DTYPES[name], device) for name in ("float32", "float64")}

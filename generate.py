@@ -34,6 +34,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
 DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def pick_dtype(name: str | None, device) -> torch.dtype:
+    """--dtype NAME, else the device's default: bfloat16 on a GPU, float32 on a CPU."""
+    return DTYPES[name or ("bfloat16" if torch.device(device).type == "cuda" else "float32")]
+
+
 # The attention backend of the cached steps, chosen here only: the masks class the Engine builds once.
 ATTENTION = {"sdpa": M.DenseMasks, "flex": flex.FlexMasks}
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]    # torch.compile's modes
@@ -238,7 +245,7 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = pick_dtype(args.dtype, device)
 
     t0 = time.perf_counter()
     target, tokenizer, proposer = load(args, device, dtype)
