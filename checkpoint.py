@@ -256,14 +256,13 @@ def draft_config(raw: dict) -> DraftConfig:
 
 
 def default_draft_window(cfg: DraftConfig) -> int | None:
-    """The draft window to use when none is asked for: the context the drafter was trained on. A drafter's
-    acceptance collapses on contexts much longer than its training ones, and a window of that length restores
-    most of it (z-lab's cards say the same of theirs). Read from `train_context_length` in dflash_config (train.py
-    records it: its --window, else --prompt-len + --resp-len), else a sliding drafter's `sliding_window` (the reach
-    its sliding layers were trained with); None (no window) when the config states neither."""
-    if cfg.train_context_length is not None:
-        return cfg.train_context_length
-    return cfg.sliding_window if "sliding_attention" in cfg.layer_types else None
+    """The draft window to use when none is asked for: the context the drafter was trained on, read from
+    `train_context_length` in dflash_config (train.py records it: its --window, else --prompt-len + --resp-len).
+    A drafter's acceptance collapses on contexts much longer than its training ones, and a window of that length
+    restores most of it. None (no window: drafts see the whole context) when the config does not state it, and so
+    for z-lab's sliding drafters: their sliding layers keep to their own `sliding_window` and their full layers
+    read the whole context, as the z-lab package runs them."""
+    return cfg.train_context_length
 
 
 def draft_window(cfg: DraftConfig, flag: int | None) -> int | None:

@@ -8,20 +8,22 @@ token or at max_new_tokens) and COMMIT (TargetCache.commit(n): the rollback of t
 
 A proposer has `max_block_size`, `feature_layers` (the target layers whose outputs it reads), `reset(capacity,
 masks)`, `prefill(feats, pos)` and `propose(last, start, feats, feat_pos, n)` -> proposals [n], or (proposals,
-q) with their draft distributions q [n, V] (None: one-hot); one that samples its draft also has `draft_noise(n)`
-and takes the noise and temperature as two more arguments. One with `wants_next_ids` (mtp.MTPProposer) also
-gets `next_ids=`, the committed token after each feature row's position, in prefill and propose, and its first
-feature rows include the position before `start`. `compilable`: propose is one static-shape graph.
+q) with their draft distributions q [n, V] (None: one-hot); one that samples its draft when the target samples
+has `samples_drafts` True and takes the noise row keys of its positions and the temperature as two more
+arguments. One with `wants_next_ids` (mtp.MTPProposer) also gets `next_ids=`, the committed token after each
+feature row's position, in prefill and propose, and its first feature rows include the position before `start`. `compilable`: propose is one static-shape graph.
 DrafterProposer wraps the DFlash and DFlash2 drafters; the tests use stand-ins that force every acceptance length.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+import noise
 from model import DenseMasks, DFlashDrafter, DraftCache, Qwen35, TargetCache
 
 
@@ -56,6 +58,7 @@ class Result:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0                 # everything after the first token
     step_kinds: list = field(default_factory=list)   # "verify" or "plain", per acceptance_lengths entry
+    seed: int | None = None                     # the sampling seed (None: greedy); it reproduces the text
 
     @property
     def verify_lengths(self) -> list:
@@ -77,14 +80,23 @@ class Result:
 
 # ---- Sampling (docs/method.md#sampling) ----------------------------------------------------------
 
+DRAFT_RULES = ("coupled", "ratio")    # how a sampled draft is verified (docs/method.md#sampled-drafts)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """temperature 0 = greedy (the exact path). Otherwise tokens are drawn from the target's distribution at
     `temperature`, restricted to the top_k most likely tokens (0 = all) and to the smallest set whose
-    probability reaches top_p (1 = all)."""
+    probability reaches top_p (1 = all), with the noise of their positions (position-keyed noise, below).
+    draft_rule: how a drafter that samples its own block (DFlash2) is verified. "coupled": the draft races with
+    the target's noise and a proposal stands iff it equals the target's draw (the output is AR's for the seed);
+    "ratio": the draft has noise of its own and min(1, p/q) decides (more accepted, the output is distributed as
+    AR's but is not AR's text, and depends on the step pattern). A drafter that drafts greedily (DFlash, MTP) is
+    always verified by the coupled rule, where both rules accept with probability p(x)."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    draft_rule: str = "coupled"     # a sampled draft (DFlash2): "coupled" (output == AR's for the seed) or "ratio"
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -93,6 +105,8 @@ class Sampling:
             raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GenerationError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if self.draft_rule not in DRAFT_RULES:
+            raise GenerationError(f"draft rule must be one of {', '.join(DRAFT_RULES)}, got {self.draft_rule!r}")
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +135,14 @@ def draw(probs: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
     as Categorical(p / sum(p)) (the exponential race; gpt-fast's sync-free sampling). Zero-probability tokens
     can never win."""
     return (probs / expo.clamp_min(1e-30)).argmax(-1)
+
+
+def matched(proposals: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
+    """proposals [B-1]; posterior [B] the target's tokens at the block's rows (its argmax, or its draws with the
+    positions' noise) -> accepted []: how many leading proposals equal the target's token at their row. With
+    draws this is the coupled rule: the committed tokens are the target's own draws, so a proposal is accepted
+    with probability p(x), as under min(1, p/q) with a one-hot q, and the output is plain decoding's."""
+    return (proposals == posterior[:-1]).int().cumprod(0).sum()
 
 
 def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Tensor, expo: torch.Tensor, q=None):
@@ -179,18 +201,19 @@ class DrafterProposer:
         """The prompt's features [1,T0,F] at positions pos [T0] into the context cache (once per generation)."""
         self.drafter.append_context(feats, pos, self.cache)
 
-    def draft_noise(self, n: int) -> tuple | None:
-        """The shape of the Exp(1) noise a sampled draft of n tokens needs (DFlash2's candidate draws), or None:
-        a DFlash drafter drafts greedily even when the target samples (a one-hot q)."""
-        cfg = self.drafter.cfg
-        return (n, cfg.selector_top_k) if cfg.dflash2 else None
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether its block is sampled when the target samples (DFlash2's candidate selector); a DFlash drafter
+        drafts greedily at any temperature (a one-hot q)."""
+        return self.drafter.cfg.dflash2
 
     def propose(self, last: torch.Tensor, start: torch.Tensor, feats: torch.Tensor, feat_pos: torch.Tensor, n: int,
-                expo: torch.Tensor | None = None, temperature: float = 1.0) -> tuple:
+                rows: torch.Tensor | None = None, temperature: float = 1.0) -> tuple:
         """last [1] token at position start [1]; feats [1,Tc,F] target features at feat_pos [Tc] not seen yet
         (rows at positions >= start are hidden) -> proposals [n] for positions start+1 .. start+n and their draft
-        distributions q [n,V] (None: greedy, one-hot). expo (shape draft_noise(n)): sample at `temperature`.
-        All shapes are fixed for a given block size, so this compiles to one graph."""
+        distributions q [n,V] (None: greedy, one-hot). rows [n]: the noise row keys of those positions (row_keys;
+        samples_drafts only): sample at `temperature`. All shapes are fixed for a given block size, so this
+        compiles to one graph."""
         cfg = self.drafter.cfg
         self.drafter.append_context(feats, feat_pos, self.cache)
         block = torch.cat([last.view(1), torch.full((n,), cfg.mask_token_id, dtype=torch.long, device=last.device)])[None]
@@ -198,7 +221,7 @@ class DrafterProposer:
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
         hidden = self.drafter.draft(emb, start, self.cache, self.masks)
-        return self.drafter.propose(hidden[0, 1:], last.view(1), self.target.lm_head, expo, temperature)
+        return self.drafter.propose(hidden[0, 1:], last.view(1), self.target.lm_head, rows, temperature)
 
 
 def check_block_size(block_size: int, proposer=None) -> None:
@@ -298,11 +321,13 @@ class Engine:
     """One target (and optionally a proposer) with caches allocated once for `capacity` positions and the
     fixed-shape step functions, eager or compiled with torch.compile(fullgraph=True, dynamic=False):
         decode_step  (tok [1,1], pos [1])                      -> logits [V]        AR; commits its token
-        verify_step  (block [1,B], pos [B], u, expo, q)        -> posterior [B], accepted [], feats [1,B,F]
-        draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B]) -> proposals [B-1], q [B-1,V] or None
+        pick_step    (logits [V], at [1], key)                 -> the token at position at [1]: argmax or draw
+        verify_step  (block [1,B], pos [B], key, q)            -> posterior [B], accepted [], feats [1,B,F]
+        draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B], rows) -> proposals [B-1], q [B-1,V] or None
         commit       (n [], a 0-d tensor)                      -> the GDN states after the n-th block token
     Everything that varies per step is a device tensor, so after warm-up nothing recompiles. Prefill (one
-    call per prompt, any length) stays eager."""
+    call per prompt, any length) stays eager. When sampling, `key` is the seed's noise key (a device tensor set
+    per generation, noise.py) and every draw uses the noise of the position it fills; greedy steps get no key."""
 
     def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
                  compile_mode: str | None = None, masks=DenseMasks, compile_options: dict | None = None, policy=None):
@@ -323,11 +348,14 @@ class Engine:
             proposer.reset(capacity, self.masks)
         self.offsets = torch.arange(self.block, device=self.device)
         self.sampling = Sampling()
+        self.noise_key = torch.zeros((), dtype=torch.long, device=self.device)   # noise.seed_key of the generation's seed
+        self.seed, self.key = None, None     # a sampled generation's seed, and noise_key while it runs (None: greedy)
         # RoPE position = cache position + rope_delta for every token after a prompt with images (vision.py);
         # 0 for text. A device tensor set per generation, so compiled steps read it instead of recompiling.
         self.rope_delta = torch.zeros((), dtype=torch.long, device=self.device)
         self._host = None                    # pinned host buffer of _upload (CUDA)
         self.decode_step, self.verify_step, self.commit, self.plain_step = self._decode, self._verify, self.cache.commit, self._plain
+        self.pick_step = self._pick
         self.draft_step = proposer.propose if proposer is not None else None
         self._next_ids = getattr(proposer, "wants_next_ids", False)
         if compile_mode is not None:
@@ -342,10 +370,12 @@ class Engine:
             options.pop("triton.cudagraphs", None)      # max-autotune's CUDA graphs: nothing to capture on a CPU
         if self._graphs:
             mark_static_(self.cache)        # the drafter's cache is marked in generate, after its reset
+            torch._dynamo.mark_static_address(self.noise_key, guard=False)
         opts = dict(options=options, fullgraph=True, dynamic=False)
         self.decode_step = torch.compile(self._decode, **opts)
         self.verify_step = torch.compile(self._verify, **opts)
         self.commit = torch.compile(self.cache.commit, **opts)
+        self.pick_step = torch.compile(self._pick, **opts)
         if getattr(self.proposer, "compilable", False):
             self.draft_step = torch.compile(self.proposer.propose, **opts)
             self.plain_step = torch.compile(self._plain, **opts)
@@ -363,28 +393,40 @@ class Engine:
         buf.index_copy_(1, slot, feats)
         return logits[0, -1]
 
-    def _verify(self, block, pos, u=None, expo=None, q=None):
-        """The target over the block (GDN layers keep its writes), then the acceptance rule: greedy (u None):
-        posterior = argmax, accepted = leading proposals equal to it; sampling: speculative_accept, with the draft
-        distributions q [B-1,V] of a sampled draft (None: one-hot)."""
+    def _verify(self, block, pos, key=None, q=None):
+        """The target over the block (GDN layers keep its writes), then the acceptance rule. Row i's token fills
+        position pos[i] + 1: greedy (key None) its argmax; sampling, its draw with that position's noise, which is
+        exactly plain decoding's draw there (noise.py). The accepted proposals are the leading ones equal to those
+        tokens (matched), except for a sampled draft (its distributions q [B-1,V]) under the ratio rule:
+        speculative_accept's min(1, p/q), with the uniforms and residual draws of the same positions."""
         logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers,
                                     rope_pos=pos + self.rope_delta)
-        if u is None:
+        if key is None:
             posterior = logits[0].argmax(-1)                                               # [B]
-            accepted = (block[0, 1:] == posterior[:-1]).int().cumprod(0).sum()
-        else:
-            accepted, posterior = speculative_accept(sampling_probs(logits[0], self.sampling), block[0, 1:], u, expo, q)
-        return posterior, accepted, feats
+            return posterior, matched(block[0, 1:], posterior), feats
+        probs, expo = sampling_probs(logits[0], self.sampling), noise.vocab_noise(key, pos + 1, logits.shape[-1])
+        if q is not None and self.sampling.draft_rule == "ratio":
+            accepted, posterior = speculative_accept(probs, block[0, 1:], noise.accept_uniforms(key, pos[1:]), expo, q)
+            return posterior, accepted, feats
+        posterior = draw(probs, expo)
+        return posterior, matched(block[0, 1:], posterior), feats
+
+    def _pick(self, logits, at, key=None):
+        """The token at position at [1] from logits [V]: the argmax (key None), or a draw at the generation's
+        Sampling with that position's noise (noise.py)."""
+        if key is None:
+            return logits.argmax()
+        return draw(sampling_probs(logits, self.sampling), noise.vocab_noise(key, at, logits.shape[-1])[0])
 
     # ---- a generation --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), *, profile: bool = False,
-                 sampling: Sampling | None = None, generator: torch.Generator | None = None,
-                 images=None) -> Iterator[Step]:
+                 sampling: Sampling | None = None, seed: int | None = None, images=None) -> Iterator[Step]:
         """Generation as a stream of Steps ("prefill", then "verify" rounds or AR "decode" steps).
-        sampling None or temperature 0: greedy. Otherwise random draws come from `generator` (a torch.Generator
-        on the device; a fresh unseeded one if None).
+        sampling None or temperature 0: greedy. Otherwise every draw uses the noise of `seed` at the position it
+        fills (noise.py), so a seed gives one text whatever the step pattern; `self.seed` is the seed used (a
+        random one when None).
         profile: synchronise the device around each phase so Step's timings are exact (CUDA).
         images: a vision.ImagePrompt for prompt_ids (already expanded: ImagePrompt.ids); the drafter sees the
         images only through the target's features."""
@@ -392,9 +434,10 @@ class Engine:
             raise GenerationError("prompt_ids must be the ImagePrompt's expanded ids (vision.encode_images)")
         check_inputs(self.target, prompt_ids, max_new_tokens, self.block, self.capacity, self.proposer)
         self.profile, s = profile, sampling or Sampling()
-        self.gen = None if s.greedy else (generator or torch.Generator(device=self.device))
+        self.seed = None if s.greedy else (secrets.randbits(63) if seed is None else seed)
+        self.key = None if s.greedy else self.noise_key.fill_(noise.seed_key(self.seed))    # None: greedy steps
         if not s.greedy:
-            self.sampling = s                 # a constant of the compiled verify step (a change recompiles)
+            self.sampling = s                 # a constant of the compiled steps (a change recompiles)
         seq = yield from self.prefill(prompt_ids, max_new_tokens, set(stop_ids), images)
         if self.policy is not None:
             self.policy.reset()
@@ -428,7 +471,7 @@ class Engine:
                                     mask=DenseMasks(self.capacity).target(pos),
                                     rope_pos=None if images is None else images.rope_pos,
                                     image_embeds=None if images is None else images.embeds)
-        first = int(self.pick(logits[0, -1]))
+        first = int(self.pick(logits[0, -1], pos[-1:] + 1))
         seq = _Sequence(first, T0, max_new_tokens, stops, self._upload)
         if self.proposer is not None:
             B, back = self.block, 0
@@ -459,12 +502,13 @@ class Engine:
         t0 = self._clock()
         proposals, q = torch.zeros(0, dtype=torch.long, device=self.device), None
         if B > 1:
-            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, B - 1, *self._draft_noise(B - 1),
+            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, B - 1, *self._draft_noise(seq, B - 1),
                                       **self._next_kw(seq))
             proposals, q = drafted if isinstance(drafted, tuple) else (drafted, None)              # [B-1], [B-1,V]
         t1 = self._clock()
         block = torch.cat([seq.last, proposals])[None]
-        posterior, accepted, feats = self.verify_step(block, pos, *self._noise(B), *(() if q is None else (q,)))
+        posterior, accepted, feats = self.verify_step(block, pos, *(() if self.key is None else (self.key,)),
+                                                      *(() if q is None else (q,)))
         if self._next_ids:   # row j's next token: proposal j while accepted, then the target's token (the bonus)
             seq.feat_next = torch.where(self.offsets < accepted, torch.cat([proposals, proposals[:1]]), posterior)
         a, *rest = torch.cat([accepted.view(1), posterior, proposals]).tolist()    # the round's one host sync
@@ -501,7 +545,7 @@ class Engine:
             seq.plain_run += 1
         else:
             logits = self.decode_step(seq.last.view(1, 1), seq.start_t)
-        tok = self.pick(logits)
+        tok = self.pick(logits, seq.start_t + 1)
         if feeding and self._next_ids:
             self._plain_next.index_copy_(0, slot, tok.view(1))                   # the token after the row just kept
         new = seq.take([int(tok)])                                               # the one host sync per token
@@ -513,27 +557,18 @@ class Engine:
         """next_ids= for a proposer that reads the token after each feature row (wants_next_ids), else nothing."""
         return {"next_ids": seq.feat_next} if self._next_ids else {}
 
-    def pick(self, logits):
-        """One token from logits [V] on the device: argmax, or a draw at the generation's Sampling."""
-        if self.gen is None:
-            return logits.argmax()
-        V = logits.shape[-1]
-        return draw(sampling_probs(logits, self.sampling), torch.empty(V, device=self.device).exponential_(generator=self.gen))
+    def pick(self, logits, at):
+        """One token on the device from logits [V] for position at [1]: the argmax, or the generation's draw there."""
+        return self.pick_step(logits, at, *(() if self.key is None else (self.key,)))
 
-    def _noise(self, B: int) -> tuple:
-        """The random draws of a sampled verify step (uniforms for the proposals, Exp(1) for the tokens)."""
-        if self.gen is None:
+    def _draft_noise(self, seq, n: int) -> tuple:
+        """(row keys [n], temperature) for a proposer that samples its draft (samples_drafts) when sampling, else ():
+        the keys of positions start+1 .. start+n, in the TARGET stream under the coupled rule (the draft races with
+        the target's own noise) or the DRAFT stream under the ratio rule (noise of its own)."""
+        if self.key is None or not getattr(self.proposer, "samples_drafts", False):
             return ()
-        V = self.target.cfg.vocab_size
-        return (torch.rand(B - 1, device=self.device, generator=self.gen),
-                torch.empty(B, V, device=self.device).exponential_(generator=self.gen))
-
-    def _draft_noise(self, n: int) -> tuple:
-        """(Exp(1) noise, temperature) for a proposer that samples its draft (draft_noise), when sampling; else ()."""
-        shape = getattr(self.proposer, "draft_noise", lambda n: None)(n)
-        if self.gen is None or shape is None:
-            return ()
-        return torch.empty(shape, device=self.device).exponential_(generator=self.gen), self.sampling.temperature
+        stream = noise.TARGET if self.sampling.draft_rule == "coupled" else noise.DRAFT
+        return noise.row_keys(self.key, seq.start_t + 1 + self.offsets[:n], stream), self.sampling.temperature
 
     def _clock(self) -> float:
         """Wall clock for per-step timings; on CUDA it syncs only when profiling (a sync per step costs speed)."""
@@ -572,6 +607,7 @@ class Engine:
                 on_step(step)
         _sync(self.device)
         res.decode_seconds = time.perf_counter() - t_first
+        res.seed = self.seed
         return res
 
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import sys
 import time
 
@@ -67,9 +68,13 @@ def parse_args(argv=None):
                    help="an image for the prompt, repeatable (a multimodal Qwen3.5 checkpoint; needs Pillow). With --chat the "
                         "files fill the image items of --messages, then open the new user turn; otherwise each "
                         "<|image_pad|> in the prompt stands for the next image")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="generate at most this many tokens, the first included (fewer when a stop token comes first)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core; on a busy machine 1 can be many times "
+                        "faster, since threads that wait for each other stall when another process holds a core)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: what the request needs; with --compile rounded up to a "
                         "power of two of at least 256, so that compiled steps are reused across nearby prompt lengths)")
@@ -77,8 +82,17 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same output)")
-    p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same text, with or without a drafter, whatever the step "
+                        "pattern (position-keyed noise; not under --draft-rule ratio). Default: a random one, printed "
+                        "with the statistics and in --json")
+    p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling): sample i "
+                                                             "(from 0) uses seed + i")
+    p.add_argument("--draft-rule", choices=dflash.DRAFT_RULES, default="coupled",
+                   help="sampling with a drafter that samples its block (DFlash2): coupled (default; the draft races with "
+                        "the target's noise, the output equals --draft none's for the seed) or ratio (min(1, p/q): "
+                        "accepts more, the output is distributed as the target's but is another text, and follows the "
+                        "step pattern). Greedy drafters (DFlash, MTP) accept the same under both")
     p.add_argument("--draft-window", type=int, default=None,
                    help="drafts see only the last W context positions (default: the context the drafter was trained on, "
                         "where its config says: train_context_length, or a sliding drafter's sliding_window; past it "
@@ -222,16 +236,26 @@ def say(msg: str) -> None:
 
 
 def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "") -> str:
+    """The statistics of one generation, as one bracketed stderr line that says what the steps were."""
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
     line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token after {res.prefill_seconds * 1e3:.0f} ms, "
             f"then {tps:.1f} tok/s")
     if proposer:
-        line += (f"; mean acceptance length {res.mean_acceptance_length:.2f}, "
-                 f"histogram (1..{block_size} tokens/step) {res.histogram(block_size)}")
-        plain = res.step_kinds.count("plain")
+        rounds, plain = res.step_kinds.count("verify"), res.step_kinds.count("plain")
+        looks = sum(s.look is not None for s in res.steps)
+        if rounds:
+            line += (f"; {rounds} draft-verify rounds, mean acceptance length {res.mean_acceptance_length:.2f}, "
+                     f"histogram (1..{block_size} tokens/round) {res.histogram(block_size)}")
+        elif not plain:
+            line += "; no draft-verify round: the generation ended with its first token"
+        else:
+            line += "; no draft-verify round"
         if plain:
-            line += f"; {plain} plain steps (speculation measured slower there)"
+            line += (f"; {plain} plain steps with {looks} look{'s' if looks != 1 else ''} (adaptive speculation judged "
+                     "that drafting would not pay there; --no-adaptive drafts every step)")
+    if res.seed is not None:
+        line += f"; seed {res.seed}"
     return line + "]"
 
 
@@ -241,7 +265,11 @@ def main(argv=None) -> int:
         raise dflash.GenerationError(f"--block-size must be >= 1, got {args.block_size}")
     if args.num_samples < 1:
         raise dflash.GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
-    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)     # checked before anything loads
+    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k, args.draft_rule)   # checked before anything loads
+    if args.threads is not None:
+        if args.threads < 1:
+            raise dflash.GenerationError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
@@ -280,18 +308,15 @@ def main(argv=None) -> int:
         engine.policy = policy
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")
-    gen = torch.Generator(device=device)
-    if args.seed is not None:
-        gen.manual_seed(args.seed)
-    else:
-        gen.seed()
+    seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
     samples, label = [], ""
     try:
         for i in range(args.num_samples):
             label = f"sample {i + 1}/{args.num_samples}: " if args.num_samples > 1 else ""
             out.begin(label)
-            samples.append(engine.run(prompt_ids, args.max_new_tokens, stops, out.push, sampling=sampling, generator=gen, images=images))
+            samples.append(engine.run(prompt_ids, args.max_new_tokens, stops, out.push, sampling=sampling, seed=seed + i,
+                                      images=images))
             out.end()
             if not args.json:
                 say(stats_line(samples[-1], block_size, proposer, load_seconds, label))
@@ -314,10 +339,12 @@ def main(argv=None) -> int:
             "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
             "cache_len": capacity, "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar", "adaptive": policy is not None,
             "draft_window": proposer.window if proposer else None, "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "seed": None if sampling.greedy else seed, "draft_rule": args.draft_rule,
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
                if as_chat else {"chat": False}),
-            **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths} for r in samples]}
+            **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths, "seed": r.seed}
+                            for r in samples]}
                if args.num_samples > 1 else {}),
         }))
     return 0

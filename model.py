@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+import noise
 from kernels import state_dtype
 
 
@@ -746,7 +747,8 @@ class CandidateSelector(nn.Module):
     """DFlash2's choice of the block's path: row i takes one of its top-k tokens, scored by its logit plus a
     low-rank bilinear term between the previous row's chosen token and the candidate, read through row i's
     hidden state: scores = logits_topk + successor(cand) . (predecessor(prev) * proj(hidden_i)). Greedy: the
-    best score, row by row; sampling: a draw from q = softmax(scores / temperature) over the k candidates."""
+    best score, row by row; sampling: a draw from q = softmax(scores / temperature) over the k candidates, by the
+    exponential race with the noise of the row's position over the candidates' token ids (noise.py)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -755,10 +757,12 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
-    def select(self, hidden, logits, anchor, expo=None, temperature: float = 1.0):
-        """hidden [n,H], logits [n,V] of block rows 1..n; anchor [1] the block's first token; expo None (greedy) or
-        Exp(1) noise [n,k] -> tokens [n], and q [n,V] float32 (sampling: each row's draft distribution) or None."""
+    def select(self, hidden, logits, anchor, rows=None, temperature: float = 1.0):
+        """hidden [n,H], logits [n,V] of block rows 1..n; anchor [1] the block's first token; rows None (greedy) or
+        the noise row keys [n] of the rows' positions (noise.row_keys) -> tokens [n], and q [n,V] float32
+        (sampling: each row's draft distribution) or None."""
         unary, cand = logits.topk(self.top_k, dim=-1)                                # [n,k]
+        expo = None if rows is None else noise.exponentials(rows, cand)              # [n,k]: E at (row, candidate)
         h, succ = self.hidden_projection(hidden), self.successor_codebook(cand)       # [n,r], [n,k,r]
         prev, path, qs = anchor.view(1), [], []
         for i in range(cand.shape[0]):                 # sequential: each row depends on the previous choice
@@ -854,14 +858,15 @@ class DFlashDrafter(nn.Module):
             x = layer.draft(x, rope, lc, by_kind[kind])
         return self.norm(x)
 
-    def propose(self, hidden, anchor, lm_head: nn.Linear, expo=None, temperature: float = 1.0):
+    def propose(self, hidden, anchor, lm_head: nn.Linear, rows=None, temperature: float = 1.0):
         """Block rows 1..n: hidden [n,H]; anchor [1] the block's first token -> tokens [n] and the draft
         distribution q [n,V] (None: a greedy pick, i.e. a one-hot q). DFlash: argmax of the logits; DFlash2: the
-        candidate selector's path, greedy or, with Exp(1) noise expo [n,top_k], sampled at `temperature`."""
+        candidate selector's path, greedy or, with the noise row keys rows [n] of the rows' positions, sampled at
+        `temperature`."""
         logits = self.draft_logits(hidden, lm_head)
         if self.candidate_selector is None:
             return logits.argmax(-1), None
-        return self.candidate_selector.select(hidden, logits, anchor, expo, temperature)
+        return self.candidate_selector.select(hidden, logits, anchor, rows, temperature)
 
     def draft_logits(self, hidden, lm_head: nn.Linear):
         """Logits through the target's lm_head, with the optional z-lab output scaling and soft cap."""

@@ -101,8 +101,7 @@ class MTPProposer:
             self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device)
         self.masks = DenseMasks(capacity)       # the head is one causal layer: SDPA's dense mask whatever the target uses
 
-    def draft_noise(self, n: int):
-        return None                             # greedy drafts (one-hot q) at any temperature
+    samples_drafts = False                      # greedy drafts (one-hot q) at any temperature
 
     def _rows(self, ids, hidden, pos):
         """The head over rows at positions pos [T]: ids [T] the next tokens, hidden [1,T,H]; writes the KV cache."""
@@ -115,7 +114,7 @@ class MTPProposer:
         [T] the token after each (rows whose next token is not committed yet sit at positions the next call rewrites)."""
         self._rows(next_ids, feats, pos)
 
-    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None, expo=None, temperature: float = 1.0):
+    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None):
         """last [1] at position start [1]; feats [1,R,H] hidden states at feat_pos [R] (contiguous, including the
         position start - 1; rows at >= start are stale and rewritten here or later), next_ids [R] -> proposals [n]
         for positions start+1 .. start+n, and None (one-hot drafts). The first call over the R rows rewrites their

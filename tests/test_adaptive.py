@@ -145,12 +145,14 @@ def test_policy_judges_the_mean_of_rounds_against_medians():
 
 
 def test_default_window_from_the_config(tmp_path):
-    """train_context_length (dflash_config, written by train.py), else a sliding drafter's window, else none;
+    """train_context_length (dflash_config, written by train.py), else none, a sliding drafter's included (its
+    sliding layers keep their own window, its full layers see everything: the z-lab package's reading);
     generate.py applies it unless --draft-window says otherwise (0 = none)."""
     from helpers import tiny_draft_config
     cfg = tiny_target_config()
     assert ckpt.default_draft_window(tiny_draft_config(cfg)) is None
-    assert ckpt.default_draft_window(kind_draft_config(cfg, "sliding")) == 5
+    assert ckpt.default_draft_window(kind_draft_config(cfg, "sliding")) is None
+    assert ckpt.draft_window(kind_draft_config(cfg, "sliding"), 7) == 7
     assert ckpt.default_draft_window(tiny_draft_config(cfg, train_context_length=300)) == 300
     d = random_drafter(tiny_draft_config(cfg, train_context_length=300, num_target_layers=None), 1, torch.float32)
     ckpt.save_drafter(d, str(tmp_path))

@@ -123,7 +123,7 @@ def test_planted_impossible_sampled_token(pair):
     """A sampled trace (top-k 3) checks clean with a finite log-probability; a token ranked last is impossible."""
     target, proposer, p1, _ = pair
     s = dflash.Sampling(0.8, 1.0, 3)
-    res = dflash.Engine(target, proposer, 16, 256).run(p1, 30, sampling=s, generator=torch.Generator().manual_seed(3))
+    res = dflash.Engine(target, proposer, 16, 256).run(p1, 30, sampling=s, seed=3)
     case = check.Case(res.prompt_ids, res.output_ids, temperature=0.8, top_k=3)
     rep = judge(target, case)
     assert rep.ok and rep.sampled and rep.impossible == [] and -1e3 < rep.log_prob < 0

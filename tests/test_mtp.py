@@ -117,7 +117,7 @@ def test_sampling_runs_and_keeps_the_trace():
     target = random_target(tiny_target_config(vocab_size=40), 5)
     head = random_head(target, 6)
     eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 80)
-    res = eng.run([1, 2, 3], 40, sampling=dflash.Sampling(temperature=0.8), generator=torch.Generator().manual_seed(0))
+    res = eng.run([1, 2, 3], 40, sampling=dflash.Sampling(temperature=0.8), seed=0)
     assert 1 + sum(res.acceptance_lengths) == len(res.output_ids) == 40
 
 

@@ -1,12 +1,21 @@
-"""Speculative sampling preserves the target distribution; seeds reproduce; stop tokens cut accepted runs."""
+"""Sampling: the noise keyed by position draws from the target's distribution (chi-square, with the power to see a
+2% bias); a sampled DFlash, DFlash2 (coupled rule) or MTP run equals plain sampled decoding with the same seed,
+token for token, whatever the step pattern; the ratio rule keeps the target's distribution; seeds reproduce; stop
+tokens cut accepted runs."""
 import random
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
+import adaptive
 import dflash
+import mtp
+import noise
 from dflash import Sampling, sampling_probs, speculative_accept
-from helpers import kind_draft_config, random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import (OracleProposer, kind_draft_config, randomize_, random_drafter, random_target, tiny_draft_config,
+                     tiny_target_config)
 
 CONFIGS = [Sampling(0.5), Sampling(1.0), Sampling(1.5), Sampling(1.0, top_p=0.8), Sampling(1.0, top_k=3)]
 
@@ -110,6 +119,135 @@ def test_accept_rule_with_a_sampled_draft_is_exact(case):
     assert goodness_of_fit(torch.bincount(wrong, minlength=V).double(), probs[0].double()) < 1e-6
 
 
+# ---- The noise keyed by position (noise.py) ---------------------------------------------------------------
+
+def lowbias32_numpy(x: int) -> int:
+    """The hash written independently with numpy's wrapping uint32 arithmetic: noise.mix32 must equal it."""
+    x = np.uint32(x)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint32(16)
+        x = np.uint32(x * np.uint32(0x7FEB352D))
+        x ^= x >> np.uint32(15)
+        x = np.uint32(x * np.uint32(0x846CA68B))
+        x ^= x >> np.uint32(16)
+    return int(x)
+
+
+def test_mix32_is_lowbias32_on_ints_and_tensors():
+    rng = random.Random(0)
+    xs = [0, 1, 2 ** 32 - 1, 0x80000000] + [rng.getrandbits(32) for _ in range(2000)]
+    want = [lowbias32_numpy(x) for x in xs]
+    assert [noise.mix32(x) for x in xs] == want
+    assert noise.mix32(torch.tensor(xs)).tolist() == want
+    # the seed key takes any Python int, negative and wide ones too, and distinct seeds get distinct keys here
+    keys = {noise.seed_key(s) for s in [0, 1, -1, 2 ** 32, 2 ** 40 + 5, 2 ** 63 - 1, -2 ** 63] + list(range(2, 500))}
+    assert len(keys) == 505 and all(0 <= k < 2 ** 32 for k in keys)
+
+
+def test_noise_is_a_function_of_seed_stream_position_and_token():
+    key = torch.tensor(noise.seed_key(7))
+    pos = torch.tensor([5, 9, 5, 1000])
+    e = noise.vocab_noise(key, pos, 64)
+    assert torch.equal(e[0], e[2]) and not torch.equal(e[0], e[1])          # the same position, the same numbers
+    assert torch.equal(e[1], noise.vocab_noise(key, torch.tensor([9]), 64)[0])  # whatever else is computed beside it
+    # a candidate subset sees the same numbers as the whole vocabulary at those token ids (a coupled draft's race)
+    ids = torch.tensor([[3, 60, 11], [0, 1, 2], [63, 62, 7], [5, 5, 5]])
+    sub = noise.exponentials(noise.row_keys(key, pos, noise.TARGET), ids)
+    assert torch.equal(sub, e.gather(1, ids))
+    other = noise.vocab_noise(torch.tensor(noise.seed_key(8)), pos, 64)
+    assert not torch.equal(e, other)
+    rows = noise.row_keys(key, pos, noise.DRAFT)
+    assert not torch.equal(noise.exponentials(rows, torch.arange(64)), e)     # streams differ
+    assert (e > 0).all() and e.dtype == torch.float32
+
+
+def test_noise_moments():
+    """U(0, 1) and Exp(1): mean and variance over 2M numbers, within 5 standard errors."""
+    key = torch.tensor(noise.seed_key(3))
+    u = noise.uniforms(noise.row_keys(key, torch.arange(2000), noise.TARGET), torch.arange(1000)).flatten()
+    n = u.numel()
+    assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    assert abs(u.var().item() - 1 / 12) < 5 * (1 / 180 / n) ** 0.5
+    e = noise.exponentials(noise.row_keys(key, torch.arange(2000), noise.ACCEPT), torch.arange(1000)).double().flatten()
+    assert abs(e.mean().item() - 1) < 5 * (1 / n) ** 0.5 and abs(e.var().item() - 1) < 5 * (8 / n) ** 0.5
+
+
+def draws_over(keys: torch.Tensor, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The token each (key, position) pair draws from p [V], as Engine.pick draws it."""
+    rows = noise.row_keys(keys, pos, noise.TARGET)
+    return dflash.draw(p[None].expand(len(rows), -1), noise.exponentials(rows, torch.arange(len(p))))
+
+
+@pytest.mark.parametrize("over", ["seeds", "positions"])
+def test_position_noise_draws_fit_the_distribution(over):
+    """200k draws from one distribution, across seeds at one position or across positions of one seed: a
+    chi-square goodness of fit passes, and the same statistic rejects a copy of p with 2% moved (the test's power).
+    Consecutive positions are independent: the pair counts fit the product distribution."""
+    p = torch.softmax(torch.randn(7, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1.5, -1)
+    p[3] = 0.0                                                                  # a zero-probability token never wins
+    p = p / p.sum()
+    N = 200_000
+    if over == "seeds":
+        keys, pos = noise.seed_key(torch.arange(N)), torch.full((N,), 17)
+    else:
+        keys, pos = torch.tensor(noise.seed_key(11)), torch.arange(N)
+    tok = draws_over(keys, pos, p.float())
+    counts = torch.bincount(tok, minlength=7).double()
+    assert goodness_of_fit(counts, p) > 1e-4
+    biased = p.clone()
+    i, j = int(p.argmax()), int(torch.where(p > 0, p, 2.0).argmin())
+    biased[i] -= 0.02
+    biased[j] += 0.02
+    assert goodness_of_fit(counts, biased) < 1e-6
+    if over == "positions":
+        pairs = torch.bincount(tok[:-1] * 7 + tok[1:], minlength=49).double()
+        assert goodness_of_fit(pairs, torch.outer(p, p).flatten()) > 1e-4
+
+
+# ---- Sampled runs == plain sampled decoding with the same seed -------------------------------------------
+
+def random_head(target, seed, dtype=torch.float64):
+    return randomize_(mtp.MTPHead(target.cfg), seed).to(dtype).eval()
+
+
+SETTINGS = [Sampling(0.7), Sampling(1.0), Sampling(1.3, top_p=0.9), Sampling(1.0, top_k=5), Sampling(0.4, top_p=0.8, top_k=8)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(-2 ** 40, 2 ** 40), pattern=st.lists(st.sampled_from([True, True, False, "look"]), min_size=1, max_size=8),
+       block=st.sampled_from([2, 4, 8, 16]), prompt_len=st.integers(1, 30), s=st.sampled_from(SETTINGS),
+       kind=st.sampled_from(["dflash", "sliding", "dflash2"]))
+def test_sampled_output_equals_plain_decoding_for_the_seed(seed, pattern, block, prompt_len, s, kind):
+    """float64, random target: with one seed, the stand-in proposer (every acceptance length), a random DFlash /
+    sliding / DFlash2 drafter (the coupled rule) and a random MTP head, in a forced pattern of rounds, plain steps
+    and looks, all give exactly the text of plain sampled decoding."""
+    rng = random.Random(seed)
+    target = random_target(tiny_target_config(vocab_size=50), abs(seed) % 97)
+    prompt = [rng.randrange(50) for _ in range(prompt_len)]
+    ar = dflash.run(target, prompt, 40, sampling=s, seed=seed)
+    assert ar.seed == seed
+    oracle = OracleProposer(len(prompt), ar.output_ids, 50, abs(seed))
+    drafter = random_drafter(kind_draft_config(target.cfg, kind, target_layer_ids=[0, 2], num_target_layers=None,
+                                               block_size=16), abs(seed) % 89)
+    proposers = (oracle, dflash.DrafterProposer(drafter, target), mtp.MTPProposer(random_head(target, abs(seed) % 83), target, block - 1))
+    for proposer in proposers if block > 1 else proposers[:2]:
+        eng = dflash.Engine(target, proposer, block, 128, policy=adaptive.Pattern(pattern))
+        res = eng.run(prompt, 40, sampling=s, seed=seed)
+        assert res.output_ids == ar.output_ids, (type(proposer).__name__, pattern)
+    assert dflash.run(target, prompt, 40, sampling=s, seed=seed + 1).output_ids != ar.output_ids or len(set(ar.output_ids)) < 3
+
+
+def test_every_acceptance_length_when_sampling():
+    """Behind the stand-in proposer (the sampled continuation with one token changed), sampled rounds accept every
+    length 0..B-1 and still commit plain decoding's tokens."""
+    target = random_target(tiny_target_config(vocab_size=40), 5)
+    prompt, s = list(range(3, 20)), Sampling(1.0, top_p=0.95)
+    ar = dflash.run(target, prompt, 150, sampling=s, seed=99)
+    res = dflash.run(target, prompt, 150, (), OracleProposer(len(prompt), ar.output_ids, 40, 1), 8, sampling=s, seed=99)
+    assert res.output_ids == ar.output_ids
+    assert set(range(1, 9)) <= set(res.acceptance_lengths)
+
+
 class GreedyTargetProposer:
     """Stand-in drafter that proposes LIKELY tokens: the target's own greedy continuation of the committed
     prefix (full forward, no cache). Under sampling these are accepted often, so accept and reject paths
@@ -156,44 +294,49 @@ def small_target():
 
 
 @pytest.mark.parametrize("s", CONFIGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
-def test_dflash_sampling_matches_ar_sampling(s, small_target):
-    """Two-sample chi-square on the tokens at each generated position (and on pairs), DFlash vs AR, same
-    target, 1500 generations each. This end-to-end check catches a gross error (a temperature ignored, a
-    wrong residual); test_accept_rule_is_exact carries the fine-grained (2%) power on the accept rule itself."""
+def test_sampled_runs_keep_the_target_distribution(s, small_target):
+    """End to end at each temperature / top-k / top-p: the first token of 1500 seeded AR runs fits the target's
+    distribution (chi-square against sampling_probs of a full forward), and DFlash runs behind a proposer of likely
+    tokens (accepts and rejects both frequent) give each seed's AR text exactly; with the draws' distribution
+    exact (test_position_noise_draws_fit_the_distribution) that is the whole distribution."""
     target = small_target
     prompt = [1, 4, 2, 0, 3]
     n, new = 1500, 4
-    g = torch.Generator().manual_seed(0)
     ar_eng = dflash.Engine(target, None, 1, 16)
     sp_eng = dflash.Engine(target, GreedyTargetProposer(target, prompt), 4, 16)
-    ar = [ar_eng.run(prompt, new, sampling=s, generator=g).output_ids for _ in range(n)]
-    sp_runs = [sp_eng.run(prompt, new, sampling=s, generator=g) for _ in range(n)]
-    sp = [r.output_ids for r in sp_runs]
+    ar = [ar_eng.run(prompt, new, sampling=s, seed=i).output_ids for i in range(n)]
+    with torch.no_grad():
+        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
+    p0 = sampling_probs(logits[0, -1], s).double()
+    assert goodness_of_fit(torch.bincount(torch.tensor([o[0] for o in ar]), minlength=6).double(), p0) > 1e-4
+    sp_runs = [sp_eng.run(prompt, new, sampling=s, seed=i) for i in range(300)]
+    assert [r.output_ids for r in sp_runs] == ar[:300]
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.2 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # both paths exercised
-    for k in range(1, new):
-        assert two_sample_chi2([o[k] for o in ar], [o[k] for o in sp]) > 1e-4, f"position {k}"
-    assert two_sample_chi2([tuple(o[1:3]) for o in ar], [tuple(o[1:3]) for o in sp]) > 1e-4
-    # and the test has teeth: the same statistic separates AR from a 2%-biased copy of it
-    biased = [o[1] if random.Random(i).random() > 0.04 else 0 for i, o in enumerate(ar)]
-    assert two_sample_chi2([o[1] for o in ar] * 4, biased * 4) < 1e-3
 
 
-def test_dflash2_sampling_matches_ar_sampling(small_target):
-    """A DFlash2 drafter samples its block from q (its candidate selector): the general accept rule keeps the
-    target's distribution. The same two-sample test as above, 1500 generations each."""
+def test_dflash2_ratio_rule_keeps_the_distribution(small_target):
+    """A DFlash2 drafter under the ratio rule samples its block from q with noise of its own and min(1, p/q)
+    decides: the output is another text than AR's for a seed, distributed the same. Two-sample chi-square at each
+    position and on pairs, 1500 generations each, on disjoint seeds; the coupled rule gives AR's text."""
     target, prompt, n, new = small_target, [1, 4, 2, 0, 3], 1500, 4
     dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 1], num_target_layers=None)
     proposer = dflash.DrafterProposer(random_drafter(dcfg, 12, torch.float32), target)
-    s, g = Sampling(1.0), torch.Generator().manual_seed(1)
+    ratio, coupled = Sampling(1.0, draft_rule="ratio"), Sampling(1.0)
     ar_eng, sp_eng = dflash.Engine(target, None, 1, 16), dflash.Engine(target, proposer, 4, 16)
-    ar = [ar_eng.run(prompt, new, sampling=s, generator=g).output_ids for _ in range(n)]
-    sp_runs = [sp_eng.run(prompt, new, sampling=s, generator=g) for _ in range(n)]
+    ar = [ar_eng.run(prompt, new, sampling=coupled, seed=i).output_ids for i in range(n)]
+    sp_runs = [sp_eng.run(prompt, new, sampling=ratio, seed=n + i) for i in range(n)]
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.1 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # accepts and rejects both occur
     for k in range(1, new):
         assert two_sample_chi2([o[k] for o in ar], [r.output_ids[k] for r in sp_runs]) > 1e-4, f"position {k}"
     assert two_sample_chi2([tuple(o[1:3]) for o in ar], [tuple(r.output_ids[1:3]) for r in sp_runs]) > 1e-4
+    # and the test has teeth: the same statistic separates AR from a 2%-biased copy of it
+    biased = [o[1] if random.Random(i).random() > 0.04 else 0 for i, o in enumerate(ar)]
+    assert two_sample_chi2([o[1] for o in ar] * 4, biased * 4) < 1e-3
+    same = [sp_eng.run(prompt, new, sampling=ratio, seed=i).output_ids for i in range(200)]
+    assert same != ar[:200]                                    # the ratio rule's text is not AR's for the seed
+    assert [sp_eng.run(prompt, new, sampling=coupled, seed=i).output_ids for i in range(200)] == ar[:200]
 
 
 def test_same_seed_same_output():
@@ -203,9 +346,11 @@ def test_same_seed_same_output():
     prompt = list(range(1, 20))
     s = Sampling(0.9, top_p=0.95, top_k=20)
     for proposer in (None, dflash.DrafterProposer(drafter, target), GreedyTargetProposer(target, prompt)):
-        outs = [dflash.run(target, prompt, 30, (), proposer, 6, sampling=s,
-                           generator=torch.Generator().manual_seed(seed)).output_ids for seed in (5, 5, 6)]
+        outs = [dflash.run(target, prompt, 30, (), proposer, 6, sampling=s, seed=seed).output_ids for seed in (5, 5, 6)]
         assert outs[0] == outs[1] and outs[0] != outs[2]
+    runs = [dflash.run(target, prompt, 30, sampling=s) for _ in range(2)]       # no seed: a random one, recorded
+    assert runs[0].seed != runs[1].seed
+    assert dflash.run(target, prompt, 30, sampling=s, seed=runs[0].seed).output_ids == runs[0].output_ids
 
 
 def test_temperature_zero_is_greedy():
@@ -213,7 +358,7 @@ def test_temperature_zero_is_greedy():
     target = random_target(cfg, 2, torch.float64)
     prompt = list(range(1, 20))
     greedy = dflash.run(target, prompt, 20).output_ids
-    assert dflash.run(target, prompt, 20, sampling=Sampling(0.0), generator=torch.Generator().manual_seed(1)).output_ids == greedy
+    assert dflash.run(target, prompt, 20, sampling=Sampling(0.0), seed=1).output_ids == greedy
 
 
 def test_stop_token_in_the_middle_of_an_accepted_run_sampling():
@@ -223,7 +368,7 @@ def test_stop_token_in_the_middle_of_an_accepted_run_sampling():
     seen_mid = False
     for seed in range(40):
         r = dflash.run(target, prompt, 30, [5], GreedyTargetProposer(target, prompt), 8, sampling=Sampling(1.0),
-                       generator=torch.Generator().manual_seed(seed))
+                       seed=seed)
         if 5 in r.output_ids:
             assert r.output_ids.index(5) == len(r.output_ids) - 1          # nothing after the stop token
         last = r.steps[-1]

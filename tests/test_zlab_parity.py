@@ -4,6 +4,7 @@ import torch
 
 import checkpoint as ckpt
 import model as M
+import noise
 from helpers import (EMBEDDED_DRAFT, EMBEDDED_TARGET, HAS_EMBEDDED_PAIR, edit_json, save_hf_causal_lm, save_zlab_drafter,
                      zlab_module)
 
@@ -17,12 +18,15 @@ def target(tmp_path_factory):
     return ckpt.load_target(str(path), torch.float32), hf
 
 
-def draft_like_zlab(ours_t, hf, ours, ref, steps, temperature=0.0):
+def draft_like_zlab(ours_t, hf, ours, ref, steps, temperature=0.0, window=None):
     """Teacher-forced cached draft steps, ours and the package's side by side: for each (ctx_lo, start) the
-    context positions ctx_lo..start-1 are appended to both caches and the block at `start` is drafted.
-    Returns the largest hidden-state difference; asserts equal proposals (and equal q when sampling)."""
+    context positions ctx_lo..start-1 are appended to both caches and the block at `start` is drafted (ours
+    through masks of draft window `window`). Returns the largest hidden-state difference; asserts equal proposals
+    (and, when sampling, equal q and equal draws: the package's multinomial replaced by the race with our noise of
+    the same positions over the same candidates, which does not depend on the candidates' order)."""
     zm = zlab_module()
     V, B = ours_t.cfg.vocab_size, ours.cfg.block_size
+    package = type(ref.candidate_selector).select.__globals__ if hasattr(ref, "candidate_selector") else {}
     ids = torch.randint(0, V, (1, steps[-1][1] + 1), generator=torch.Generator().manual_seed(0))
     worst = 0.0
     with torch.no_grad():
@@ -38,15 +42,20 @@ def draft_like_zlab(ours_t, hf, ours, ref, steps, temperature=0.0):
             block[0, 0] = ids[0, start]
             emb = ours_t.embed_tokens(block)
             ours.append_context(feats[:, ctx_lo:start], torch.arange(ctx_lo, start), cache)
-            h = ours.draft(emb, torch.tensor(start), cache, M.DenseMasks(96))
+            h = ours.draft(emb, torch.tensor(start), cache, M.DenseMasks(96, B, window))
             ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=emb,
                         position_ids=torch.arange(ctx_lo, start + B)[None], past_key_values=ref_cache, use_cache=True)
             zm._crop_to(ref_cache, start)        # as the package's own loop does
             worst = max(worst, (h - ref_h).abs().max().item())
             assert (h - ref_h).abs().max() < TOL
-            expo = torch.ones(B - 1, ours.cfg.selector_top_k) if temperature else None   # the draw = argmax q
-            tok, q = ours.propose(h[0, 1:], block[0, :1], ours_t.lm_head, expo, temperature or 1.0)
+            rows = noise.row_keys(torch.tensor(noise.seed_key(start)), start + 1 + torch.arange(B - 1), noise.TARGET)
+            tok, q = ours.propose(h[0, 1:], block[0, :1], ours_t.lm_head, rows if temperature else None, temperature or 1.0)
             if hasattr(ref, "candidate_selector"):
+                if temperature:     # the package's draws, row by row, with our noise at its own candidates
+                    k = ref.candidate_selector.top_k
+                    cands = torch.topk(ref.compute_logits(ref_h[:, 1:], ours_t.lm_head), k, dim=-1, sorted=False)[1][0]
+                    expo, row = noise.exponentials(rows, cands), iter(range(B - 1))
+                    package["_sample_probs"] = lambda probs: (probs / expo[next(row)]).argmax(-1)
                 ref_tok, cand, ref_q = ref.propose(ref_h[:, 1:], block[:, 0], ours_t.lm_head, temperature)
                 if temperature:        # the package's q over its candidates, as a distribution over the vocabulary
                     dense = torch.zeros(1, B - 1, V).scatter(-1, cand, ref_q)
@@ -93,7 +102,41 @@ def test_sliding_window_drafters_match_zlab(tmp_path, target, variant):
     ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
     want = [(lay.self_attn.is_causal, lay.self_attn.sliding_window) for lay in ref.layers]
     assert ours.kinds == want                              # the package's reading of the same config.json
-    draft_like_zlab(ours_t, hf, ours, ref, STEPS)
+    # the drafts a run makes with no --draft-window (sliding layers in their window, full layers over the whole
+    # 37-token prompt) are the package's
+    window = ckpt.draft_window(ours.cfg, None)
+    assert window is None
+    draft_like_zlab(ours_t, hf, ours, ref, STEPS, window=window)
+
+
+def test_draft_window_flag_windows_every_layer(tmp_path, target):
+    """--draft-window N, asked for, still limits every layer's context, full layers included: the drafts differ
+    from the package's (whose full layers see the whole prompt) and equal our drafter's from scratch over only the
+    last N context positions."""
+    ours_t, hf = target
+    ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
+                            n_layers=3, block_size=8, seed=4, **VARIANTS["sliding"])
+    ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
+    N, B, start = ckpt.draft_window(ours.cfg, 10), ours.cfg.block_size, 37
+    assert N == 10
+    ids = torch.randint(0, ours_t.cfg.vocab_size, (1, start + 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, feats = ours_t(ids, torch.arange(start + 1), feature_layers=tuple(ours.cfg.target_layer_ids))
+        block = torch.full((1, B), ours.cfg.mask_token_id)
+        block[0, 0] = ids[0, start]
+        emb = ours_t.embed_tokens(block)
+        drafted = {}
+        for window in (N, None):
+            cache = M.DraftCache(ours.cfg, 96, torch.float32, "cpu")
+            ours.append_context(feats[:, :start], torch.arange(start), cache)
+            drafted[window] = ours.draft(emb, torch.tensor(start), cache, M.DenseMasks(96, B, window))
+        # from scratch: only the last N positions as context, every layer with its own rule on top
+        pos = torch.arange(start - N, start)
+        masks = {kind: M.draft_visible(N, None, torch.tensor(N), torch.arange(B)[:, None], torch.arange(N + B)[None, :],
+                                       *kind)[None, None] for kind in set(ours.kinds)}
+        scratch = ours(emb, feats[:, start - N:start], torch.arange(start, start + B), pos, masks)
+    assert (drafted[N] - scratch).abs().max() < TOL
+    assert (drafted[N] - drafted[None]).abs().max() > 1e-3          # the window changed what the full layer saw
 
 
 def test_sliding_layers_without_use_sliding_window(tmp_path, target):
@@ -123,7 +166,6 @@ def test_dflash2_matches_zlab(tmp_path, target, temperature):
     assert ours.cfg.dflash2 and ours.candidate_selector is not None
     package = type(ref.candidate_selector).select.__globals__          # the module the package's draws come from
     real = package["_sample_probs"]
-    package["_sample_probs"] = lambda probs: probs.argmax(-1)         # its draw made deterministic: the argmax of q
     try:
         draft_like_zlab(ours_t, hf, ours, ref, STEPS, temperature)
     finally:
