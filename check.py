@@ -7,8 +7,8 @@
 
 A TRACE is a JSON object, a JSON list of objects, or JSON lines. Each object has `prompt_ids` and `output_ids`
 (the generated ids), optionally `draft_ids` (each verify step's proposals) with `acceptance_lengths` (tokens
-committed per verify step, bonus included), and `temperature`, `top_p`, `top_k` (absent: greedy) and `dtype`
-(the engine's, which sets the default tolerance). `generate.py --json` output is a trace as it is. vLLM's and
+committed per verify step, bonus included), and `temperature`, `top_p`, `top_k` (absent: greedy), `seed` and
+`draft_rule` (sampled runs of this implementation) and `dtype` (the engine's, which sets the default tolerance). `generate.py --json` output is a trace as it is. vLLM's and
 SGLang's completion responses with token ids are read too (`read_cases`; the requests: README, "Checking your
 engine").
 
@@ -17,8 +17,12 @@ forward, in the engine's own prefix, so every token is judged, also after a firs
 a `match` (our argmax), a `tie` (not our argmax, but within the tolerance of our top logit: a legitimate flip of
 a near-tie in the engine's precision) or a `divergence`. With drafts, each verify step's acceptance length must be
 the longest prefix of its drafts that the target accepts (ties allowed), plus the bonus; otherwise the step is a
-`wrong_acceptance`. A sampled token outside the support of the target's distribution under the trace's
-temperature / top-k / top-p is `impossible`. Exit code 0: every case clean; 1: something found; 2: bad input.
+`wrong_acceptance`; a step whose accepted drafts are not the output tokens at their places is a `contradiction`
+(the trace disagrees with itself). A sampled trace with a `seed` (generate.py's noise keyed by position, noise.py)
+is judged token by token like a greedy one, over the noised scores `logit - T * ln E(seed, t, token)`: its tokens
+are exactly determined. Without a seed, a sampled token outside the support of the target's distribution under
+the trace's temperature / top-k / top-p is `impossible`. Exit code 0: every case clean; 1: something found; 2: bad
+input.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch
 import checkpoint as ckpt
 import dflash
 import model as M
+import noise
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,6 +94,14 @@ class Case:
     name: str = ""
     block_size: int | None = None              # without draft_ids: a step that commits fewer was a partial acceptance
     step_kinds: list | None = None             # "verify" or "plain" per step (generate.py's adaptive speculation)
+    seed: int | None = None                    # sampled with this seed's position-keyed noise (noise.py)
+    draft_rule: str = "coupled"                # how sampled drafts were verified (dflash.Sampling.draft_rule)
+
+    @property
+    def seeded(self) -> bool:
+        """A sampled case whose every token the seed determines: the coupled rule (a ratio-rule run of a DFlash2
+        drafter commits residual draws, which depend on the step pattern and the drafts)."""
+        return self.temperature > 0 and self.seed is not None and self.draft_rule == "coupled"
 
 
 def _ids(v, what: str, where: str) -> list:
@@ -122,11 +135,15 @@ def to_cases(obj, where: str) -> list:
     prompt = next((obj[k] for k in ("prompt_ids", "prompt_token_ids", "input_ids") if obj.get(k) is not None), None)
     if prompt is None or "output_ids" not in obj:
         raise CheckError(f"{where}: a trace needs prompt_ids (or prompt_token_ids) and output_ids")
+    seed = obj.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise CheckError(f"{where}: seed must be an integer, got {seed!r}")
     sampling = dict(temperature=float(obj.get("temperature") or 0.0), top_p=float(obj.get("top_p") or 1.0),
-                    top_k=int(obj.get("top_k") or 0), dtype=obj.get("dtype"))
+                    top_k=int(obj.get("top_k") or 0), dtype=obj.get("dtype"), draft_rule=obj.get("draft_rule") or "coupled")
     if obj.get("samples"):
         return [Case(_ids(prompt, "prompt_ids", where), _ids(s["output_ids"], "output_ids", where), None, None,
-                     **sampling, name=f"{where} sample {i + 1}") for i, s in enumerate(obj["samples"])]
+                     **sampling, name=f"{where} sample {i + 1}", seed=s.get("seed", seed if i == 0 else None))
+                for i, s in enumerate(obj["samples"])]
     drafts, accepted = obj.get("draft_ids") or None, obj.get("acceptance_lengths") or None
     if drafts is not None and accepted is None:
         raise CheckError(f"{where}: draft_ids need acceptance_lengths (tokens committed per verify step)")
@@ -139,7 +156,7 @@ def to_cases(obj, where: str) -> list:
     block = obj.get("block_size")
     return [Case(_ids(prompt, "prompt_ids", where), _ids(obj["output_ids"], "output_ids", where), drafts, accepted,
                  **sampling, name=where, block_size=block if isinstance(block, int) and block > 1 else None,
-                 step_kinds=obj.get("step_kinds") if isinstance(obj.get("step_kinds"), list) else None)]
+                 step_kinds=obj.get("step_kinds") if isinstance(obj.get("step_kinds"), list) else None, seed=seed)]
 
 
 def read_cases(path: str) -> list:
@@ -187,6 +204,8 @@ def validate(case: Case, cfg: M.TargetConfig) -> None:
                 raise CheckError(f"{case.name}: step {j} commits {a} tokens from {len(d)} drafts (at most drafts + 1)")
     if not (case.temperature >= 0 and 0 < case.top_p <= 1 and case.top_k >= 0):
         raise CheckError(f"{case.name}: temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+    if case.draft_rule not in dflash.DRAFT_RULES:
+        raise CheckError(f"{case.name}: draft_rule must be one of {', '.join(dflash.DRAFT_RULES)}, got {case.draft_rule!r}")
 
 
 # ---- Judging ----------------------------------------------------------------------------------------------
@@ -201,35 +220,40 @@ class Report:
     ties: int = 0
     divergences: list = field(default_factory=list)        # {index, engine_token, oracle_token, margin, steps}
     first_divergence: int | None = None
-    steps_after_partial: int | None = None                 # verify steps from the last partial acceptance to it
+    steps_after_partial: int | None = None                 # steps from the last partial acceptance to it
+    plain_after_partial: int | None = None                 # how many of those were plain steps (no drafts)
     wrong_acceptances: list = field(default_factory=list)  # {step, accepted, expected, at_least}
+    contradictions: list = field(default_factory=list)     # {step, index, draft_token, output_token}
     impossible: list = field(default_factory=list)          # output indices
     log_prob: float | None = None
 
     @property
     def ok(self) -> bool:
-        return not (self.divergences or self.wrong_acceptances or self.impossible)
+        return not (self.divergences or self.wrong_acceptances or self.impossible or self.contradictions)
 
 
 class Judge:
-    """The teacher-forced logits of one case and how far each token is from the top: z [n, V] float64, row t
-    for output token t; margin(t, tok) = top logit - logit of tok (0 for the argmax); tolerance(t) in logits."""
+    """The teacher-forced logits of one case and how far each token is from our choice: z [n, V] float64, row t
+    for output token t. Our choice is the argmax of the scores: the logits (greedy), or with a seed the noised
+    scores `z - T * ln E(seed, position, token)` over the tokens top-k / top-p keep, whose argmax is exactly the
+    draw dflash.draw makes. margin(t, tok) = top score - score of tok (0 for our choice), in logits;
+    tolerance(t) in logits, from the rounding step at the row's top logit."""
 
-    def __init__(self, z: torch.Tensor, tolerance, engine_dtype):
-        self.z = z
-        self.top = z.max(-1)
+    def __init__(self, z: torch.Tensor, tolerance, engine_dtype, scores: torch.Tensor | None = None):
+        self.z, self.s = z, z if scores is None else scores
+        self.top, self.top_logit = self.s.max(-1), z.max(-1).values
         self.engine_dtype, self.fixed = engine_dtype, tolerance
 
     def margin(self, t: int, tok: int) -> float:
-        return float(self.top.values[t] - self.z[t, tok])
+        return float(self.top.values[t] - self.s[t, tok])
 
     def tolerance(self, t: int) -> float:
         if self.fixed is not None:
             return self.fixed
-        return TOLERANCE_STEPS[self.engine_dtype] * rounding_step(float(self.top.values[t]), self.engine_dtype)
+        return TOLERANCE_STEPS[self.engine_dtype] * rounding_step(float(self.top_logit[t]), self.engine_dtype)
 
     def steps(self, t: int, margin: float) -> float:
-        return margin / rounding_step(float(self.top.values[t]), self.engine_dtype)
+        return margin / rounding_step(float(self.top_logit[t]), self.engine_dtype)
 
     def greedy_ok(self, t: int, tok: int) -> bool:
         return self.margin(t, tok) <= self.tolerance(t)
@@ -257,9 +281,12 @@ def judge_drafts(j: Judge, case: Case, rep: Report) -> None:
     tokens, a stop token): only accepting too much counts there."""
     c = 1
     for s, (d, a) in enumerate(zip(case.draft_ids, case.acceptance_lengths)):
-        if any(d[i] != case.output_ids[c + i] for i in range(a - 1)):
-            raise CheckError(f"{case.name}: step {s} commits {a} tokens but its first {a - 1} drafts are not the output "
-                             "tokens there; are draft_ids recorded as proposals for the positions after the step's first token?")
+        bad = next((i for i in range(a - 1) if d[i] != case.output_ids[c + i]), None)
+        if bad is not None:          # the engine committed other tokens than the drafts it says it accepted
+            rep.contradictions.append({"step": s, "accepted": a, "index": c + bad, "draft_token": d[bad],
+                                       "output_token": case.output_ids[c + bad]})
+            c += a
+            continue
         ok = [j.greedy_ok(c + i, d[i]) for i in range(min(a, len(d)))]
         expected = next((i + 1 for i, g in enumerate(ok) if not g), len(ok) + 1)
         if expected < a or (expected > a and s < len(case.draft_ids) - 1):
@@ -267,21 +294,24 @@ def judge_drafts(j: Judge, case: Case, rep: Report) -> None:
         c += a
 
 
-def steps_after_partial(case: Case, index: int) -> int | None:
-    """How many verify steps after the last partial acceptance (a step that rejected a draft) the step holding
-    output token `index` came; None without step information or without an earlier partial step. A divergence a
-    step or two after a partial acceptance, in a run that was exact until then, points at state that was not
-    rolled back (a hybrid target's linear-attention layers)."""
+def steps_after_partial(case: Case, index: int) -> tuple | None:
+    """(steps, plain): how many steps after the last partial acceptance (a round that rejected a draft) the step
+    holding output token `index` came, and how many of those were plain steps (adaptive speculation's: no drafts,
+    nothing rejected); None without step information or without an earlier partial round. A divergence a step or
+    two after a partial acceptance, in a run that was exact until then, points at state that was not rolled back
+    (a hybrid target's linear-attention layers)."""
     if case.acceptance_lengths is None or (case.draft_ids is None and case.block_size is None):
         return None
-    c, last_partial = 1, None
+    c, last_partial, plain_since = 1, None, 0
     for s, a in enumerate(case.acceptance_lengths):
         if c <= index < c + a:
-            return None if last_partial is None else s - last_partial
-        drafts = len(case.draft_ids[s]) if case.draft_ids is not None else case.block_size - 1
+            return None if last_partial is None else (s - last_partial, plain_since)
         plain = case.step_kinds is not None and s < len(case.step_kinds) and case.step_kinds[s] == "plain"
-        if a < drafts + 1 and not plain:            # a plain step (no drafts) rejected nothing
-            last_partial = s
+        drafts = len(case.draft_ids[s]) if case.draft_ids is not None else case.block_size - 1
+        if plain:
+            plain_since += 1
+        elif a < drafts + 1:
+            last_partial, plain_since = s, 0
         c += a
     return None
 
@@ -297,6 +327,17 @@ def judge_sampled(j: Judge, case: Case, rep: Report) -> None:
     for t, tok in enumerate(case.output_ids):
         if outside_support(j.z[t], tok, s, j.tolerance(t)):
             rep.impossible.append(t)
+
+
+def seeded_scores(z: torch.Tensor, case: Case) -> torch.Tensor:
+    """The noised scores of a seeded sampled case: z [n, V] -> z - T ln E(seed, position, token) where the
+    trace's top-k / top-p keep the token, -inf elsewhere. Output token t sits at position len(prompt) + t, and
+    its draw in the engine is argmax p / E = argmax of these scores (p = softmax(z / T) restricted)."""
+    s = dflash.Sampling(case.temperature, case.top_p, case.top_k)
+    pos = len(case.prompt_ids) + torch.arange(z.shape[0], device=z.device)
+    e = noise.vocab_noise(torch.tensor(noise.seed_key(case.seed), device=z.device), pos, z.shape[-1]).double()
+    kept = dflash.sampling_probs(z, s) > 0
+    return torch.where(kept, z - case.temperature * e.log(), float("-inf"))
 
 
 def outside_support(z: torch.Tensor, tok: int, s: dflash.Sampling, tol: float) -> bool:
@@ -317,16 +358,16 @@ def check_case(target: M.Qwen35, case: Case, tolerance: float | None, engine_dty
     ids = case.prompt_ids + case.output_ids[:-1]
     z = teacher_forced_logits(target, ids)[len(case.prompt_ids) - 1:]
     dtype = DTYPES[case.dtype] if case.dtype in DTYPES else engine_dtype
-    j = Judge(z, tolerance, dtype)
+    j = Judge(z, tolerance, dtype, seeded_scores(z, case) if case.seeded else None)
     rep = Report(case.name, len(case.output_ids), case.temperature > 0)
     if rep.sampled:
         judge_sampled(j, case, rep)
-    else:
+    if not rep.sampled or case.seeded:             # every token determined: judged one by one
         judge_greedy(j, case, rep)
         if case.draft_ids is not None:
             judge_drafts(j, case, rep)
         if rep.first_divergence is not None:
-            rep.steps_after_partial = steps_after_partial(case, rep.first_divergence)
+            rep.steps_after_partial, rep.plain_after_partial = steps_after_partial(case, rep.first_divergence) or (None, None)
     rep.judge = j                                   # for the readable report; not part of the JSON
     return rep
 
@@ -335,7 +376,7 @@ def check_case(target: M.Qwen35, case: Case, tolerance: float | None, engine_dty
 
 def report_json(rep: Report) -> dict:
     keys = ("name", "tokens", "sampled", "matches", "ties", "divergences", "first_divergence", "steps_after_partial",
-            "wrong_acceptances", "impossible", "log_prob")
+            "plain_after_partial", "wrong_acceptances", "contradictions", "impossible", "log_prob")
     return {k: getattr(rep, k) for k in keys} | {"ok": rep.ok}
 
 
@@ -345,29 +386,44 @@ def show(tok, ids: list) -> str:
 
 def report_text(rep: Report, case: Case, tok) -> str:
     """The readable report of one case: counts, and the first problem with its context and our top-5."""
-    head = f"{rep.name}: {rep.tokens} tokens, " + (
-        f"sampled (T={case.temperature}, top_p={case.top_p}, top_k={case.top_k}), log-prob {rep.log_prob:.3f}, "
-        f"{len(rep.impossible)} impossible" if rep.sampled else
-        f"{rep.matches} match, {rep.ties} tie, {len(rep.divergences)} divergence")
+    counts = f"{rep.matches} match, {rep.ties} tie, {len(rep.divergences)} divergence"
+    if not rep.sampled:
+        head = f"{rep.name}: {rep.tokens} tokens, {counts}"
+    else:
+        settings = f"T={case.temperature}, top_p={case.top_p}, top_k={case.top_k}"
+        head = f"{rep.name}: {rep.tokens} tokens, sampled ({settings}{f', seed {case.seed}' if case.seeded else ''}), "
+        head += (counts + ", " if case.seeded else "") + f"log-prob {rep.log_prob:.3f}, {len(rep.impossible)} impossible"
     if case.draft_ids is not None:
         head += f", {len(rep.wrong_acceptances)} wrong acceptance of {len(case.draft_ids)} verify steps"
+        if rep.contradictions:
+            head += f", {len(rep.contradictions)} self-contradicting"
     lines = [head + (" -> OK" if rep.ok else " -> NOT OK")]
+    if rep.sampled and not case.seeded:
+        lines.append("  (no token-by-token check: " + ("the ratio rule's text is not determined by the seed alone)"
+                                                       if case.seed is not None else "the trace has no seed)"))
     j = rep.judge
     t = rep.first_divergence if rep.first_divergence is not None else (rep.impossible[0] if rep.impossible else None)
     if t is not None:
-        out = case.output_ids
+        out, ours = case.output_ids, int(j.top.indices[t])
         vals, idx = j.z[t].topk(5)
         lines.append(f"  first {'divergence' if rep.divergences else 'impossible token'} at output token {t}: "
-                     f"engine {out[t]} {show(tok, [out[t]])}, ours {int(idx[0])} {show(tok, [int(idx[0])])}, margin "
-                     f"{j.margin(t, out[t]):.5f} logits = {j.steps(t, j.margin(t, out[t])):.1f} steps (tolerance {j.tolerance(t):.5f})")
+                     f"engine {out[t]} {show(tok, [out[t]])}, ours {ours} {show(tok, [ours])}{' (our draw)' if case.seeded else ''}, "
+                     f"margin {j.margin(t, out[t]):.5f} logits = {j.steps(t, j.margin(t, out[t])):.1f} steps (tolerance {j.tolerance(t):.5f})")
         lines.append(f"  text before it: ...{show(tok, (case.prompt_ids + out)[max(0, len(case.prompt_ids) + t - 12):len(case.prompt_ids) + t])}")
-        lines.append("  our top-5: " + ", ".join(f"{int(i)} {show(tok, [int(i)])} {float(v):.4f}" for v, i in zip(vals, idx)))
+        lines.append("  our top-5 logits: " + ", ".join(f"{int(i)} {show(tok, [int(i)])} {float(v):.4f}" for v, i in zip(vals, idx)))
         if rep.steps_after_partial is not None:
-            lines.append(f"  it came {rep.steps_after_partial} verify step(s) after the last partial acceptance: the "
+            n, plain = rep.steps_after_partial, rep.plain_after_partial
+            kinds = f" ({n - plain} round{'s' if n - plain != 1 else ''}, {plain} plain)" if plain else ""
+            lines.append(f"  it came {n} step{'s' if n != 1 else ''}{kinds} after the last partial acceptance: the "
                          "signature of a linear-attention state not rolled back after a rejected draft")
     for w in rep.wrong_acceptances[:3]:
         lines.append(f"  step {w['step']}: committed {w['accepted']} tokens, the target accepts "
                      f"{'at least ' if w['at_least'] else ''}{w['expected']}")
+    for c in rep.contradictions[:3]:
+        lines.append(f"  step {c['step']}: commits {c['accepted']} tokens, so its drafts up to output token {c['index']} "
+                     f"were accepted, but draft {c['draft_token']} {show(tok, [c['draft_token']])} is not the output token "
+                     f"there, {c['output_token']} {show(tok, [c['output_token']])}: the engine committed other tokens than it "
+                     "accepted (if every step says so, its draft_ids may be recorded for other positions)")
     return "\n".join(lines)
 
 

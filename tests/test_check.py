@@ -135,6 +135,83 @@ def test_planted_impossible_sampled_token(pair):
     assert not check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 0, dflash.Sampling(1.0, 0.5, 0), 0.0)
 
 
+def second_choice(target, prompt_ids, output_ids, k, case) -> int:
+    """The token our seeded draw ranks second at output index k (noised scores), a plausible wrong token."""
+    z = check.teacher_forced_logits(target, prompt_ids + output_ids[:k])[len(prompt_ids) - 1:]
+    return int(check.seeded_scores(z, case)[k].topk(2).indices[1])
+
+
+def test_seeded_sampled_trace_is_checked_token_by_token(pair, tmp_path, capsys):
+    """A sampled generate.py --json trace (DFlash, adaptive, top-p) carries its seed: every token is judged like a
+    greedy one (all match); a token planted at index k, our second choice there, is a divergence at k (exit 1);
+    without the seed only the support is checked; a ratio-rule trace says why it is not checked token by token."""
+    argv = ["--prompt", "def fibonacci(n):", "--max-new-tokens", "40", "--temperature", "0.8", "--top-p", "0.95",
+            "--seed", "12", "--json"]
+    assert generate.main(argv) == 0
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert obj["seed"] == 12 and obj["draft_rule"] == "coupled"
+    path = tmp_path / "sampled.json"
+    path.write_text(json.dumps(obj))
+    assert check.cli([str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"][0]
+    assert got["matches"] == 40 and got["divergences"] == [] and got["impossible"] == []
+    target, k = pair[0], 17
+    case = check.Case(obj["prompt_ids"], obj["output_ids"], temperature=0.8, top_p=0.95, seed=12)
+    planted = obj["output_ids"][:k] + [second_choice(target, obj["prompt_ids"], obj["output_ids"], k, case)]
+    bad = dict(obj, output_ids=planted, draft_ids=None, acceptance_lengths=None)
+    path.write_text(json.dumps(bad))
+    assert check.cli([str(path), "--json"]) == 1
+    out = capsys.readouterr().out
+    got = json.loads(out.strip().splitlines()[-1])["cases"][0]
+    assert got["first_divergence"] == k and got["matches"] == k and "(our draw)" in out
+    path.write_text(json.dumps(dict(bad, seed=None)))          # no seed: a likely token is not a finding
+    assert check.cli([str(path)]) == 0
+    assert "the trace has no seed" in capsys.readouterr().out
+    path.write_text(json.dumps(dict(bad, draft_rule="ratio")))
+    assert check.cli([str(path)]) == 0
+    assert "not determined by the seed alone" in capsys.readouterr().out
+    s = dflash.Sampling(0.8, 0.95)                             # --num-samples: each sample is checked with its seed
+    many = {"prompt_ids": obj["prompt_ids"], "output_ids": [], "temperature": 0.8, "top_p": 0.95, "seed": 40,
+            "samples": [{"output_ids": dflash.run(target, obj["prompt_ids"], 12, sampling=s, seed=40 + i).output_ids,
+                         "seed": 40 + i} for i in range(2)]}
+    path.write_text(json.dumps(many))
+    assert check.cli([str(path), "--json"]) == 0
+    assert [c["matches"] for c in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]] == [12, 12]
+
+
+def test_self_contradicting_trace_is_a_finding(pair, runs, tmp_path, capsys):
+    """A trace whose output leaves its own accepted drafts (an engine that commits other tokens than it accepted)
+    is reported (exit 1) with the step, the index and both tokens, not refused as bad input."""
+    res = runs[(16, 0)]
+    s = next(i for i, a in enumerate(res.acceptance_lengths) if a >= 3)
+    c = 1 + sum(res.acceptance_lengths[:s])
+    out = list(res.output_ids)
+    out[c + 1] = (out[c + 1] + 1) % pair[0].cfg.vocab_size       # the second accepted draft's place
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"prompt_ids": res.prompt_ids, "output_ids": out, "draft_ids": res.draft_ids,
+                                "acceptance_lengths": res.acceptance_lengths}))
+    assert check.cli([str(path), "--json"]) == 1
+    text = capsys.readouterr().out
+    got = json.loads(text.strip().splitlines()[-1])["cases"][0]
+    assert got["contradictions"] == [{"step": s, "accepted": res.acceptance_lengths[s], "index": c + 1,
+                                      "draft_token": res.draft_ids[s][1], "output_token": out[c + 1]}]
+    assert f"step {s}: commits" in text and "committed other tokens than it accepted" in text
+
+
+def test_steps_after_a_partial_acceptance_name_plain_steps():
+    """The diagnosis counts the steps between the last partial round and the divergence, and says how many were
+    plain steps (which draft nothing and so reject nothing)."""
+    case = check.Case([1], [5] * 16, [[2, 3, 4], [], [], [2, 3, 4], []], [4, 1, 1, 2, 7], block_size=4,
+                      step_kinds=["verify", "plain", "plain", "verify", "verify"])
+    case.draft_ids[4] = [1, 1, 1]
+    assert check.steps_after_partial(case, 2) is None            # no partial round before it (the first round was full)
+    assert check.steps_after_partial(case, 6) is None
+    assert check.steps_after_partial(case, 7) is None            # the partial round itself
+    plain = check.Case([1], [5] * 12, None, [2, 1, 1, 4, 4], block_size=4, step_kinds=["verify", "plain", "plain", "verify", "verify"])
+    assert check.steps_after_partial(plain, 5) == (3, 2)         # 2 plain steps, then a round, after the partial one
+    assert check.steps_after_partial(plain, 9) == (4, 2)
+
+
 def test_zlab_loop_divergences_are_found_where_it_leaves_greedy(pair):
     """The z-lab package's `dflash_generate` over transformers rolls back only the conv state of Qwen3.5's
     linear-attention layers after a partial acceptance, so its output leaves transformers' greedy output. The

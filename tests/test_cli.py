@@ -177,7 +177,8 @@ def test_prompt_text_streams_through_the_tokenizer(tok_ckpt, runs, capsys):
     # stdout: the prompt echoed, then the streamed pieces, which add up to the decoded text; nothing else
     assert rt.out == "hello" + text + "\n", (rt.out, text)
     stats = rt.err.splitlines()                       # the statistics go to stderr
-    assert len(stats) == 1 and "tok/s" in stats[0] and "mean acceptance length" in stats[0], rt.err
+    assert len(stats) == 1 and "tok/s" in stats[0], rt.err
+    assert "mean acceptance length" in stats[0] or "no draft-verify round; 11 plain steps" in stats[0], rt.err
     assert stats[0].startswith(f"[{len(res['output_ids'])} tokens; load ") and "first token after " in stats[0]
     # in-process, the text goes to the sys.stdout of the moment (here capsys's), not the one at import
     assert generate.main(["--target", tok_ckpt["target"], "--draft", tok_ckpt["draft"], "--prompt", "hello",
@@ -222,14 +223,14 @@ def test_stop_token_from_generation_config(ckpt, capsys, tmp_path):
 
 def test_text_mode_without_tokenizer_prints_ids_and_stats(ckpt, capsys):
     assert generate.main(["--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", " ".join(map(str, PROMPT)),
-                          "--max-new-tokens", str(MAX_NEW)]) == 0
+                          "--max-new-tokens", str(MAX_NEW), "--no-adaptive"]) == 0
     got = capsys.readouterr()
     lines = got.out.strip().splitlines()
     assert lines[0].startswith("(no tokenizer.json") and len(lines) == 2
     assert [int(t) for t in lines[1].split()] == ckpt["ref"]       # spaces separate --prompt-ids too
     stats = got.err.strip()
     assert "tok/s" in stats and "mean acceptance length" in stats and f"[{MAX_NEW} tokens" in stats
-    assert f"histogram (1..{BLOCK} tokens/step)" in stats
+    assert f"draft-verify rounds, mean acceptance length" in stats and f"histogram (1..{BLOCK} tokens/round)" in stats
 
 
 @pytest.mark.parametrize("text, ids", [("1,2,3", [1, 2, 3]), (" 1, 2 ,3 ", [1, 2, 3]), ("1 2", [1, 2]),
@@ -287,3 +288,48 @@ def test_each_sample_has_its_labelled_stats_line(tok_ckpt, capsys):
     stats = got.err.strip().splitlines()
     assert [s[:len("[sample 1/2: ")] for s in stats] == ["[sample 1/2: ", "[sample 2/2: "], got.err
     assert all("tok/s" in s and "first token after" in s for s in stats)
+
+
+def test_same_seed_same_text_whatever_the_step_pattern(tok_ckpt, capsys, monkeypatch):
+    """One sampled command under adaptive speculation that decides differently (stand-in policies forcing two step
+    patterns, as different timings would), with pure rounds and without a drafter: the same text for the seed."""
+    import adaptive
+    argv = ["--target", tok_ckpt["target"], "--draft", tok_ckpt["draft"], "--prompt", "hello", "--max-new-tokens", "24",
+            "--temperature", "0.9", "--top-p", "0.95", "--seed", "7"]
+    texts, kinds = [], []
+    for pattern in ([True], [False, "look", True, False], [False]):
+        monkeypatch.setattr(adaptive, "Adaptive", lambda pattern=pattern: adaptive.Pattern(pattern))
+        assert generate.main(argv) == 0
+        got = capsys.readouterr()
+        texts.append(got.out)
+        kinds.append(got.err)
+    for extra in (["--no-adaptive"], ["--draft", "none"]):
+        assert generate.main(argv + extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert len(set(texts)) == 1 and texts[0].startswith("hello"), texts
+    assert "plain steps" not in kinds[0] and "23 plain steps" in kinds[2] and "no draft-verify round;" in kinds[2]
+    assert all(k.rstrip().endswith("; seed 7]") for k in kinds)
+    monkeypatch.undo()
+    assert generate.main(argv[:-2] + ["--json"]) == 0              # no --seed: a random one, recorded in the trace
+    seed = last_json(capsys.readouterr().out)["seed"]
+    assert isinstance(seed, int)
+
+
+def test_stats_line_says_what_ran(ckpt, capsys):
+    """A generation that ended with its first token says so, instead of a mean acceptance of 0."""
+    assert generate.main(["--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
+                          "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "no draft-verify round: the generation ended with its first token" in err and "acceptance" not in err
+
+
+def test_threads_flag(ckpt, capsys):
+    before = torch.get_num_threads()
+    try:
+        res = main_json(capsys, "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
+                        "--max-new-tokens", MAX_NEW, "--json", "--threads", "1")
+        assert res["output_ids"] == ckpt["ref"] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(dflash.GenerationError, match="--threads must be >= 1, got 0"):
+        generate.main(["--target", ckpt["target"], "--prompt-ids", "1", "--threads", "0"])
