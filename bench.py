@@ -20,6 +20,7 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
 
     python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
     python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
+    python bench.py --draft-rules 0.3,0.5,0.8,1.0 --heldout 16      # sampled DFlash2 drafts: coupled vs ratio acceptance
 
 `--parting` times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
 where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
@@ -96,6 +97,12 @@ def parse_args(argv=None):
                    help="instead of one drafter: AR and each of these proposers on the same prompts in one run, e.g. "
                         "dflash,mtp3,mtp7,mtp15 (mtpK: the target's MTP head, K chained steps); a table of tau and speedup "
                         "per method, as the MMFlash paper compares them")
+    p.add_argument("--draft-rules", default=None, metavar="T1,T2,...",
+                   help="instead of timing: acceptance of sampled drafts under the coupled and the ratio rule at these "
+                        "temperatures (pure rounds, one seed per prompt), with --draft in DFlash2 form if it is a DFlash "
+                        "drafter (draft_rules_main), beside the drafter drafting greedily")
+    p.add_argument("--selector-top-k", type=int, default=8, help="with --draft-rules: candidates per row of the DFlash2 form")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --draft-rules: nucleus sampling mass (1 = off)")
     p.add_argument("--tau", type=float, default=MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
     p.add_argument("--replay", action="store_true",
                    help="instead of timing the policy: record each prompt's drafts at every position (a look at every step) "
@@ -224,6 +231,8 @@ def main(argv=None):
         return methods_main(args, device)
     if args.replay:
         return replay_main(args, device)
+    if args.draft_rules:
+        return draft_rules_main(args, device)
     dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target, drafter, window, proposer, block, prompts, stops = load_pair(args, dtype, device)
@@ -443,6 +452,72 @@ def methods_main(args, device) -> dict:
     result = {"methods": table, "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens,
               "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
               "adaptive": not args.no_adaptive, "prompt_len": args.prompt_len}
+    print(json.dumps(result))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --draft-rules: sampled drafts verified by the coupled and the ratio rule
+# ---------------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def dflash2_form(drafter: M.DFlashDrafter, top_k: int) -> M.DFlashDrafter:
+    """A DFlash drafter as a DFlash2 drafter that drafts what it drafts: identity convolutions (base tap 1 at offset
+    0, no predicted taps) and a candidate selector with zero codebooks, so a row's scores are its top_k logits and
+    its sampled draft comes from q = softmax(top-k logits / T), the drafter's own distribution. (No DFlash2 drafter
+    was trained here; this one isolates the acceptance rules from what a trained selector adds.)"""
+    import dataclasses
+    cfg = drafter.cfg
+    if cfg.dflash2:
+        return drafter
+    d2cfg = dataclasses.replace(cfg, conv_kernel_size=2, conv_group_size=cfg.hidden_size, selector_rank=1, selector_top_k=top_k)
+    w = drafter.fc.weight
+    d2 = M.DFlashDrafter(d2cfg).to(w.device, w.dtype).eval()
+    missing = d2.load_state_dict(drafter.state_dict(), strict=False).missing_keys
+    for name, p in d2.named_parameters():
+        if name in missing:
+            p.zero_()
+            if name.endswith("base_kernel"):
+                p[:, 0] = 1.0                                  # x[t] itself: the identity
+    return d2
+
+
+def draft_rules_main(args, device) -> dict:
+    """Per temperature, over the prompts (seed i for prompt i, pure rounds): tokens per round of the drafter drafting
+    greedily (a one-hot q: both rules accept p(x)) and of its sampled drafts under the coupled and the ratio rule,
+    and how many outputs equal plain sampled decoding's for the seed."""
+    dtype = pick_dtype(args.dtype, device)
+    target = ckpt.load_target(args.target, dtype, device)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    window = ckpt.draft_window(drafter.cfg, args.draft_window)
+    prompts, stops = load_prompts(args, ckpt.load_tokenizer(target.path), target.path), ckpt.stop_token_ids(target.path, target.cfg)
+    block = args.block_size or drafter.cfg.block_size
+    capacity = bench_capacity(prompts, args.max_new_tokens, block)
+    greedy_draft = drafter if not drafter.cfg.dflash2 else None
+    sampled_draft = dflash2_form(drafter, args.selector_top_k)
+    ar = dflash.Engine(target, None, 1, capacity)
+    arms = {"sampled, coupled": (sampled_draft, "coupled"), "sampled, ratio": (sampled_draft, "ratio")}
+    if greedy_draft is not None:
+        arms = {"greedy draft": (greedy_draft, "coupled"), **arms}
+    engines = {k: dflash.Engine(target, dflash.DrafterProposer(d, target, window), block, capacity) for k, (d, _) in arms.items()}
+    table = {}
+    for T in [float(t) for t in args.draft_rules.split(",")]:
+        row = {}
+        for name, (_, rule) in arms.items():
+            s, lengths, same = dflash.Sampling(T, args.top_p, draft_rule=rule), [], 0
+            for i, p in enumerate(prompts):
+                res = engines[name].run(p, args.max_new_tokens, stops, sampling=s, seed=i)
+                lengths += res.verify_lengths
+                same += res.output_ids == ar.run(p, args.max_new_tokens, stops, sampling=s, seed=i).output_ids
+            row[name] = {"tau": sum(lengths) / len(lengths), "rounds": len(lengths), "same_as_ar": same}
+        table[T] = row
+        print(f"T={T}: " + ", ".join(f"{k} {v['tau']:.2f} ({v['same_as_ar']}/{len(prompts)} = AR)" for k, v in row.items()), flush=True)
+    print(f"\n| temperature | {' | '.join(arms)} |\n|---|{'---|' * len(arms)}")
+    for T, row in table.items():
+        print(f"| {T} | " + " | ".join(f"{v['tau']:.2f} ({v['same_as_ar']}/{len(prompts)})" for v in row.values()) + " |")
+    result = {"mode": "draft_rules", "table": {str(T): row for T, row in table.items()}, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "block_size": block, "selector_top_k": sampled_draft.cfg.selector_top_k,
+              "top_p": args.top_p, "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
     print(json.dumps(result))
     return result
 

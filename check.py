@@ -39,6 +39,7 @@ import checkpoint as ckpt
 import dflash
 import model as M
 import noise
+from sampling import DRAFT_RULES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -204,8 +205,8 @@ def validate(case: Case, cfg: M.TargetConfig) -> None:
                 raise CheckError(f"{case.name}: step {j} commits {a} tokens from {len(d)} drafts (at most drafts + 1)")
     if not (case.temperature >= 0 and 0 < case.top_p <= 1 and case.top_k >= 0):
         raise CheckError(f"{case.name}: temperature must be >= 0, top_p in (0, 1], top_k >= 0")
-    if case.draft_rule not in dflash.DRAFT_RULES:
-        raise CheckError(f"{case.name}: draft_rule must be one of {', '.join(dflash.DRAFT_RULES)}, got {case.draft_rule!r}")
+    if case.draft_rule not in DRAFT_RULES:
+        raise CheckError(f"{case.name}: draft_rule must be one of {', '.join(DRAFT_RULES)}, got {case.draft_rule!r}")
 
 
 # ---- Judging ----------------------------------------------------------------------------------------------

@@ -24,11 +24,9 @@ from typing import Iterator
 import torch
 
 import noise
-from model import DenseMasks, DFlashDrafter, DraftCache, Qwen35, TargetCache
-
-
-class GenerationError(ValueError):
-    """Bad generation input; the message names the problem and the fix."""
+from model import DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
+# The sampling rules live in sampling.py; dflash.Sampling, dflash.draw, ... are these names.
+from sampling import Sampling, draw, matched, sampling_probs, speculative_accept
 
 
 @dataclass
@@ -76,96 +74,6 @@ class Result:
         for a in self.verify_lengths:
             counts[a - 1] += 1
         return counts
-
-
-# ---- Sampling (docs/method.md#sampling) ----------------------------------------------------------
-
-DRAFT_RULES = ("coupled", "ratio")    # how a sampled draft is verified (docs/method.md#sampled-drafts)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """temperature 0 = greedy (the exact path). Otherwise tokens are drawn from the target's distribution at
-    `temperature`, restricted to the top_k most likely tokens (0 = all) and to the smallest set whose
-    probability reaches top_p (1 = all), with the noise of their positions (position-keyed noise, below).
-    draft_rule: how a drafter that samples its own block (DFlash2) is verified. "coupled": the draft races with
-    the target's noise and a proposal stands iff it equals the target's draw (the output is AR's for the seed);
-    "ratio": the draft has noise of its own and min(1, p/q) decides (more accepted, the output is distributed as
-    AR's but is not AR's text, and depends on the step pattern). A drafter that drafts greedily (DFlash, MTP) is
-    always verified by the coupled rule, where both rules accept with probability p(x)."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    draft_rule: str = "coupled"     # a sampled draft (DFlash2): "coupled" (output == AR's for the seed) or "ratio"
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
-        if self.draft_rule not in DRAFT_RULES:
-            raise GenerationError(f"draft rule must be one of {', '.join(DRAFT_RULES)}, got {self.draft_rule!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def sampling_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """logits [..., V] -> the distribution tokens are drawn from, float32 [..., V] (temperature, top-k, top-p)."""
-    x = logits.float() / s.temperature
-    V = x.shape[-1]
-    if 0 < s.top_k < V:
-        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = torch.softmax(x, dim=-1)
-    if s.top_p < 1:
-        ps, order = p.sort(dim=-1, descending=True)
-        drop = (ps.cumsum(-1) - ps) >= s.top_p          # keep up to and including the token that reaches top_p
-        ps = ps.masked_fill(drop, 0.0)
-        p = torch.zeros_like(p).scatter(-1, order, ps)
-        p = p / p.sum(-1, keepdim=True)
-    return p
-
-
-def draw(probs: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
-    """One token per row of probs [..., V] given Exp(1) noise of the same shape: argmax(p / E) is distributed
-    as Categorical(p / sum(p)) (the exponential race; gpt-fast's sync-free sampling). Zero-probability tokens
-    can never win."""
-    return (probs / expo.clamp_min(1e-30)).argmax(-1)
-
-
-def matched(proposals: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
-    """proposals [B-1]; posterior [B] the target's tokens at the block's rows (its argmax, or its draws with the
-    positions' noise) -> accepted []: how many leading proposals equal the target's token at their row. With
-    draws this is the coupled rule: the committed tokens are the target's own draws, so a proposal is accepted
-    with probability p(x), as under min(1, p/q) with a one-hot q, and the output is plain decoding's."""
-    return (proposals == posterior[:-1]).int().cumprod(0).sum()
-
-
-def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Tensor, expo: torch.Tensor, q=None):
-    """Speculative rejection sampling for a verify block, on the device, no host sync.
-
-    probs [B, V] target distributions at block positions 0..B-1 (row i judges proposals[i]);
-    proposals [B-1], drawn from the draft distributions q [B-1, V] (None: a greedy draft, q one-hot at the
-    proposal); u [B-1] uniform(0,1) draws; expo [B, V] Exp(1) noise -> (accepted [], tokens [B]): the committed
-    tokens are proposals[:accepted] + [tokens[accepted]].
-
-    Proposal x is accepted with probability min(1, p(x) / q(x)); on rejection the token comes from
-    normalize(max(p - q, 0)); after a full acceptance the bonus comes from p at the last row. The output is
-    distributed exactly as the target's. With a one-hot q the acceptance is p(x) and the residual is p with x
-    removed: a greedy drafter needs no probabilities of its own. `u q(x) < p(x)` is strict, so a
-    zero-probability proposal is never accepted, even when u is exactly 0."""
-    if q is None:
-        q = torch.zeros_like(probs[:-1]).scatter(1, proposals[:, None], 1.0)
-    p_prop = probs[:-1].gather(1, proposals[:, None]).squeeze(1)                 # [B-1]
-    q_prop = q.gather(1, proposals[:, None]).squeeze(1)
-    accepted = (u * q_prop < p_prop).int().cumprod(0).sum()
-    resid = torch.cat([(probs[:-1] - q).clamp_min(0.0), probs[-1:]])
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)          # p == q: never rejected
-    return accepted, draw(resid, expo)
 
 
 # ---- The proposer --------------------------------------------------------------------------------
@@ -321,7 +229,7 @@ class Engine:
     """One target (and optionally a proposer) with caches allocated once for `capacity` positions and the
     fixed-shape step functions, eager or compiled with torch.compile(fullgraph=True, dynamic=False):
         decode_step  (tok [1,1], pos [1])                      -> logits [V]        AR; commits its token
-        pick_step    (logits [V], at [1], key)                 -> the token at position at [1]: argmax or draw
+        pick_step    (logits [V], at [1], key)                 -> the token drawn for position at [1] (sampling)
         verify_step  (block [1,B], pos [B], key, q)            -> posterior [B], accepted [], feats [1,B,F]
         draft_step   (last [1], start [1], feats [1,B,F], feat_pos [B], rows) -> proposals [B-1], q [B-1,V] or None
         commit       (n [], a 0-d tensor)                      -> the GDN states after the n-th block token
@@ -411,11 +319,9 @@ class Engine:
         posterior = draw(probs, expo)
         return posterior, matched(block[0, 1:], posterior), feats
 
-    def _pick(self, logits, at, key=None):
-        """The token at position at [1] from logits [V]: the argmax (key None), or a draw at the generation's
-        Sampling with that position's noise (noise.py)."""
-        if key is None:
-            return logits.argmax()
+    def _pick(self, logits, at, key):
+        """The token at position at [1] from logits [V]: a draw at the generation's Sampling with that position's
+        noise (noise.py)."""
         return draw(sampling_probs(logits, self.sampling), noise.vocab_noise(key, at, logits.shape[-1])[0])
 
     # ---- a generation --------------------------------------------------------------------------
@@ -526,12 +432,13 @@ class Engine:
         """One plain AR step: the baseline DFlash must equal. plain (a DFlash engine, adaptive speculation): the same
         step also keeps the token's features for the drafter's context, in a B-row buffer that is appended whole
         when full, or by the next round's draft like a verify's features (rows past the committed ones hidden).
-        look: first draft as a round would (greedily, the same draft step) without verifying: the proposals come
-        back in Step.look, and the plain steps that follow show how many of them a round would have accepted,
-        at the cost of a draft alone (adaptive.Adaptive's probe)."""
+        look: first draft as a round would (the same draft step, with the same noise) without verifying: the
+        proposals come back in Step.look, and the plain steps that follow show how many of them a round would have
+        accepted, at the cost of a draft alone (adaptive.Adaptive's probe)."""
         start, t0, proposals = seq.start, self._clock(), None
         if look and self.block > 1:
-            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, self.block - 1, **self._next_kw(seq))
+            drafted = self.draft_step(seq.last, seq.start_t, seq.feats, seq.feat_pos, self.block - 1,
+                                      *self._draft_noise(seq, self.block - 1), **self._next_kw(seq))
             proposals = (drafted[0] if isinstance(drafted, tuple) else drafted).tolist()
         feeding = plain and seq.feats is not None
         if feeding and seq.plain_run in (None, self.block):    # pending rows (a round's, or a full buffer) into the
@@ -558,8 +465,9 @@ class Engine:
         return {"next_ids": seq.feat_next} if self._next_ids else {}
 
     def pick(self, logits, at):
-        """One token on the device from logits [V] for position at [1]: the argmax, or the generation's draw there."""
-        return self.pick_step(logits, at, *(() if self.key is None else (self.key,)))
+        """One token on the device from logits [V] for position at [1]: the argmax (one op, not worth a compiled
+        call), or the generation's draw there (pick_step: the noise and the draw fused when compiled)."""
+        return logits.argmax() if self.key is None else self.pick_step(logits, at, self.key)
 
     def _draft_noise(self, seq, n: int) -> tuple:
         """(row keys [n], temperature) for a proposer that samples its draft (samples_drafts) when sampling, else ():

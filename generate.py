@@ -30,6 +30,7 @@ import flex
 import checkpoint as ckpt
 import model as M
 import vision
+from sampling import DRAFT_RULES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
@@ -88,7 +89,7 @@ def parse_args(argv=None):
                         "with the statistics and in --json")
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling): sample i "
                                                              "(from 0) uses seed + i")
-    p.add_argument("--draft-rule", choices=dflash.DRAFT_RULES, default="coupled",
+    p.add_argument("--draft-rule", choices=DRAFT_RULES, default="coupled",
                    help="sampling with a drafter that samples its block (DFlash2): coupled (default; the draft races with "
                         "the target's noise, the output equals --draft none's for the seed) or ratio (min(1, p/q): "
                         "accepts more, the output is distributed as the target's but is another text, and follows the "
@@ -204,7 +205,8 @@ def chat_flags_check(args, as_chat: bool) -> None:
         why = "they need --prompt text (--prompt-ids are used as is)"
     else:
         why = f"{args.target} ships no chat template (chat_template.jinja or tokenizer_config.json's chat_template); drop them"
-    raise dflash.GenerationError(f"{', '.join(used)} belong to chat mode, which is off: {why}")
+    verb = "belongs" if len(used) == 1 else "belong"
+    raise dflash.GenerationError(f"{', '.join(used)} {verb} to chat mode, which is off: {why}")
 
 
 def prompt_ids_of(args, target, tokenizer, as_chat: bool, template, specials, tools) -> list:
@@ -303,8 +305,9 @@ def main(argv=None) -> int:
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()
-        engine.policy = adaptive.Pattern([True, "look"]) if policy else None     # every step kind compiled now
-        engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images)
+        engine.policy = adaptive.Pattern([True, "look"]) if policy else None     # every step kind compiled now,
+        engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images,   # sampled ones too
+                   sampling=sampling, seed=0)
         engine.policy = policy
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")

@@ -40,6 +40,10 @@ class CheckpointError(ValueError):
     """A checkpoint or config that cannot be used; the message says what is wrong and what to do."""
 
 
+class GenerationError(ValueError):
+    """Bad generation input (dflash.GenerationError); the message names the problem and the fix."""
+
+
 @dataclass
 class TargetConfig:
     """The text model of a Qwen3.5 checkpoint, dense or mixture-of-experts (every size differs only in these numbers)."""

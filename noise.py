@@ -27,6 +27,8 @@ A coupled sampled draft (the default) races with the TARGET noise of its positio
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 TARGET, DRAFT, ACCEPT = 0, 1, 2
@@ -58,23 +60,42 @@ def row_keys(key: torch.Tensor, pos: torch.Tensor, stream: int) -> torch.Tensor:
     return mix32(key ^ mix32(pos * 4 + stream))
 
 
-def uniforms(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """rows [R] row keys; ids [R, C] or [C] (shared by every row) int64 -> U(0, 1) float64 [R, C]."""
-    bits = mix32(rows[:, None] ^ mix32(ids ^ 0x85EBCA6B))
+def token_keys(ids: torch.Tensor) -> torch.Tensor:
+    """The per-token half of the hash: mix32(v ^ 0x85ebca6b) for int64 token ids (or slots) of any shape."""
+    return mix32(ids ^ 0x85EBCA6B)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    return token_keys(torch.arange(vocab_size, device=device))
+
+
+def vocab_keys(vocab_size: int, device) -> torch.Tensor:
+    """token_keys of the whole vocabulary [V]: kept once per vocabulary size and device in eager code (half the
+    work of a draw's noise), recomputed inside a compiled step, where it fuses into the draw's single loop."""
+    if torch.compiler.is_compiling():
+        return token_keys(torch.arange(vocab_size, device=device))
+    return _vocab_keys(vocab_size, torch.device(device))
+
+
+def uniforms(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """rows [R] row keys; keys [R, C] or [C] (shared by every row) token_keys -> U(0, 1) float64 [R, C]."""
+    bits = mix32(rows[:, None] ^ keys)
     return (bits.double() + 0.5) * 2.0 ** -32
 
 
 def exponentials(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise float32 [R, C] for rows [R] over ids [R, C] or [C]: the E of dflash.draw."""
-    return (-uniforms(rows, ids).log()).float()
+    """Exp(1) noise float32 [R, C] for rows [R] over token ids [R, C] or [C]: the E of dflash.draw."""
+    return (-uniforms(rows, token_keys(ids)).log()).float()
 
 
 def vocab_noise(key: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """E(TARGET, t, v) for every token v at each position t of pos [R] -> float32 [R, V]: what draws the token
     that lands at t."""
-    return exponentials(row_keys(key, pos, TARGET), torch.arange(vocab_size, device=pos.device))
+    rows = row_keys(key, pos, TARGET)
+    return (-uniforms(rows, vocab_keys(vocab_size, pos.device)).log()).float()
 
 
 def accept_uniforms(key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """U(ACCEPT, t, 0) for the proposals at positions pos [R] -> float64 [R] (the ratio rule's test)."""
-    return uniforms(row_keys(key, pos, ACCEPT), torch.zeros(1, dtype=torch.long, device=pos.device))[:, 0]
+    return uniforms(row_keys(key, pos, ACCEPT), token_keys(torch.zeros(1, dtype=torch.long, device=pos.device)))[:, 0]

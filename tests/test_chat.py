@@ -210,8 +210,9 @@ def test_cli_chat_stops_on_im_end(chat_ckpt, capsys, monkeypatch):
 
 @pytest.mark.parametrize("args,words", [
     (["--chat", "--prompt-ids", "1,2"], "cannot be rendered as a chat"),
-    (["--no-chat", "--prompt", "a", "--system", "s"], "belong to chat mode"),
-    (["--prompt-ids", "1,2", "--no-think"], "belong to chat mode"),
+    (["--no-chat", "--prompt", "a", "--system", "s"], "--system belongs to chat mode"),
+    (["--prompt-ids", "1,2", "--no-think"], "--no-think belongs to chat mode"),
+    (["--no-chat", "--prompt", "a", "--system", "s", "--no-think"], "--system, --no-think belong to chat mode"),
     (["--system", "s"], "give a prompt"),
     (["--messages", "{missing}"], "cannot be read"),
     (["--messages", "{bad}"], "must hold a JSON list"),
@@ -220,7 +221,7 @@ def test_cli_chat_stops_on_im_end(chat_ckpt, capsys, monkeypatch):
     (["--prompt", "a", "--tools", "{missing}"], "cannot be read"),
     (["--prompt", "a", "--tools", "{bad}"], "must hold a JSON list of tool objects"),
     (["--prompt", "a", "--tools", "{notjson}"], "is not valid JSON"),
-    (["--no-chat", "--prompt", "a", "--tools", "{sysfirst}"], "belong to chat mode"),
+    (["--no-chat", "--prompt", "a", "--tools", "{sysfirst}"], "--tools belongs to chat mode"),
 ])
 def test_cli_chat_bad_input(chat_ckpt, args, words):
     root = chat_ckpt["root"]

@@ -46,8 +46,10 @@ def test_no_recompiles_after_warmup_and_same_tokens(wrapper, tmp_path, monkeypat
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_compiled_sampling_equals_eager_and_follows_new_settings():
     """Sampling constants are compiled into the sampling step: a generation with other constants must run a
-    graph made for them (dynamo's guards), never the previous one. Same seed -> the eager engine's tokens."""
-    import torch
+    graph made for them (dynamo's guards), never the previous one. Same seed -> the eager engine's tokens, and
+    plain eager sampled decoding's (the position-keyed noise computed inside the compiled steps is the eager one),
+    with pure rounds and with rounds, plain steps and looks."""
+    import adaptive
     target, drafter, p1, p2 = embedded_pair()
     proposer = dflash.DrafterProposer(drafter, target)
     compiled = dflash.Engine(target, proposer, 16, 256, compile_mode="default")
@@ -57,6 +59,9 @@ def test_compiled_sampling_equals_eager_and_follows_new_settings():
             got = compiled.run(p, 40, sampling=s, seed=7)
             want = eager.run(p, 40, sampling=s, seed=7)
             assert got.output_ids == want.output_ids, s
+    ar = dflash.run(target, p1, 40, sampling=s, seed=7)
+    compiled.policy = adaptive.Pattern([False, "look", True, False])
+    assert compiled.run(p1, 40, sampling=s, seed=7).output_ids == eager.run(p1, 40, sampling=s, seed=7).output_ids == ar.output_ids
 
 
 def test_mark_static_covers_every_cache_tensor():

@@ -46,4 +46,6 @@ def test_default_command_runs_offline():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("def fibonacci(n):") and out.stdout.strip() != "def fibonacci(n):", out.stdout   # prompt, then text
     stats = out.stderr.strip().splitlines()           # statistics on stderr, so `> file` keeps the text only
-    assert len(stats) == 1 and "tok/s" in stats[0] and "mean acceptance length" in stats[0], out.stderr
+    assert len(stats) == 1 and "tok/s" in stats[0], out.stderr
+    # rounds with their acceptance, or (adaptive speculation on a loaded machine) plain steps said to be so
+    assert "draft-verify rounds, mean acceptance length" in stats[0] or "plain steps with" in stats[0], out.stderr

@@ -164,7 +164,7 @@ def test_noise_is_a_function_of_seed_stream_position_and_token():
 def test_noise_moments():
     """U(0, 1) and Exp(1): mean and variance over 2M numbers, within 5 standard errors."""
     key = torch.tensor(noise.seed_key(3))
-    u = noise.uniforms(noise.row_keys(key, torch.arange(2000), noise.TARGET), torch.arange(1000)).flatten()
+    u = noise.uniforms(noise.row_keys(key, torch.arange(2000), noise.TARGET), noise.token_keys(torch.arange(1000))).flatten()
     n = u.numel()
     assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
     assert abs(u.var().item() - 1 / 12) < 5 * (1 / 180 / n) ** 0.5
@@ -375,3 +375,26 @@ def test_stop_token_in_the_middle_of_an_accepted_run_sampling():
         if last.kind == "verify" and last.tokens[-1] == 5 and len(last.tokens) <= last.accepted:
             seen_mid = True                                                # the stop was an accepted proposal
     assert seen_mid
+
+
+def test_dflash2_form_drafts_what_the_drafter_drafts():
+    """bench.dflash2_form (how --draft-rules measures the two rules with the embedded DFlash drafter): greedy, its
+    rounds propose exactly the DFlash drafter's tokens; sampling, its q is softmax(top-k logits / T) of the same
+    rows, and under the coupled rule the output is plain decoding's for the seed."""
+    import bench
+    target = random_target(tiny_target_config(vocab_size=40), 3, torch.float64)
+    drafter = random_drafter(tiny_draft_config(target.cfg, block_size=6, target_layer_ids=[0, 2], num_target_layers=None), 4)
+    d2 = bench.dflash2_form(drafter, 5)
+    assert d2.cfg.dflash2 and d2.cfg.selector_top_k == 5
+    prompt = list(range(2, 22))
+    one, two = (dflash.run(target, prompt, 30, (), dflash.DrafterProposer(d, target), 6) for d in (drafter, d2))
+    assert one.draft_ids == two.draft_ids and one.output_ids == two.output_ids
+    h = torch.randn(5, target.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rows = noise.row_keys(torch.tensor(noise.seed_key(1)), torch.arange(5), noise.TARGET)
+    _, q = d2.propose(h, torch.tensor([7]), target.lm_head, rows, 0.7)
+    top = drafter.draft_logits(h, target.lm_head).topk(5, dim=-1)
+    want = torch.zeros_like(q).scatter(1, top.indices, torch.softmax(top.values.float() / 0.7, -1))
+    assert torch.allclose(q, want, atol=1e-6)
+    s = Sampling(0.8)
+    assert dflash.run(target, prompt, 30, (), dflash.DrafterProposer(d2, target), 6, sampling=s, seed=3).output_ids == \
+        dflash.run(target, prompt, 30, sampling=s, seed=3).output_ids

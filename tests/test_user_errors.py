@@ -175,7 +175,7 @@ def test_guessed_layer_types_are_named(tmp_path, capsys):
 def test_chat_flags_without_chat_say_why(pair, capsys, extra, says, never):
     line = one_error_line(*run_cli(capsys, "--target", pair / "target", "--draft", "none", "--prompt", "hi",
                                    "--system", "Be brief.", *extra)[::2])
-    assert "--system belong to chat mode" in line and says in line and never not in line
+    assert "--system belongs to chat mode" in line and says in line and never not in line
 
 
 def test_unknown_compile_mode_is_a_usage_error(capsys):

@@ -113,9 +113,9 @@ def test_draft_window_flag_windows_every_layer(tmp_path, target):
     """--draft-window N, asked for, still limits every layer's context, full layers included: the drafts differ
     from the package's (whose full layers see the whole prompt) and equal our drafter's from scratch over only the
     last N context positions."""
-    ours_t, hf = target
-    ref = save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
-                            n_layers=3, block_size=8, seed=4, **VARIANTS["sliding"])
+    ours_t, _ = target
+    save_zlab_drafter(tmp_path, target_layers=8, vocab=ours_t.cfg.vocab_size, hidden=ours_t.cfg.hidden_size,
+                      n_layers=3, block_size=8, seed=4, **VARIANTS["sliding"])
     ours = ckpt.load_drafter(str(tmp_path), ours_t.cfg, torch.float32)
     N, B, start = ckpt.draft_window(ours.cfg, 10), ours.cfg.block_size, 37
     assert N == 10
