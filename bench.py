@@ -129,6 +129,18 @@ def parse_args(argv=None):
                                        ("--no-adaptive", args.no_adaptive), ("--onednn", args.onednn)) if on]
         if clash:
             p.error(f"--replay runs the eager DFlash engine on checkpoints; drop {', '.join(clash)}")
+    if args.draft_rules:
+        clash = [flag for flag, on in (("--compile", args.compile), ("--preset", args.preset), ("--parting", args.parting),
+                                       ("--methods", args.methods), ("--vs-reference", args.vs_reference),
+                                       ("--replay", args.replay), ("--onednn", args.onednn)) if on]
+        if clash:
+            p.error(f"--draft-rules measures acceptance with eager pure rounds on checkpoints; drop {', '.join(clash)}")
+        try:
+            temps = [float(t) for t in args.draft_rules.split(",")]
+        except ValueError:
+            temps = []
+        if not temps or min(temps) <= 0:
+            p.error(f"--draft-rules takes temperatures > 0, comma-separated (e.g. 0.3,0.8), got {args.draft_rules!r}")
     return args
 
 

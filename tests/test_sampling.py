@@ -14,8 +14,8 @@ import dflash
 import mtp
 import noise
 from dflash import Sampling, sampling_probs, speculative_accept
-from helpers import (OracleProposer, kind_draft_config, randomize_, random_drafter, random_target, tiny_draft_config,
-                     tiny_target_config)
+from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, kind_draft_config, randomize_, random_drafter, random_target,
+                     tiny_draft_config, tiny_target_config)
 
 CONFIGS = [Sampling(0.5), Sampling(1.0), Sampling(1.5), Sampling(1.0, top_p=0.8), Sampling(1.0, top_k=3)]
 
@@ -398,3 +398,20 @@ def test_dflash2_form_drafts_what_the_drafter_drafts():
     s = Sampling(0.8)
     assert dflash.run(target, prompt, 30, (), dflash.DrafterProposer(d2, target), 6, sampling=s, seed=3).output_ids == \
         dflash.run(target, prompt, 30, sampling=s, seed=3).output_ids
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_bench_draft_rules_on_the_embedded_pair(capsys):
+    """bench.py --draft-rules: the three arms per temperature; the greedy draft and the coupled rule give every
+    prompt's plain sampled text, the ratio rule its own; a flag it does not run is refused."""
+    import bench
+    res = bench.main(["--draft-rules", "0.8", "--heldout", "3", "--max-new-tokens", "16", "--threads", "1"])
+    row = res["table"]["0.8"]
+    assert set(row) == {"greedy draft", "sampled, coupled", "sampled, ratio"}
+    assert row["greedy draft"]["same_as_ar"] == row["sampled, coupled"]["same_as_ar"] == 3
+    assert all(v["tau"] >= 1 and v["rounds"] > 0 for v in row.values())
+    assert "| 0.8 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--draft-rules", "0.8", "--compile"])
+    with pytest.raises(SystemExit):
+        bench.main(["--draft-rules", "0,x"])
