@@ -395,7 +395,8 @@ def report_text(rep: Report, case: Case, tok) -> str:
         head = f"{rep.name}: {rep.tokens} tokens, sampled ({settings}{f', seed {case.seed}' if case.seeded else ''}), "
         head += (counts + ", " if case.seeded else "") + f"log-prob {rep.log_prob:.3f}, {len(rep.impossible)} impossible"
     if case.draft_ids is not None:
-        head += f", {len(rep.wrong_acceptances)} wrong acceptance of {len(case.draft_ids)} verify steps"
+        rounds = case.step_kinds.count("verify") if case.step_kinds else sum(1 for d in case.draft_ids if d)
+        head += f", {len(rep.wrong_acceptances)} wrong acceptance of {rounds} verify step{'s' if rounds != 1 else ''}"
         if rep.contradictions:
             head += f", {len(rep.contradictions)} self-contradicting"
     lines = [head + (" -> OK" if rep.ok else " -> NOT OK")]

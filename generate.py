@@ -343,7 +343,9 @@ def main(argv=None) -> int:
             "cache_len": capacity, "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar", "adaptive": policy is not None,
             "draft_window": proposer.window if proposer else None, "device": device, "dtype": str(dtype).replace("torch.", ""),
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "seed": None if sampling.greedy else seed, "draft_rule": args.draft_rule,
+            "seed": None if sampling.greedy else seed,
+            # the rule that decided: a drafter that drafts greedily is verified by the coupled rule under either flag
+            "draft_rule": args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled",
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
                if as_chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths, "seed": r.seed}
