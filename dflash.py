@@ -11,7 +11,8 @@ masks)`, `prefill(feats, pos)` and `propose(last, start, feats, feat_pos, n)` ->
 q) with their draft distributions q [n, V] (None: one-hot); one that samples its draft when the target samples
 has `samples_drafts` True and takes the noise row keys of its positions and the temperature as two more
 arguments. One with `wants_next_ids` (mtp.MTPProposer) also gets `next_ids=`, the committed token after each
-feature row's position, in prefill and propose, and its first feature rows include the position before `start`. `compilable`: propose is one static-shape graph.
+feature row's position, in prefill and propose, and its first feature rows include the position before `start`.
+`compilable`: propose is one static-shape graph.
 DrafterProposer wraps the DFlash and DFlash2 drafters; the tests use stand-ins that force every acceptance length.
 """
 from __future__ import annotations
