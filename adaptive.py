@@ -2,26 +2,30 @@
 generate.py and bench.py (`--no-adaptive` turns it off: pure DFlash, for benchmarks and oracle runs).
 
 A round costs a draft and a B-token verify and commits `tau` tokens on average; a plain step costs one decode and
-commits one token. Speculation pays while tau / round_seconds >= 1 / plain_seconds. Both sides are measured as
-the generation runs (medians of the steps' own wall times), because the ratio of a verify to a decode
+commits one token. Speculation pays while tau >= round_seconds / plain_seconds, the break-even. Both costs are
+measured as the generation runs (medians of the steps' own wall times), because the ratio of a verify to a decode
 differs by device, model and context length, and acceptance falls when a prompt is longer than the drafter's
 training context. While speculating would lose, the engine takes plain steps: the same target call as AR decoding
-plus the token's features appended to the drafter's context (dflash.Engine.decode with plain=True), so the
-output stays exactly AR's and drafting can resume at any step.
+plus the token's features appended to the drafter's context (dflash.Engine.decode with plain=True), so the output
+stays exactly AR's and drafting can resume at any step.
 
-Whether to speculate is tested by a look, not a round: the drafter drafts once, as a round would, but nothing is
-verified (Step.look); the plain steps that follow are the target's own tokens, so they say how many of the look's
-proposals a round would have accepted, at the price of a draft alone (about a fifth of a round on the
-embedded pair). A generation starts with a look, because its first rounds are its worst: a drafter's acceptance
-is lowest before the text settles into a pattern (on the embedded pair the first round of a 30-60 token prompt
-commits 1.9 tokens on average, the first three 3.0, against the 2.1-2.8 a round must commit to pay on this CPU), and a
-look costs a fraction of what a losing round does. A look that would have paid starts (or resumes) speculation at
-once; one that would have lost doubles the wait before the next look (from `first_wait`, 8 plain steps, up to
-`max_wait`, 256): after a missed opening look the next one comes 8 plain steps later, then 16, 32, ..., so on a
-prompt where the drafter never helps the looks cost about log2(n / 4) drafts in n tokens. Rounds that lose go
-back to plain steps for `wait` steps before the next look.
+The policy decides from acceptance and is slow to give rounds up. Tokens per round are bimodal (a round often
+commits 1 token or the whole block) and a generation's first rounds are its worst, so a mean over few rounds says
+little; rounds that pay but are stopped by a bad start cost far more than rounds that lose a little for a while.
+So rounds go on while the mean of the last `window` acceptance samples is at least the break-even times
+(1 - margin), with margin = confidence / sqrt(samples in the window) (floored at min_margin): wide after the first
+`min_rounds` rounds, narrow once many have been seen. A generation opens with two plain steps (they time a plain
+step, the faster of the two, and skip the least predictable first rounds), then rounds.
 
-Output never depends on the policy: every step, round or plain, commits only the target's own greedy tokens
+After a stop, the plain steps test for a comeback with looks: a look drafts as a round would and verifies nothing
+(Step.look); the plain tokens that follow show how many of its proposals a round would have accepted, n, and the
+look counts as a round of n + 1 tokens in the same mean. Rounds resume as soon as the mean pays; a look that leaves
+it below break-even doubles the wait before the next (from `first_wait` plain steps up to `max_wait`). Replayed on
+recorded drafts of 88 prompts (docs/method.md#adaptive-speculation-and-the-draft-window), this keeps 97-102% of pure
+rounds' speed (geometric mean over the prompts) at every step cost from 1.2 to 3 plain steps a round, and where
+rounds lose it loses a third to a half as much as they do.
+
+Output never depends on the policy: every step, round or plain, commits only the target's own tokens
 (tests/test_adaptive.py forces arbitrary step patterns).
 """
 from __future__ import annotations
@@ -35,65 +39,58 @@ class Adaptive:
     """speculate() -> round (True) or plain step (False); look() -> whether that plain step drafts first (a probe);
     observe(step) after each step. Per generation: reset().
 
-    The first step is a plain step that looks. Acceptance per round is noisy and often bimodal (a round commits 1
-    token or the whole block), so `tau` is the mean of the last `window` rounds, judged only after `min_rounds` of
-    them (after a look started speculation: the look, whose would-be acceptance counts as a round, and one round).
-    Step times are medians of the last `window` steps of each kind: a step the OS or another process interrupted is
-    an outlier, not a trend. Before any round is timed, a round is estimated as a look plus `verify_steps` plain
-    steps (a B-token verify costs 1.3 to 2.3 decode steps on the CPUs measured, about one on a GPU; the first
-    rounds then replace the estimate). Speculation stops when it is measured slower than plain steps (by more than
-    `margin`, a fraction)."""
+    samples: tokens per round, a round's or (for a judged look) the n + 1 a round started there would have
+    committed; tau = their mean over the last `window`. Step times: medians of the last `window` rounds and plain
+    steps. Before `min_rounds` samples nothing is judged."""
 
-    def __init__(self, first_wait: int = 8, max_wait: int = 256, window: int = 8, min_rounds: int = 3,
-                 margin: float = 0.0, verify_steps: float = 2.0):
+    def __init__(self, first_wait: int = 8, max_wait: int = 128, window: int = 32, min_rounds: int = 8,
+                 confidence: float = 1.0, min_margin: float = 0.05):
         self.first_wait, self.max_wait, self.window, self.min_rounds = first_wait, max_wait, window, min_rounds
-        self.margin, self.verify_steps = margin, verify_steps
+        self.confidence, self.min_margin = confidence, min_margin
         self.reset()
 
     def reset(self) -> None:
-        self.taus, self.round_times, self.plain_times, self.look_times = [], [], [], []   # tokens; seconds per step
-        self.wait = self.first_wait
-        self.left = 1                               # plain steps to go, the last one a look: the generation opens with one
-        self.opening = True                         # that look is not judged yet (a miss waits first_wait, not double)
-        self.looking, self.pending = False, None    # a look is due; a look's proposals not yet matched, and the count matched
-        self.resumed = False                        # speculating again on a look's word, not yet confirmed by rounds
+        self.samples, self.round_times, self.plain_times = [], [], []   # tokens per round; seconds per step
+        self.opening = 2                # the first two steps are plain steps: they time one
+        self.speculating = True         # then rounds, until they are judged not to pay
+        self.wait, self.left = self.first_wait, 0    # after a stop: plain steps to the next look
+        self.looking, self.pending = False, None     # a look is due; a look's proposals and the count matched so far
 
     def _keep(self, times: list, t: float) -> None:
         times.append(t)
         del times[:-self.window]
 
     @property
-    def round_s(self):
-        """Seconds per round: measured, else estimated from a look and a plain step (None before both)."""
-        if self.round_times:
-            return statistics.median(self.round_times)
-        if self.look_times and self.plain_times:
-            return statistics.median(self.look_times) + self.verify_steps * self.plain_s
-        return None
+    def break_even(self):
+        """Tokens a round must commit to beat plain steps: median round time / plain step time (None before both
+        are timed). The plain step time is the median of the last `window`, or the fastest while there are fewer
+        than 3: the first plain step after a long prefill can take 2-3 times as long as the next (15 against 6 ms
+        after 3,000 tokens here), and a slow outlier there would make losing rounds look paying."""
+        if not (self.round_times and self.plain_times):
+            return None
+        plain = min(self.plain_times) if len(self.plain_times) < 3 else statistics.median(self.plain_times)
+        return statistics.median(self.round_times) / plain
 
-    @property
-    def plain_s(self):
-        return statistics.median(self.plain_times) if self.plain_times else None
-
-    def pays(self, tau: float) -> bool:
-        """Rounds of tau tokens at least (1 - margin) x as many tokens per second as plain steps."""
-        return tau / self.round_s >= (1 - self.margin) / self.plain_s
-
-    def paying(self) -> bool:
-        """The mean of the last rounds pays (True until enough rounds and a plain step have been measured; after
-        a look resumed speculation, the look and one round are enough)."""
-        if len(self.taus) < (2 if self.resumed else self.min_rounds) or self.plain_s is None:
+    def pays(self, extra=()) -> bool:
+        """The acceptance samples (with `extra` ones) pay, within the margin their number allows; True before
+        min_rounds samples or before both step kinds are timed."""
+        s = (self.samples + list(extra))[-self.window:]
+        if len(self.samples) + len(extra) < self.min_rounds or self.break_even is None:
             return True
-        return self.pays(sum(self.taus) / len(self.taus))
+        margin = max(self.min_margin, self.confidence / len(s) ** 0.5)
+        return sum(s) / len(s) >= self.break_even * (1 - margin)
 
     def speculate(self) -> bool:
+        if self.opening:
+            self.opening -= 1
+            return False
         if self.pending is not None:                       # a look is being matched: plain steps until it is judged
             return False
-        if self.left > 0:                                  # plain steps to go; the last one looks
-            self.left -= 1
-            self.looking = self.left == 0
-            return False
-        return True
+        if self.speculating:
+            return True
+        self.left -= 1                                     # plain steps to go; the last one looks
+        self.looking = self.left <= 0
+        return False
 
     def look(self) -> bool:
         """Whether the plain step about to run drafts first (asked after speculate() said False)."""
@@ -102,40 +99,33 @@ class Adaptive:
 
     def observe(self, step) -> None:
         if step.kind == "verify":
-            self.taus = (self.taus + [len(step.tokens)])[-self.window:]
+            self.samples = (self.samples + [len(step.tokens)])[-self.window:]
             self._keep(self.round_times, step.draft_seconds + step.verify_seconds)
-            if not self.paying():                          # lost: plain steps for a while, then a look
-                if self.resumed:                           # the look that resumed was lucky: wait longer next time
-                    self.wait = min(2 * self.wait, self.max_wait)
-                self.left, self.resumed = self.wait, False
-            elif len(self.taus) >= self.min_rounds:        # confirmed by rounds: short waits again
-                self.wait, self.resumed = self.first_wait, False
+            if not self.pays():                            # lost: plain steps, then a look
+                self.speculating, self.left = False, self.wait
         elif step.kind == "plain":
             self._keep(self.plain_times, step.verify_seconds)
             if step.look is not None:
-                self._keep(self.look_times, step.draft_seconds)
                 self.pending = (list(step.look), 0)
             if self.pending is not None:
                 self._match(step.tokens[0])
 
     def _match(self, token: int) -> None:
-        """A plain step's token against the pending look's next proposal; judge the look once it is decided."""
+        """A plain step's token against the pending look's next proposal. A round there would have committed at least
+        n + 1 tokens once n proposals are matched: rounds resume as soon as that pays, without waiting for the first
+        miss (the count is then a lower bound); at the first miss the look is judged with its n + 1."""
         proposals, n = self.pending
         matched = n < len(proposals) and token == proposals[n]
         n += matched
-        # A round would have committed at least n + 1 tokens (n proposals and its bonus token): speculate again as
-        # soon as that pays, without waiting for the look's first miss (judged afresh by the rounds that follow).
-        if self.round_s is not None and self.pays(n + 1):
-            self.pending, self.taus, self.left, self.resumed = None, [n + 1], 0, True
+        if self.pays([n + 1]):
+            self.samples = (self.samples + [n + 1])[-self.window:]
+            self.pending, self.speculating, self.wait = None, True, self.first_wait
         elif matched and n < len(proposals):
             self.pending = (proposals, n)
-        else:                                              # missed: it would have lost
-            self.pending = None
-            if not self.opening:
-                self.wait = min(2 * self.wait, self.max_wait)
+        else:                                              # judged: it would not have paid
+            self.samples = (self.samples + [n + 1])[-self.window:]
+            self.pending, self.wait = None, min(2 * self.wait, self.max_wait)
             self.left = self.wait
-        if self.pending is None:
-            self.opening = False
 
 
 class Pattern:

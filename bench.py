@@ -108,8 +108,11 @@ def parse_args(argv=None):
                    help="instead of timing the policy: record each prompt's drafts at every position (a look at every step) "
                         "and pure rounds once, then replay adaptive speculation on the recording at the run's median step "
                         "costs (adaptive.replay): its decisions without the timing noise, per prompt, against AR and pure rounds")
+    p.add_argument("--round-costs", default=None, metavar="C1,C2,...",
+                   help="with --replay: also replay at these fixed costs of a round, in plain steps (a look at its measured "
+                        "ratio), e.g. 1.2,2,2.5,3: how the policy and pure rounds trade on other devices")
     p.add_argument("--policy", default="",
-                   help="with --replay: adaptive.Adaptive settings, e.g. first_wait=16,verify_steps=3 (default: the defaults)")
+                   help="with --replay: adaptive.Adaptive settings, e.g. first_wait=16,confidence=0.5 (default: the defaults)")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
@@ -119,6 +122,13 @@ def parse_args(argv=None):
         p.error(str(e))
     if args.policy and not args.replay:
         p.error("--policy is for --replay")
+    if args.round_costs is not None:
+        try:
+            args.round_costs = [float(c) for c in args.round_costs.split(",")]
+        except ValueError:
+            args.round_costs = []
+        if not args.replay or not args.round_costs or min(args.round_costs) <= 0:
+            p.error("--round-costs takes positive numbers, comma-separated, with --replay")
     if args.parting and args.preset:
         p.error("--parting runs checkpoints, not a --preset")
     if args.preset and not args.random_weights:
@@ -338,7 +348,7 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------------------------------
 
 def policy_settings(text: str) -> dict:
-    """"first_wait=16,verify_steps=3" -> keyword arguments of adaptive.Adaptive (numbers of its defaults' types),
+    """"first_wait=16,confidence=0.5" -> keyword arguments of adaptive.Adaptive (numbers of its defaults' types),
     checked by name."""
     import inspect
     known = {k: type(p.default) for k, p in inspect.signature(adaptive.Adaptive).parameters.items()}
@@ -393,8 +403,26 @@ def replay_main(args, device) -> dict:
     print(f"replayed speedup over AR: adaptive median {summary['adaptive_speedup']:.2f}x (min {summary['adaptive_min']:.3f}, "
           f"geometric mean {summary['adaptive_geomean']:.2f}, {summary['adaptive_below_1']} below 1), pure rounds median "
           f"{summary['rounds_speedup']:.2f}x (min {summary['rounds_min']:.2f})")
+    if args.round_costs:
+        summary["by_round_cost"] = replay_at_costs(args, looked, rounds, look_s / plain_s)
     print(json.dumps(summary))
     return summary
+
+
+def replay_at_costs(args, looked, rounds, look: float) -> dict:
+    """--round-costs: the recordings replayed with a plain step = 1, a look = `look` and a round = each given cost;
+    per cost the per-prompt speedups over AR of the policy and of pure rounds, and their medians, minima and the
+    geometric mean of policy / pure rounds."""
+    out = {}
+    print("\n| round / plain step | pure rounds: median, min | adaptive: median, min | adaptive / pure (geometric mean) |\n|---|---|---|---|")
+    for cost in args.round_costs:
+        ad = [adaptive.replay(adaptive.Adaptive(**args.policy_kw), lk.output_ids, [s.look or [] for s in lk.steps[1:]],
+                              1.0, look, cost)[0] for lk in looked]
+        pure = [(len(rd.output_ids) - 1) / (len(rd.acceptance_lengths) * cost) if rd.acceptance_lengths else 1.0 for rd in rounds]
+        rel = statistics.geometric_mean([a / p for a, p in zip(ad, pure)])
+        out[str(cost)] = {"adaptive": ad, "pure_rounds": pure, "adaptive_over_pure": rel}
+        print(f"| {cost:g} | {statistics.median(pure):.2f}x, {min(pure):.2f}x | {statistics.median(ad):.2f}x, {min(ad):.2f}x | {rel:.3f} |")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

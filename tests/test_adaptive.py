@@ -92,56 +92,52 @@ def drive(p, n, round_tokens, proposals=(), round_s=0.020):
     return kinds
 
 
-def test_policy_follows_the_measured_costs():
-    """A generation opens with a look; if it misses, the next comes after first_wait plain steps. Before a round is timed, a round is estimated as a look (5 ms) and two plain
-    steps (10 ms each): 25 ms, so the look starts speculating once two of its proposals are matched (3 tokens per
-    25 ms beat 1 per 10). Rounds of 3 tokens at 20 ms against plain steps at 10 ms pay (150 vs 100 tok/s) and go
-    on; rounds of 1 token lose: `wait` plain steps, the last a look; a look whose proposals the next tokens miss
-    doubles the wait (up to max_wait); one whose proposals they match resumes speculating as soon as the matched
-    ones would have paid, now at the measured round time."""
-    p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
-    assert drive(p, 6, 3, [0, 0, 0]) == "L.RRRR"
-    assert drive(p, 2 + 4 + 8 + 16 + 16, 1, [1, 1, 1]) == "RR" + "...L" + "." * 7 + "L" + ("." * 15 + "L") * 2
-    assert drive(p, 16 + 2, 4, [0, 0, 0, 5]) == "." * 15 + "L" + "RR"   # 1 matched + bonus: 2 tokens / 20 ms pays
-    p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
-    # a missed opening look waits first_wait; later misses double it
-    assert drive(p, 1 + 4 + 8 + 16, 1, [1]) == "L" + "..." + "L" + "." * 7 + "L" + "." * 15 + "L"
-    p = adaptive.Adaptive(first_wait=4, max_wait=16, window=2, min_rounds=2)
-    # resumed on the look's word, the look and one round are judged: (3 + 1) tokens / 2 per 30 ms loses; the look
-    # was lucky, so the wait doubles: 8 plain steps, the last a look
-    assert drive(p, 4, 1, [0, 0, 0], round_s=0.030) == "L.R."
-    assert drive(p, 6 + 6, 4, [0, 0, 0, 5], round_s=0.030) == "." * 6 + "L" + "." + "RRRR"   # at 30 ms: two matches
-
-
-def test_policy_opens_with_a_look_and_estimates_rounds():
-    """The first step is a plain step that looks, whatever came before reset(); a round's cost is estimated from
-    the look and the plain steps until a round is timed, then measured."""
-    p = adaptive.Adaptive(verify_steps=2.0)
-    for _ in range(2):
-        assert p.speculate() is False and p.look() is True
-        assert p.round_s is None
-        p.observe(FakeStep("plain", [0], 0.010, [9], 0.004))
-        assert p.round_s == pytest.approx(0.004 + 2 * 0.010)
-        p.observe(FakeStep("verify", [0], 0.050))
-        assert p.round_s == pytest.approx(0.050)
-        p.reset()
-
-
-def test_policy_judges_the_mean_of_rounds_against_medians():
-    """The defaults: no verdict before 3 rounds (unless a look started them); the mean tokens of the last 8 rounds against the median step
-    times: 2 tokens per 20 ms round vs 10 ms plain steps goes on, 1.9 stops; one slow plain step among others
-    does not move the baseline; after a look resumed speculation, the look and one round are judged."""
-    for tokens, goes_on in ((2.0, True), (1.9, False)):
-        p = adaptive.Adaptive()
-        p.plain_times, p.round_times, p.taus = [0.010] * 4, [0.020] * 4, [tokens] * 8
-        assert p.paying() is goes_on
+def test_policy_opens_with_two_plain_steps_then_rounds():
+    """The first two steps are plain steps (no look): they time one, whatever came before reset(); then rounds. The
+    faster of the first plain steps sets the break-even (the first after a long prefill can be slow), their median
+    once there are 3 or more."""
     p = adaptive.Adaptive()
-    p.plain_times, p.round_times, p.taus = [0.010, 0.010, 0.500], [0.020] * 3, [1.9] * 8
-    assert not p.paying()                                     # the 0.5 s outlier would have made 1.9 tokens pay
-    p.taus = [1, 1]
-    assert p.paying()                                         # two rounds: too few to judge
-    p.resumed = True
-    assert not p.paying()
+    for _ in range(2):
+        assert drive(p, 5, 3) == "..RRR"
+        assert p.break_even == pytest.approx(2.0)                 # 20 ms rounds against 10 ms plain steps
+        p.reset()
+    p.plain_times, p.round_times = [0.030, 0.010], [0.020]
+    assert p.break_even == pytest.approx(2.0)
+    p.plain_times = [0.030, 0.010, 0.030]
+    assert p.break_even == pytest.approx(2.0 / 3)
+
+
+def test_policy_stops_only_when_acceptance_is_clearly_below_break_even():
+    """Rounds of 20 ms against 10 ms plain steps: break-even 2 tokens. Nothing is judged before min_rounds samples;
+    then the mean must stay above 2 x (1 - confidence / sqrt(n)): rounds of 1 token stop at the 8th round (1 <
+    1.29), then first_wait plain steps, the last a look; a look whose proposals are missed at once counts as a
+    1-token round and doubles the wait (up to max_wait)."""
+    p = adaptive.Adaptive(first_wait=4, max_wait=16)
+    assert drive(p, 2 + 8 + 4 + 8 + 16 + 16, 1, [1, 1, 1]) == ".." + "R" * 8 + "...L" + "." * 7 + "L" + ("." * 15 + "L") * 2
+    # 1.8 tokens a round goes on while 8 rounds are all there is (1.8 >= 1.29) ...
+    p = adaptive.Adaptive()
+    p.plain_times, p.round_times = [0.010] * 4, [0.020] * 4
+    p.samples = [1.8] * 8
+    assert p.pays()
+    # ... and with 32 rounds it still does (margin 1 / sqrt(32): 1.65), while 1.6 does not
+    p.samples = [1.8] * 32
+    assert p.pays()
+    p.samples = [1.6] * 32
+    assert not p.pays()
+    # one slow plain step among others does not move the break-even (medians)
+    p.plain_times = [0.010, 0.010, 0.500]
+    assert p.break_even == pytest.approx(2.0)
+
+
+def test_policy_resumes_on_a_look_as_soon_as_it_pays():
+    """After a stop, a look whose proposals the plain tokens match counts as a round of n + 1 tokens; rounds resume
+    as soon as the mean with it pays, without waiting for the first miss: here after 8 losing rounds of 1 token,
+    the mean of nine samples must exceed 2 x (1 - 1/3), which 4 matched proposals do (13 / 9; the look's own
+    token is the first match), and the wait is first_wait again."""
+    p = adaptive.Adaptive(first_wait=4)
+    assert drive(p, 2 + 8 + 4, 1, [0] * 15) == ".." + "R" * 8 + "...L"
+    assert drive(p, 12, 16) == "..." + "R" * 9
+    assert p.samples[-10] == 5 and p.wait == 4
 
 
 def test_default_window_from_the_config(tmp_path):
@@ -196,11 +192,11 @@ def test_replay_counts_what_the_policy_would_commit():
     assert kinds == "R" * 8 and x == pytest.approx(19 / 16)
     x, kinds = adaptive.replay(adaptive.Pattern([False, "look"]), out, drafts, 1.0, 0.5, 2.0)
     assert kinds == ".L" * 9 + "." and x == pytest.approx(19 / (19 + 9 * 0.5))
-    x, kinds = adaptive.replay(adaptive.Adaptive(first_wait=4, verify_steps=2.0), out, drafts, 1.0, 0.5, 2.0)
-    # the opening look at t = 0 misses (wait 4); the look at t = 4 matches 1, then 2: 3 tokens per estimated round
-    # (none timed yet: a look and 2 plain steps, 2.5) pay, and rounds take the rest (4 + 4 + 4 + 1 tokens)
-    assert kinds == "L" + "..." + "L." + "RRRR", kinds
-    assert x == pytest.approx(19 / (1.5 + 3 + 1.5 + 1 + 4 * 2.0))
+    x, kinds = adaptive.replay(adaptive.Adaptive(), out, drafts, 1.0, 0.5, 2.0)
+    # the opening plain steps at t = 0, 1; rounds at t = 2, 3 commit 1 each (too few to judge), then 4 at t = 4, 8,
+    # 12 and 3 at 16 (the end)
+    assert kinds == ".." + "R" * 6, kinds
+    assert x == pytest.approx(19 / (2 + 6 * 2.0))
 
 
 def test_recorded_drafts_are_the_drafts_of_rounds():
@@ -227,13 +223,19 @@ def test_bench_replay(capsys):
     """bench.py --replay on the embedded pair: a line per prompt and a summary whose figures follow from them;
     --policy settings reach the policy and bad ones are usage errors."""
     import bench
-    s = bench.main(["--replay", "--threads", "1", "--heldout", "2", "--max-new-tokens", "24", "--policy", "first_wait=4"])
+    s = bench.main(["--replay", "--threads", "1", "--heldout", "2", "--max-new-tokens", "24", "--policy", "first_wait=4,confidence=0.5",
+                    "--round-costs", "1.5,3"])
     out = capsys.readouterr().out
     assert out.count("\nprompt ") + out.startswith("prompt ") == 2 and s["prompts"] == 2
-    assert s["policy"] == {"first_wait": 4} and 0 < s["adaptive_min"] <= s["adaptive_speedup"] and s["rounds_speedup"] > 0
+    assert s["policy"] == {"first_wait": 4, "confidence": 0.5} and 0 < s["adaptive_min"] <= s["adaptive_speedup"] and s["rounds_speedup"] > 0
     assert json.loads(out.strip().splitlines()[-1]) == s
+    at = s["by_round_cost"]
+    assert set(at) == {"1.5", "3.0"} and "| 1.5 | " in out
+    for cost, row in at.items():     # pure rounds' replayed speedup is tokens / (rounds x cost): halving with twice the cost
+        assert len(row["adaptive"]) == len(row["pure_rounds"]) == 2 and row["adaptive_over_pure"] > 0
+    assert [a / b for a, b in zip(at["1.5"]["pure_rounds"], at["3.0"]["pure_rounds"])] == pytest.approx([2.0, 2.0])
     for bad in (["--replay", "--policy", "wait=4"], ["--replay", "--policy", "first_wait=x"], ["--policy", "first_wait=4"],
-                ["--replay", "--compile"]):
+                ["--replay", "--compile"], ["--round-costs", "2"], ["--replay", "--round-costs", "x"]):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(bad)
         assert e.value.code == 2
