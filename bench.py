@@ -108,6 +108,10 @@ def parse_args(argv=None):
                    help="instead of timing the policy: record each prompt's drafts at every position (a look at every step) "
                         "and pure rounds once, then replay adaptive speculation on the recording at the run's median step "
                         "costs (adaptive.replay): its decisions without the timing noise, per prompt, against AR and pure rounds")
+    p.add_argument("--vs-pure", action="store_true",
+                   help="instead of AR vs DFlash: adaptive speculation against pure rounds on one engine, each prompt in turn "
+                        "(--repeat times each, medians): their ratio per prompt, side by side (separate runs drift apart "
+                        "with the machine's speed)")
     p.add_argument("--round-costs", default=None, metavar="C1,C2,...",
                    help="with --replay: also replay at these fixed costs of a round, in plain steps (a look at its measured "
                         "ratio), e.g. 1.2,2,2.5,3: how the policy and pure rounds trade on other devices")
@@ -255,6 +259,8 @@ def main(argv=None):
         return replay_main(args, device)
     if args.draft_rules:
         return draft_rules_main(args, device)
+    if args.vs_pure:
+        return vs_pure_main(args, device)
     dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target, drafter, window, proposer, block, prompts, stops = load_pair(args, dtype, device)
@@ -407,6 +413,34 @@ def replay_main(args, device) -> dict:
         summary["by_round_cost"] = replay_at_costs(args, looked, rounds, look_s / plain_s)
     print(json.dumps(summary))
     return summary
+
+
+def vs_pure_main(args, device) -> dict:
+    """--vs-pure: one DFlash engine (compiled with --compile), each prompt run with adaptive speculation and with pure
+    rounds in turn, --repeat times each; per prompt the ratio of their median tok/s, and its geometric mean."""
+    dtype = pick_dtype(args.dtype, device)
+    target, _, _, proposer, block, prompts, stops = load_pair(args, dtype, device)
+    _, engine, _ = warm_engines(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), prompts[0], stops)
+    ratios, plain = [], 0
+    for i, p in enumerate(prompts):
+        tps = {"adaptive": [], "pure": []}
+        for _ in range(args.repeat):
+            for name in ("pure", "adaptive"):
+                engine.policy = adaptive.Adaptive() if name == "adaptive" else None
+                res = engine.run(p, args.max_new_tokens, stops, profile=True)
+                tps[name].append((len(res.output_ids) - 1) / res.decode_seconds)
+                plain += res.step_kinds.count("plain") if name == "adaptive" else 0
+        ratios.append(statistics.median(tps["adaptive"]) / statistics.median(tps["pure"]))
+        print(f"prompt {i}: {len(p)} tokens  adaptive {statistics.median(tps['adaptive']):7.1f} tok/s  pure rounds "
+              f"{statistics.median(tps['pure']):7.1f} tok/s  ratio {ratios[-1]:.3f}", flush=True)
+    result = {"mode": "vs_pure", "prompts": len(prompts), "repeat": args.repeat, "compile": args.compile,
+              "adaptive_over_pure_geomean": statistics.geometric_mean(ratios), "adaptive_over_pure_median": statistics.median(ratios),
+              "adaptive_over_pure_min": min(ratios), "adaptive_plain_steps": plain, "device": device,
+              "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len}
+    print(f"adaptive / pure rounds per prompt: geometric mean {result['adaptive_over_pure_geomean']:.3f}, median "
+          f"{result['adaptive_over_pure_median']:.3f}, min {result['adaptive_over_pure_min']:.2f}")
+    print(json.dumps(result))
+    return result
 
 
 def replay_at_costs(args, looked, rounds, look: float) -> dict:

@@ -239,3 +239,14 @@ def test_bench_replay(capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(bad)
         assert e.value.code == 2
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_bench_vs_pure(capsys):
+    """bench.py --vs-pure: a line per prompt and a geometric mean that follows from them."""
+    import bench
+    s = bench.main(["--vs-pure", "--threads", "1", "--heldout", "2", "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    ratios = [float(line.rsplit("ratio ", 1)[1]) for line in out.splitlines() if line.startswith("prompt ")]
+    assert len(ratios) == 2 and s["prompts"] == 2
+    assert s["adaptive_over_pure_geomean"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5, rel=2e-3)
