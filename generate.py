@@ -85,8 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed: the same seed gives the same text, with or without a drafter, whatever the step "
-                        "pattern (position-keyed noise; not under --draft-rule ratio). Default: a random one, printed "
-                        "with the statistics and in --json")
+                        "pattern (position-keyed noise; except a DFlash2 drafter under --draft-rule ratio). Default: a "
+                        "random one, printed with the statistics and in --json")
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling): sample i "
                                                              "(from 0) uses seed + i")
     p.add_argument("--draft-rule", choices=DRAFT_RULES, default="coupled",
