@@ -99,7 +99,7 @@ class Adaptive:
 
     def observe(self, step) -> None:
         if step.kind == "verify":
-            self.samples = (self.samples + [len(step.tokens)])[-self.window:]
+            self._keep(self.samples, len(step.tokens))
             self._keep(self.round_times, step.draft_seconds + step.verify_seconds)
             if not self.pays():                            # lost: plain steps, then a look
                 self.speculating, self.left = False, self.wait
@@ -117,14 +117,16 @@ class Adaptive:
         proposals, n = self.pending
         matched = n < len(proposals) and token == proposals[n]
         n += matched
-        if self.pays([n + 1]):
-            self.samples = (self.samples + [n + 1])[-self.window:]
-            self.pending, self.speculating, self.wait = None, True, self.first_wait
-        elif matched and n < len(proposals):
+        resume = self.pays([n + 1])
+        if not resume and matched and n < len(proposals):  # still matching, not yet paying: not judged yet
             self.pending = (proposals, n)
-        else:                                              # judged: it would not have paid
-            self.samples = (self.samples + [n + 1])[-self.window:]
-            self.pending, self.wait = None, min(2 * self.wait, self.max_wait)
+            return
+        self._keep(self.samples, n + 1)                    # judged: a round of n + 1 tokens
+        self.pending = None
+        if resume:
+            self.speculating, self.wait = True, self.first_wait
+        else:                                              # it would not have paid
+            self.wait = min(2 * self.wait, self.max_wait)
             self.left = self.wait
 
 

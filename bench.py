@@ -127,35 +127,40 @@ def parse_args(argv=None):
     if args.policy and not args.replay:
         p.error("--policy is for --replay")
     if args.round_costs is not None:
-        try:
-            args.round_costs = [float(c) for c in args.round_costs.split(",")]
-        except ValueError:
-            args.round_costs = []
-        if not args.replay or not args.round_costs or min(args.round_costs) <= 0:
+        args.round_costs = positive_numbers(args.round_costs)
+        if not args.replay or not args.round_costs:
             p.error("--round-costs takes positive numbers, comma-separated, with --replay")
     if args.parting and args.preset:
         p.error("--parting runs checkpoints, not a --preset")
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
+    others = {"--compile": args.compile, "--preset": args.preset, "--parting": args.parting, "--methods": args.methods,
+              "--vs-reference": args.vs_reference, "--onednn": args.onednn}
     if args.replay:
-        clash = [flag for flag, on in (("--compile", args.compile), ("--preset", args.preset), ("--parting", args.parting),
-                                       ("--methods", args.methods), ("--vs-reference", args.vs_reference),
-                                       ("--no-adaptive", args.no_adaptive), ("--onednn", args.onednn)) if on]
-        if clash:
-            p.error(f"--replay runs the eager DFlash engine on checkpoints; drop {', '.join(clash)}")
+        refuse_flags(p, "--replay runs the eager DFlash engine on checkpoints", {**others, "--no-adaptive": args.no_adaptive})
     if args.draft_rules:
-        clash = [flag for flag, on in (("--compile", args.compile), ("--preset", args.preset), ("--parting", args.parting),
-                                       ("--methods", args.methods), ("--vs-reference", args.vs_reference),
-                                       ("--replay", args.replay), ("--onednn", args.onednn)) if on]
-        if clash:
-            p.error(f"--draft-rules measures acceptance with eager pure rounds on checkpoints; drop {', '.join(clash)}")
-        try:
-            temps = [float(t) for t in args.draft_rules.split(",")]
-        except ValueError:
-            temps = []
-        if not temps or min(temps) <= 0:
+        refuse_flags(p, "--draft-rules measures acceptance with eager pure rounds on checkpoints", {**others, "--replay": args.replay})
+        temps = positive_numbers(args.draft_rules)
+        if not temps:
             p.error(f"--draft-rules takes temperatures > 0, comma-separated (e.g. 0.3,0.8), got {args.draft_rules!r}")
+        args.draft_rules = temps
     return args
+
+
+def refuse_flags(p, mode: str, flags: dict) -> None:
+    """A mode that does not run some flags refuses them in one usage line: flags maps each to whether it was given."""
+    clash = [flag for flag, on in flags.items() if on]
+    if clash:
+        p.error(f"{mode}; drop {', '.join(clash)}")
+
+
+def positive_numbers(text: str) -> list:
+    """"0.3,0.8" -> [0.3, 0.8]; [] when an item is not a number or not > 0."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        return []
+    return values if values and min(values) > 0 else []
 
 
 def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops) -> tuple:
@@ -575,7 +580,7 @@ def draft_rules_main(args, device) -> dict:
         arms = {"greedy draft": (greedy_draft, "coupled"), **arms}
     engines = {k: dflash.Engine(target, dflash.DrafterProposer(d, target, window), block, capacity) for k, (d, _) in arms.items()}
     table = {}
-    for T in [float(t) for t in args.draft_rules.split(",")]:
+    for T in args.draft_rules:
         row = {}
         for name, (_, rule) in arms.items():
             s, lengths, same = dflash.Sampling(T, args.top_p, draft_rule=rule), [], 0

@@ -8,7 +8,8 @@
 A TRACE is a JSON object, a JSON list of objects, or JSON lines. Each object has `prompt_ids` and `output_ids`
 (the generated ids), optionally `draft_ids` (each verify step's proposals) with `acceptance_lengths` (tokens
 committed per verify step, bonus included), and `temperature`, `top_p`, `top_k` (absent: greedy), `seed` and
-`draft_rule` (sampled runs of this implementation) and `dtype` (the engine's, which sets the default tolerance). `generate.py --json` output is a trace as it is. vLLM's and
+`draft_rule` (sampled runs of this implementation) and `dtype` (the engine's, which sets the default tolerance).
+`generate.py --json` output is a trace as it is. vLLM's and
 SGLang's completion responses with token ids are read too (`read_cases`; the requests: README, "Checking your
 engine").
 

@@ -7,9 +7,9 @@ verify row, prefill. So
 
 - a seed gives one text whatever the step pattern (rounds, plain steps, looks, other requests beside it);
 - a verify row draws exactly the token that plain decoding draws at its position, so accepting a proposal iff it
-  equals that draw (dflash.matched) commits AR's own sampled text for the seed, token for token;
+  equals that draw (sampling.matched) commits AR's own sampled text for the seed, token for token;
 - the numbers are the same on a CPU and a GPU, and another engine can reproduce them from the definition below,
-  which makes a sampled trace as checkable as a greedy one (check.py --seed).
+  which makes a sampled trace as checkable as a greedy one (check.py reads the trace's `seed`).
 
 The function is a counter-based hash on 32-bit integers, with no generator state, written with int64 tensor ops
 that never overflow, so it also runs inside compiled steps (fused with the draw):
