@@ -254,8 +254,9 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
         else:
             line += "; no draft-verify round"
         if plain:
-            line += (f"; {plain} plain steps with {looks} look{'s' if looks != 1 else ''} (adaptive speculation judged "
-                     "that drafting would not pay there; --no-adaptive drafts every step)")
+            line += (f"; {plain} plain steps with {looks} look{'s' if looks != 1 else ''} (adaptive speculation: it opens "
+                     "with plain steps, which time one, and takes them where drafting is judged not to pay; --no-adaptive "
+                     "drafts every step)")
     if res.seed is not None:
         line += f"; seed {res.seed}"
     return line + "]"
