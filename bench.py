@@ -73,7 +73,8 @@ def parse_args(argv=None):
                    help="with --compile on a CPU: inductor's C++ wrapper (see generate.py)")
     p.add_argument("--vs-reference", action="store_true",
                    help="also time the z-lab reference loop (dflash package + transformers) on the same checkpoints")
-    p.add_argument("--onednn", action="store_true", help="oneDNN products of a few rows on a float32 CPU (see generate.py)")
+    p.add_argument("--onednn", action=argparse.BooleanOptionalAction, default=None,
+                   help="oneDNN products of a few rows on a float32 CPU (default: where measured faster at load; see generate.py)")
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa", help="attention of the cached steps (see generate.py)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="time the steps of these shapes instead of checkpoints: qwen3.5-9b (real 9B text shapes + a 5-layer "
@@ -135,7 +136,7 @@ def parse_args(argv=None):
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
     others = {"--compile": args.compile, "--preset": args.preset, "--parting": args.parting, "--methods": args.methods,
-              "--vs-reference": args.vs_reference, "--onednn": args.onednn}
+              "--vs-reference": args.vs_reference}
     if args.replay:
         refuse_flags(p, "--replay runs the eager DFlash engine on checkpoints", {**others, "--no-adaptive": args.no_adaptive})
     if args.draft_rules:
@@ -187,18 +188,25 @@ def warm_spec_engine(engine, prompt: list, stops, policy) -> None:
     engine.policy = policy
 
 
+def products_words(products: dict) -> str:
+    """use_onednn's record in words: which products the few-row steps ran, and what was measured at load."""
+    measured = products["onednn_measured"]
+    how = f"measured at load: oneDNN {measured:.2f}x the time of MKL" if measured else "forced or not applicable"
+    return f"few-row products: {'oneDNN' if products['onednn'] else 'MKL'} ({how})"
+
+
 def load_pair(args, dtype, device) -> tuple:
-    """The target and drafter of --target / --draft (with --onednn's products), the draft window, the proposer, the
-    block size, the prompts as ids and the stop ids. -> (target, drafter, window, proposer, block, prompts, stops)."""
+    """The target and drafter of --target / --draft (their products chosen as generate.py does: --onednn), the draft
+    window, the proposer, the block size, the prompts as ids, the stop ids and the products' record (use_onednn).
+    -> (target, drafter, window, proposer, block, prompts, stops, products)."""
     target = ckpt.load_target(args.target, dtype, device)
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-    if args.onednn:
-        use_onednn(target, drafter)
+    block = args.block_size or drafter.cfg.block_size
+    products = use_onednn(args.onednn, block, target, drafter)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = dflash.DrafterProposer(drafter, target, window)
-    block = args.block_size or drafter.cfg.block_size
     prompts = load_prompts(args, ckpt.load_tokenizer(target.path), target.path)
-    return target, drafter, window, proposer, block, prompts, ckpt.stop_token_ids(target.path, target.cfg)
+    return target, drafter, window, proposer, block, prompts, ckpt.stop_token_ids(target.path, target.cfg), products
 
 
 def load_prompts(args, tok, path: str) -> list:
@@ -268,12 +276,13 @@ def main(argv=None):
         return vs_pure_main(args, device)
     dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
-    target, drafter, window, proposer, block, prompts, stops = load_pair(args, dtype, device)
+    target, drafter, window, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
 
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     mode = args.compile_mode if args.compile else None
     ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
-    print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
+    print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s; {products_words(products)}",
+          flush=True)
 
     # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
     eager_engine = dflash.Engine(target, proposer, block, capacity, masks=ATTENTION[args.attention]) if mode else None
@@ -348,7 +357,7 @@ def main(argv=None):
         "decode_ms": decode_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
         "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
         "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
-        "compile_mode": mode, "attention": args.attention, "onednn": args.onednn, "cpp_wrapper": bool(mode and args.cpp_wrapper),
+        "compile_mode": mode, "attention": args.attention, **products, "cpp_wrapper": bool(mode and args.cpp_wrapper),
         "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "look_ms": look_ms, "prompt_len": args.prompt_len,
         "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "looks": sum(s.look is not None for r in sp_res for s in r.steps), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
     }))
@@ -382,7 +391,7 @@ def replay_main(args, device) -> dict:
     round. A plain step stands for an AR step (the same target call). The machine's noise moves the costs, not the
     decisions, so policies can be compared prompt by prompt; the real timing is bench.py without --replay."""
     dtype = pick_dtype(args.dtype, device)
-    target, _, _, proposer, block, prompts, stops = load_pair(args, dtype, device)
+    target, _, _, proposer, block, prompts, stops, _ = load_pair(args, dtype, device)
     engine = dflash.Engine(target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block))
     warm_spec_engine(engine, prompts[0], stops, True)
     looked, rounds = [], []
@@ -424,7 +433,8 @@ def vs_pure_main(args, device) -> dict:
     """--vs-pure: one DFlash engine (compiled with --compile), each prompt run with adaptive speculation and with pure
     rounds in turn, --repeat times each; per prompt the ratio of their median tok/s, and its geometric mean."""
     dtype = pick_dtype(args.dtype, device)
-    target, _, _, proposer, block, prompts, stops = load_pair(args, dtype, device)
+    target, _, _, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
+    print(products_words(products), flush=True)
     _, engine, _ = warm_engines(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), prompts[0], stops)
     ratios, plain = [], 0
     for i, p in enumerate(prompts):
@@ -441,7 +451,7 @@ def vs_pure_main(args, device) -> dict:
     result = {"mode": "vs_pure", "prompts": len(prompts), "repeat": args.repeat, "compile": args.compile,
               "adaptive_over_pure_geomean": statistics.geometric_mean(ratios), "adaptive_over_pure_median": statistics.median(ratios),
               "adaptive_over_pure_min": min(ratios), "adaptive_plain_steps": plain, "device": device,
-              "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len}
+              "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, **products}
     print(f"adaptive / pure rounds per prompt: geometric mean {result['adaptive_over_pure_geomean']:.3f}, median "
           f"{result['adaptive_over_pure_median']:.3f}, min {result['adaptive_over_pure_min']:.2f}")
     print(json.dumps(result))
@@ -744,8 +754,7 @@ def preset_main(args, device) -> dict:
     prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
     capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
-    if args.onednn:
-        use_onednn(target, drafter)
+    products = use_onednn(args.onednn, block, target, drafter)
     proposer = dflash.DrafterProposer(drafter, target)
     ar_engine, sp_engine, warmup_seconds = warm_engines(args, target, proposer, block, capacity, prompt, ())
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
@@ -767,7 +776,7 @@ def preset_main(args, device) -> dict:
     print(f"PROJECTED (not measured) DFlash at tau {args.tau:.2f}: {projected:.1f} tok/s; AR measured {1000 / decode_ms:.1f} tok/s")
     print(f"  {formula}")
     out = {
-        "preset": args.preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": args.attention, "onednn": args.onednn,
+        "preset": args.preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": args.attention, **products,
         "compile_mode": mode, "compile_seconds": warmup_seconds if mode else 0.0, "block_size": block,
         "prompt_len": prompt_len, "max_new_tokens": new,
         "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,

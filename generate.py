@@ -105,9 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
-    p.add_argument("--onednn", action="store_true",
-                   help="float32 on a CPU: products of a few rows (verify, draft) through oneDNN on prepacked weights "
-                        "(onednn.py; faster on some CPUs, not on others: see the README)")
+    p.add_argument("--onednn", action=argparse.BooleanOptionalAction, default=None,
+                   help="float32 on a CPU with a drafter: products of a few rows (verify, draft) through oneDNN on "
+                        "prepacked weights (onednn.py; faster on some CPUs, not on others). Default: both kinds of "
+                        "product are timed at load and oneDNN is used where it is at least 10%% faster")
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                    help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
@@ -125,13 +126,24 @@ def compile_options(args, device) -> dict:
     return cppwrapper.options()
 
 
-def use_onednn(*modules) -> None:
-    """--onednn: swap the linears of the loaded, final models for oneDNN ones (onednn.py, optional; a no-op where
-    it does not apply: not float32, not a CPU, no oneDNN in this torch, or too little free memory)."""
+def use_onednn(flag: bool | None, rows: int, *modules) -> dict:
+    """--onednn (flag True), --no-onednn (False) or neither (None: time both kinds of `rows`-row product now,
+    onednn.pays): swap the linears of the loaded, final models (None entries skipped) for oneDNN ones (onednn.py,
+    optional). A no-op where it does not apply: not float32, not a CPU, no oneDNN in this torch, too little free
+    memory, or (unforced) no products of 2-64 rows, as in plain decoding (rows 1).
+    -> {"onednn": whether products go through oneDNN, "onednn_measured": packed / plain time, or None}."""
+    if flag is False:
+        return {"onednn": False, "onednn_measured": None}
     import onednn
-    for m in modules:
-        if m is not None:
+    modules = [m for m in modules if m is not None]
+    measured = None
+    if flag is None:
+        flag, measured = onednn.pays(modules, rows)
+    if flag:
+        for m in modules:
             onednn.swap_linears_(m)
+    on = any(isinstance(m, onednn.PackedLinear) and m.packed is not None for x in modules for m in x.modules())
+    return {"onednn": on, "onednn_measured": measured}
 
 
 def parse_ids(text: str) -> list:
@@ -171,7 +183,8 @@ class TextStream:
 
 
 def load(args, device, dtype) -> tuple:
-    """The target, its tokenizer and the proposer (None: plain AR) named by the flags."""
+    """The target, its tokenizer and the proposer (None: plain AR) named by the flags, with the products chosen
+    for them (use_onednn's record)."""
     target = ckpt.load_target(args.target, dtype, device)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
@@ -188,9 +201,9 @@ def load(args, device, dtype) -> tuple:
         drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
         window = ckpt.draft_window(drafter.cfg, args.draft_window)
         proposer = dflash.DrafterProposer(drafter, target, window)
-    if args.onednn:
-        use_onednn(target, getattr(proposer, "drafter", None))
-    return target, tokenizer, proposer
+    rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries
+    products = use_onednn(args.onednn, rows, target, getattr(proposer, "drafter", None))
+    return target, tokenizer, proposer, products
 
 
 def chat_flags_check(args, as_chat: bool) -> None:
@@ -237,8 +250,9 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "") -> str:
-    """The statistics of one generation, as one bracketed stderr line that says what the steps were."""
+def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "", products: dict | None = None) -> str:
+    """The statistics of one generation, as one bracketed stderr line that says what the steps were (and, with
+    use_onednn's record `products`, whether their few-row products went through oneDNN)."""
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
     line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token after {res.prefill_seconds * 1e3:.0f} ms, "
@@ -257,6 +271,9 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
             line += (f"; {plain} plain steps with {looks} look{'s' if looks != 1 else ''} (adaptive speculation: it opens "
                      "with plain steps, which time one, and takes them where drafting is judged not to pay; --no-adaptive "
                      "drafts every step)")
+    if products and products["onednn"]:
+        measured = products["onednn_measured"]
+        line += "; oneDNN products" + (f" (measured at load: {measured:.2f}x the time of MKL's)" if measured else "")
     if res.seed is not None:
         line += f"; seed {res.seed}"
     return line + "]"
@@ -279,7 +296,7 @@ def main(argv=None) -> int:
     dtype = pick_dtype(args.dtype, device)
 
     t0 = time.perf_counter()
-    target, tokenizer, proposer = load(args, device, dtype)
+    target, tokenizer, proposer, products = load(args, device, dtype)
     load_seconds = time.perf_counter() - t0
     template, specials = chat.load_chat_template(target.path)
     as_chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
@@ -323,7 +340,7 @@ def main(argv=None) -> int:
                                       images=images))
             out.end()
             if not args.json:
-                say(stats_line(samples[-1], block_size, proposer, load_seconds, label))
+                say(stats_line(samples[-1], block_size, proposer, load_seconds, label, products))
     except KeyboardInterrupt:    # Ctrl-C: keep what was generated, say so, exit 130 (the shell's code for SIGINT)
         out.end()
         say(f"interrupted after {len(out.ids)} generated tokens{' of ' + label.rstrip(': ') if label else ''}")
@@ -343,7 +360,7 @@ def main(argv=None) -> int:
             "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
             "cache_len": capacity, "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar", "adaptive": policy is not None,
             "draft_window": proposer.window if proposer else None, "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            **products, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
             "seed": None if sampling.greedy else seed,
             # the rule that decided: a drafter that drafts greedily is verified by the coupled rule under either flag
             "draft_rule": args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled",

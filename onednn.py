@@ -1,23 +1,27 @@
-"""Optional: float32 CPU matrix products of a few rows (the verify block, the drafter's queries) through oneDNN
-with prepacked weights, applied to a loaded model by swapping its linear layers.
+"""Optional, chosen by measurement: float32 CPU matrix products of a few rows (the verify block, the drafter's
+queries) through oneDNN with prepacked weights, applied to a loaded model by swapping its linear layers.
 
 What it holds:
     PackedLinear      an nn.Linear (the same Parameters, the same state-dict names) that also keeps a copy of
                       its weight reordered once into oneDNN's blocked layout, and uses it for float32 CPU
                       products of 2..FEW_ROWS rows outside autograd; every other product is F.linear.
     swap_linears_     replaces the nn.Linear layers of a float32 CPU module by PackedLinears (the way gpt-fast's
-                      quantize.py swaps linears), and registers the inductor lowering below.
+                      quantize.py swaps linears).
     refresh_          repacks every copy whose weight changed since it was made.
     linear, linear_op the product itself: a direct call for eager code, and a custom op torch.compile can trace.
-    lower_linear_op   an inductor lowering so compiled code calls the oneDNN kernel itself, not the custom op.
+    lower_linear_op   an inductor lowering so compiled code calls the oneDNN kernel itself, not the custom op
+                      (registered when torch.compile first traces linear_op).
+    measure           times one step's few-row products both ways, on the models' own linear shapes, now.
+    pays              whether the packed products are clearly faster here (the default choice of the command lines).
 
-Why it is optional: torch's float32 products on a CPU run MKL's sgemm. On some CPUs oneDNN's kernel on a
-prepacked weight is much faster for products of a few rows (and no faster for a single row, which is why AR
-decode stays in F.linear); on others it is no faster, or slower (the README's table of measurements names
-the CPUs). Whether it pays depends on the CPU, and the copies cost the weights' size in memory
-again, so it is off by default: generate.py and bench.py apply it with --onednn. The maths is the same float32
-maths summed in another order (the last bits differ, as between any two GEMM kernels). Only that flag's code
-imports this file: deleting the file and the flag leaves a working project.
+Why it is chosen by measurement: torch's float32 products on a CPU run MKL's sgemm. On some CPUs oneDNN's
+kernel on a prepacked weight is much faster for products of a few rows (and no faster for a single row, which
+is why AR decode stays in F.linear); on others it is no faster, or slower (the README's table of measurements
+names the CPUs). Whether it pays depends on the CPU, and the copies cost the weights' size in memory again, so
+generate.py and bench.py time both kinds of product at warm-up (`pays`) and swap only where the packed ones
+win by a margin; --onednn / --no-onednn force the choice. The maths is the same float32 maths summed in another
+order (the last bits differ, as between any two GEMM kernels). Only the command lines import this file:
+deleting it and their flag leaves a working project (with MKL's products everywhere).
 
 Staleness: a packed copy must never serve a weight it was not made from. Each copy remembers the weight
 tensor it was made from (a weak reference), that tensor's data_ptr and its version counter (which every
@@ -31,7 +35,10 @@ After changing weights of a swapped module that compiled code will run, call ref
 from __future__ import annotations
 
 import os
+import statistics
+import time
 import weakref
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -41,6 +48,7 @@ AVAILABLE = (hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.op
              and torch.backends.mkldnn.is_available())
 FEW_ROWS = 64            # products of 2..FEW_ROWS rows take the packed path; longer prefills stay in MKL
 PACK_ROWS = 16           # the row count the weights are blocked for (the verify block)
+MARGIN = 0.1             # `pays` wants the packed products at least this much faster: near a tie, keep MKL
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -66,6 +74,9 @@ def linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, 
 
 @linear_op.register_fake
 def _(x, packed, bias, n_out):
+    # Runs only when torch.compile traces the op, before inductor lowers it: the place to register the lowering,
+    # so that eager runs never import inductor (1-2 s).
+    lower_linear_op()
     return x.new_empty(*x.shape[:-1], n_out)
 
 
@@ -211,7 +222,7 @@ def _swappable(m: nn.Module) -> bool:
 def swap_linears_(module: nn.Module) -> int:
     """Replace every nn.Linear of `module` whose weight is float32 on the CPU by a PackedLinear over the same
     Parameters (tied weights stay tied: lm_head.weight is still embed_tokens.weight; state_dict keys do not
-    change), and register the inductor lowering. Changes nothing when oneDNN's linear is unavailable, when no
+    change). Changes nothing when oneDNN's linear is unavailable, when no
     linear is float32 on the CPU, or when the copies would take more than half of the memory free now (a big
     float32 model keeps MKL rather than run out of memory). `module` itself is not replaced: wrap a lone
     linear with PackedLinear.from_linear. Apply after the weights are final (module docstring).
@@ -235,7 +246,6 @@ def swap_linears_(module: nn.Module) -> int:
                 copies[id(w)] = (new.packed, new._packed_for)
             new.packed, new._packed_for = copies[id(w)]
         setattr(parent, name, made[id(child)])
-    lower_linear_op()
     return need
 
 
@@ -244,3 +254,62 @@ def refresh_(module: nn.Module) -> int:
     eager calls do this on their own; do it before running compiled code after such a change. Inference-mode
     weights are always repacked. -> bytes packed now."""
     return sum(m.refresh_() for m in module.modules() if isinstance(m, PackedLinear))
+
+
+def _linears(modules) -> Counter:
+    """How many swappable linears of `modules` (None entries skipped) have each weight shape, keyed by one
+    such layer: {nn.Linear: count}. One step runs each of them once per few-row product."""
+    seen, by_shape, counts = set(), {}, Counter()
+    for module in modules:
+        for m in (module.modules() if module is not None else ()):
+            if id(m) in seen or not _swappable(m):
+                continue
+            seen.add(id(m))
+            key = (m.out_features, m.in_features, m.bias is not None)
+            counts[by_shape.setdefault(key, m)] += 1
+    return counts
+
+
+def _seconds(fn, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+@torch.no_grad()
+def measure(modules, rows: int, trials: int = 7, batch_seconds: float = 2e-3) -> tuple[float, float]:
+    """Seconds that one pass of `rows`-row products through every swappable linear of `modules` takes,
+    (plain F.linear, packed oneDNN), measured now on this machine's threads. Per weight shape: one warm-up call
+    each, then `trials` alternating batches of about `batch_seconds` (so both kinds see the same moments of a
+    noisy machine), and the median batch; shapes are weighted by their layer count. Random rows, the layers'
+    own weights (one packed copy per shape, dropped afterwards). -> (0, 0) when nothing is swappable."""
+    plain = packed = 0.0
+    for lin, count in _linears(modules).items():
+        w, b, n_out = lin.weight, lin.bias, lin.out_features
+        copy = pack(w)
+        x = torch.randn(rows, lin.in_features, dtype=w.dtype)
+        run_plain = lambda: F.linear(x, w, b)                       # noqa: E731
+        run_packed = lambda: linear(x, copy, b, n_out)              # noqa: E731
+        run_plain(), run_packed()                                   # the first calls set things up
+        reps = max(1, int(batch_seconds / max(_seconds(run_plain, 1), _seconds(run_packed, 1), 1e-7)))
+        a, p = [], []
+        for _ in range(trials):
+            a.append(_seconds(run_plain, reps))
+            p.append(_seconds(run_packed, reps))
+        plain += count * statistics.median(a)
+        packed += count * statistics.median(p)
+    return plain, packed
+
+
+def pays(modules, rows: int) -> tuple[bool, float | None]:
+    """Whether swapping `modules`' linears makes their `rows`-row products (a step's verify block or draft
+    queries) at least MARGIN faster, measured now (`measure`). Rows outside 2..FEW_ROWS never take the packed
+    path, and a machine without oneDNN's linear has nothing to measure: (False, None) for both.
+    -> (swap or not, packed time / plain time as measured)."""
+    if not AVAILABLE or not 1 < rows <= FEW_ROWS:
+        return False, None
+    plain, packed = measure(modules, rows)
+    if plain <= 0:
+        return False, None
+    return packed <= (1 - MARGIN) * plain, packed / plain

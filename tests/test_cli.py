@@ -271,6 +271,37 @@ def test_optional_speed_paths_same_output(ckpt, capsys, extra):
     assert res["output_ids"] == ckpt["ref"]
 
 
+def test_onednn_products_are_chosen_by_measurement(ckpt, capsys, monkeypatch):
+    """Without --onednn / --no-onednn, generate.py times both kinds of product at load on the rows of a verify
+    block (onednn.measure, stood in for here) and swaps only where oneDNN's are clearly faster; the --json line
+    and the statistics line say what was chosen and measured. The flags force the choice without measuring, plain
+    decoding has no few-row products to measure, and no choice changes a token."""
+    import onednn
+    asked, timing = [], {}
+
+    def measure(modules, rows):
+        asked.append(rows)
+        return timing["plain"], timing["packed"]
+
+    monkeypatch.setattr(onednn, "measure", measure)
+    base = ["--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG, "--max-new-tokens", str(MAX_NEW)]
+    cases = [({"plain": 2.0, "packed": 1.0}, [], True, 0.5, [BLOCK]),
+             ({"plain": 1.0, "packed": 1.3}, [], False, 1.3, [BLOCK]),
+             ({"plain": 1.0, "packed": 0.5}, ["--block-size", "4"], True, 0.5, [4]),
+             ({}, ["--onednn"], True, None, []),
+             ({}, ["--no-onednn"], False, None, []),
+             ({}, ["--draft", "none"], False, None, [])]
+    for t, extra, on, measured, rows in cases:
+        timing.update(t)
+        asked.clear()
+        res = main_json(capsys, *base, "--json", *extra)
+        assert (res["onednn"], res["onednn_measured"], asked) == (on, measured, rows), extra
+        assert res["output_ids"] == ckpt["ref"], extra
+    timing.update(plain=2.0, packed=1.0)
+    assert generate.main(base) == 0
+    assert "; oneDNN products (measured at load: 0.50x the time of MKL's)" in capsys.readouterr().err
+
+
 def test_unknown_attention_backend_is_refused(ckpt, capsys):
     """Refused by the argument parser: exit 2, one usage error."""
     with pytest.raises(SystemExit) as e:

@@ -192,15 +192,18 @@ def test_swap_refuses_what_it_cannot_serve(case, monkeypatch):
 
 @pytest.mark.parametrize("cpp_wrapper", [True, False])
 def test_compiled_products_call_onednn_directly(cpp_wrapper, tmp_path, monkeypatch):
-    """Compiled code over PackedLinears calls the oneDNN kernel itself (onednn.lower_linear_op), never the
-    custom op through the dispatcher, for 2-D, 3-D, 4-D and non-contiguous rows, with and without bias; the
-    results are F.linear's up to float32 rounding, and refresh_ reaches the compiled code."""
+    """Compiled code over PackedLinears calls the oneDNN kernel itself (onednn.lower_linear_op, registered by
+    the first trace: nothing calls it here), never the custom op through the dispatcher, for 2-D, 3-D, 4-D and
+    non-contiguous rows, with and without bias; the results are F.linear's up to float32 rounding, and
+    refresh_ reaches the compiled code."""
     import torch._inductor.config as inductor_config
+    from torch._inductor.lowering import lowerings
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # no graph compiled before the lowering
+    monkeypatch.setattr(onednn, "_LOWERED", False)                  # as in a fresh process: not registered yet
+    monkeypatch.delitem(lowerings, torch.ops.dflash_fast.packed_linear.default, raising=False)
     m = nn.Sequential(random_linear(48, 200, True), nn.ReLU(), random_linear(200, 32, False, seed=4))
     assert onednn.swap_linears_(m) > 0
-    assert onednn.lower_linear_op() and onednn.lower_linear_op()                # idempotent
     with_bias, no_bias = m[0], m[2]
 
     def f(x):
@@ -227,6 +230,7 @@ def test_compiled_products_call_onednn_directly(cpp_wrapper, tmp_path, monkeypat
         assert 'call_dispatcher("dflash_fast' not in text                      # not the custom op (C++ wrapper)
         assert not re.search(r"dflash_fast\.\w+\.default\(", text)             # (Python wrapper)
         close(got, ref(x))
+    assert onednn.lower_linear_op() and onednn.lower_linear_op()                # idempotent
     with torch.no_grad():
         no_bias.weight.mul_(-1.0)
     assert onednn.refresh_(m) > 0
@@ -283,3 +287,66 @@ def test_engine_over_a_swapped_pair_serves_edited_weights():
             layer.mlp.down_proj.weight.mul_(1.5)
     again = engine.run(prompt, 16).output_ids
     assert again != first and again == dflash.Engine(target, None, 1, 64).run(prompt, 16).output_ids
+
+
+# --------------------------------------------------------------------------------------------------
+# the default choice: measured at load
+# --------------------------------------------------------------------------------------------------
+
+def test_measure_times_both_kinds_on_the_models_shapes(monkeypatch):
+    """measure times each weight shape once however many layers share it (the layers' count weights it), on
+    rows of the asked count, and adds nothing for what cannot be swapped (bfloat16, or no linear at all)."""
+    calls = []
+    real = onednn.linear
+
+    def counted(x, packed, bias, n_out):
+        calls.append((tuple(x.shape), n_out))
+        return real(x, packed, bias, n_out)
+
+    monkeypatch.setattr(onednn, "linear", counted)
+    same = [random_linear(32, 48, False, seed=s) for s in range(3)]          # one shape, three layers
+    other = random_linear(48, 16, True)
+    m = nn.Sequential(*same, nn.Sequential(other), random_linear(16, 8, False, dtype=torch.bfloat16))
+    plain, packed = onednn.measure([m, None], rows=12, trials=3, batch_seconds=1e-4)
+    assert plain > 0 and packed > 0
+    assert {shape for shape, _ in calls} == {(12, 32), (12, 48)} and {n for _, n in calls} == {48, 16}
+    monkeypatch.setattr(onednn, "_seconds", lambda fn, reps: 1.0)          # every product "takes" 1 s:
+    assert onednn.measure([m], rows=12) == (4.0, 4.0)                       # 3 layers of one shape + 1 other
+    assert onednn.measure([nn.Sequential(nn.ReLU())], rows=12) == (0.0, 0.0)
+    assert onednn.measure([random_linear(16, 8, False, dtype=torch.bfloat16)], rows=12) == (0.0, 0.0)
+
+
+def test_pays_wants_a_margin_and_few_rows(monkeypatch):
+    """pays swaps only when the packed products are at least MARGIN faster; rows that never take the packed
+    path (1, or more than FEW_ROWS) are not measured at all."""
+    m = random_linear(32, 48, False)
+    timings = {"t": (1.0, 0.85)}
+
+    def fake_measure(modules, rows):
+        assert 1 < rows <= onednn.FEW_ROWS
+        return timings["t"]
+
+    monkeypatch.setattr(onednn, "measure", fake_measure)
+    assert onednn.pays([m], 16) == (True, 0.85)
+    timings["t"] = (1.0, 1.0 - onednn.MARGIN / 2)             # faster, but within the margin: keep MKL
+    assert onednn.pays([m], 16) == (False, 1.0 - onednn.MARGIN / 2)
+    timings["t"] = (0.0, 0.0)                                 # nothing swappable
+    assert onednn.pays([m], 16) == (False, None)
+    assert onednn.pays([m], 1) == (False, None) and onednn.pays([m], onednn.FEW_ROWS + 1) == (False, None)
+
+
+def test_eager_use_never_imports_inductor():
+    """Swapping and running eager products does not import torch._inductor (a second or two of start-up):
+    the lowering is registered when torch.compile first traces the op."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, torch, onednn\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 8))\n"
+            "assert onednn.pays([m], 16)[1] is not None and onednn.swap_linears_(m) > 0\n"
+            "with torch.no_grad():\n"
+            "    m(torch.randn(16, 32))\n"
+            "assert 'torch._inductor' not in sys.modules, 'inductor imported'\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
