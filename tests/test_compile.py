@@ -159,3 +159,37 @@ def test_default_capacity_is_a_power_of_two():
     assert [dflash.default_capacity(n, 10 ** 6) for n in need] == [256, 256, 256, 512, 1024, 8192]
     assert dflash.default_capacity(5000, 6000) == 6000          # capped by what max_position_embeddings allows
     assert dflash.default_capacity(300, 200) == 300             # never below the need (check_inputs refuses it later)
+
+
+def test_compiled_steps_check_the_models_once_per_generation(tmp_path, monkeypatch):
+    """Compiled steps skip dynamo's per-call checks of the models (Engine._compile) and the Engine checks them once
+    per generation instead (dflash.model_state). So: two Engines over models of the same shapes that differ only in
+    a constant compiled into the steps (the norms' eps) each run steps of their own and give their eager tokens;
+    weights edited in place are read by the next call; a model changed in what the steps take as fixed (a dtype,
+    an attribute, a hook) is refused with a one-line error before any step runs."""
+    import torch
+    import torch._dynamo
+    from helpers import random_target, tiny_target_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    prompt = list(range(3, 20))
+    models = [random_target(tiny_target_config(rms_norm_eps=eps), 21, torch.float32) for eps in (1e-6, 4.0)]
+    engines = [dflash.Engine(m, None, 1, 64, compile_mode="default") for m in models]
+    outs = [e.run(prompt, 12).output_ids for e in engines]
+    wants = [dflash.run(m, prompt, 12).output_ids for m in models]
+    assert outs == wants and wants[0] != wants[1]
+    target, engine = models[0], engines[0]
+    with torch.no_grad():
+        target.layers[0].mlp.down_proj.weight.mul_(-3.0)                 # values: read by every call
+    assert engine.run(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids
+    hook = []
+    changes = [(lambda: setattr(target.norm, "eps", 0.5), lambda: setattr(target.norm, "eps", 1e-6)),
+               (lambda: target.to(torch.float64), lambda: target.to(torch.float32)),
+               (lambda: hook.append(target.layers[1].register_forward_hook(lambda *a: None)), lambda: hook.pop().remove())]
+    for change, undo in changes:
+        change()
+        with pytest.raises(dflash.GenerationError, match="the models changed .* build a new Engine") as e:
+            engine.run(prompt, 4)
+        assert "\n" not in str(e.value)
+        undo()
+        assert engine.run(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids     # as compiled
