@@ -21,6 +21,7 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
     python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
     python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
     python bench.py --draft-rules 0.3,0.5,0.8,1.0 --heldout 16      # sampled DFlash2 drafts: coupled vs ratio acceptance
+    python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
 
 `--parting` times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
 where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
@@ -113,6 +114,10 @@ def parse_args(argv=None):
                    help="instead of AR vs DFlash: adaptive speculation against pure rounds on one engine, each prompt in turn "
                         "(--repeat times each, medians): their ratio per prompt, side by side (separate runs drift apart "
                         "with the machine's speed)")
+    p.add_argument("--profile-decode", action="store_true",
+                   help="instead of AR vs DFlash: where a plain AR decode step's time goes (compiled with --compile): step "
+                        "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
+                        "entries (the compiled graph, dynamo's checks, the gathering of its inputs, ...)")
     p.add_argument("--round-costs", default=None, metavar="C1,C2,...",
                    help="with --replay: also replay at these fixed costs of a round, in plain steps (a look at its measured "
                         "ratio), e.g. 1.2,2,2.5,3: how the policy and pure rounds trade on other devices")
@@ -145,6 +150,9 @@ def parse_args(argv=None):
         if not temps:
             p.error(f"--draft-rules takes temperatures > 0, comma-separated (e.g. 0.3,0.8), got {args.draft_rules!r}")
         args.draft_rules = temps
+    if args.profile_decode:
+        refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--replay": args.replay,
+                     "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})
     return args
 
 
@@ -274,6 +282,8 @@ def main(argv=None):
         return draft_rules_main(args, device)
     if args.vs_pure:
         return vs_pure_main(args, device)
+    if args.profile_decode:
+        return profile_decode_main(args, device)
     dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target, drafter, window, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
@@ -454,6 +464,38 @@ def vs_pure_main(args, device) -> dict:
               "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, **products}
     print(f"adaptive / pure rounds per prompt: geometric mean {result['adaptive_over_pure_geomean']:.3f}, median "
           f"{result['adaptive_over_pure_median']:.3f}, min {result['adaptive_over_pure_min']:.2f}")
+    print(json.dumps(result))
+    return result
+
+
+def profile_decode_main(args, device, top: int = 8) -> dict:
+    """--profile-decode: plain AR decoding of the target (compiled with --compile, after a warm-up), each prompt
+    --repeat times: the median decode step (Step.verify_seconds: the step call, the token's choice and its host
+    sync); then torch.profiler over the decode steps of the first prompt (its prefill left out): the `top` entries
+    by self CPU time, per step. Under a compiled step: "Call CompiledFxGraph" is the compiled graph, "TorchDynamo
+    Cache Lookup" dynamo's checks, "Pregraph bytecode" the gathering of the graph's inputs."""
+    from torch.profiler import ProfilerActivity, profile
+    dtype = pick_dtype(args.dtype, device)
+    target = ckpt.load_target(args.target, dtype, device)
+    prompts = load_prompts(args, ckpt.load_tokenizer(target.path), target.path)
+    mode = args.compile_mode if args.compile else None
+    engine = dflash.Engine(target, None, 1, bench_capacity(prompts, args.max_new_tokens, 1), mode,
+                           masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
+    engine.run(prompts[0], 8)                                         # warm-up: compilation
+    res = [engine.run(p, args.max_new_tokens, profile=True) for _ in range(args.repeat) for p in prompts]
+    decode_ms = step_ms(res, "decode", "verify_seconds")
+    steps = engine.generate(prompts[0], args.max_new_tokens)
+    next(steps)                                                       # the prefill, not profiled
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        n = sum(1 for _ in steps)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    print(f"decode step, median over {len(res)} generations: {decode_ms:.3f} ms ({'compiled, ' + mode if mode else 'eager'}, "
+          f"{torch.get_num_threads()} threads)\nunder torch.profiler, {n} decode steps, self CPU time per step:")
+    for e in rows:
+        print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / n:9.1f} us  ({e.count / n:.1f} calls)")
+    result = {"mode": "profile_decode", "decode_ms": decode_ms, "compile_mode": mode, "threads": torch.get_num_threads(),
+              "device": device, "dtype": str(dtype).replace("torch.", ""), "profiled_steps": n,
+              "self_us_per_step": {e.key: e.self_cpu_time_total / n for e in rows}}
     print(json.dumps(result))
     return result
 

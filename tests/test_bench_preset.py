@@ -2,6 +2,7 @@
 checkpoint benchmark reports what it promises on its held-out prompts."""
 import json
 
+import pytest
 import torch
 
 import bench
@@ -124,3 +125,19 @@ def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
     path.write_text(json.dumps(r))
     assert bench.preset_summary(str(path)) == 0
     assert "2 compiled graphs NOT run as CUDA graphs" in capsys.readouterr().out
+
+
+def test_profile_decode_reports_per_step_self_times(capsys):
+    """bench.py --profile-decode (eager here, kept tiny): a decode-step median, then the profiler's top entries per
+    decode step of one generation, its prefill left out; the JSON line says how many steps were profiled. It refuses
+    the flags of the modes it does not run."""
+    out = bench.main(["--profile-decode", "--threads", "1", "--heldout", "2", "--max-new-tokens", "12", "--repeat", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1]) == json.loads(json.dumps(out))
+    assert out["mode"] == "profile_decode" and out["profiled_steps"] == 11 and out["decode_ms"] > 0
+    assert out["compile_mode"] is None and 0 < len(out["self_us_per_step"]) <= 8
+    assert all(v >= 0 for v in out["self_us_per_step"].values())
+    assert any(line.startswith("decode step, median over 2 generations: ") for line in lines)
+    for other in (["--vs-pure"], ["--no-adaptive"], ["--methods", "dflash"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--profile-decode", *other])
