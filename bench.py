@@ -151,7 +151,7 @@ def parse_args(argv=None):
             p.error(f"--draft-rules takes temperatures > 0, comma-separated (e.g. 0.3,0.8), got {args.draft_rules!r}")
         args.draft_rules = temps
     if args.profile_decode:
-        refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--replay": args.replay,
+        refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False, "--replay": args.replay,
                      "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})
     return args
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import secrets
 import time
-import types
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+import compiling
 import noise
 from model import DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
 # The sampling rules live in sampling.py; dflash.Sampling, dflash.draw, ... are these names.
@@ -192,40 +192,6 @@ def mark_static_(cache) -> None:
                 torch._dynamo.mark_static_address(t, guard=False)
 
 
-def model_state(*modules) -> list:
-    """What compiled steps take as fixed in the models, beyond their tensors' values: per module (named_modules
-    order) its type and public attributes (numbers, strings, flags, configs), its hooks, and every parameter's,
-    buffer's and tensor attribute's dtype, device, shape and strides. The Engine's compiled steps skip dynamo's
-    per-call checks of these (Engine._compile) and compare this once per generation instead."""
-    def summary(v):
-        if isinstance(v, torch.Tensor):
-            return v.dtype, v.device, tuple(v.shape), v.stride()
-        if isinstance(v, (bool, int, float, str, torch.dtype, torch.device, type(None))):
-            return v
-        if isinstance(v, (tuple, list)):
-            return tuple(summary(x) for x in v)
-        return repr(v) if is_dataclass(v) else type(v)        # a config by value; anything else by its type
-    out = []
-    for root in modules:
-        for name, m in root.named_modules(remove_duplicate=False):
-            out.append((name, type(m)))
-            for key, v in vars(m).items():
-                if key in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
-                    out.append((name, key, tuple((k, summary(x)) for k, x in v.items())))
-                elif not key.startswith("_"):
-                    out.append((name, key, summary(v)))
-    return out
-
-
-def _own(method):
-    """`method` bound to a fresh copy of its function: dynamo keeps compiled graphs per code object, so each Engine
-    gets compiled steps of its own, which never run for another Engine's models (they skip checking them)."""
-    fn = method.__func__
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    own.__kwdefaults__ = fn.__kwdefaults__
-    return types.MethodType(own, method.__self__)
-
-
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -307,33 +273,23 @@ class Engine:
             self._compile(compile_mode, compile_options or {})
 
     def _compile(self, mode: str, extra: dict) -> None:
-        """Wrap the step functions in torch.compile(fullgraph=True, dynamic=False) with the mode's inductor options.
-        Each distinct decoder layer is compiled once and called per layer (the layers' nested compile regions)."""
-        from torch._inductor import list_mode_options
-        options = {**list_mode_options(mode, False), **extra}
-        if self.device.type == "cpu":
-            options.pop("triton.cudagraphs", None)      # max-autotune's CUDA graphs: nothing to capture on a CPU
-            # One-row products (decode and plain steps; K, N <= 2048) become inductor's own vectorised multiply-sum
-            # loops instead of calls of MKL's sgemm: about 2x faster on weights that stay in the cache (README).
-            options.setdefault("post_grad_fusion_options", {"decompose_mm_pass": {}})
+        """Wrap the step functions in torch.compile(fullgraph=True, dynamic=False) with the mode's inductor options
+        (compiling.py: the options, the checks dynamo skips and model_state, which stands in for them once per
+        generation). Each distinct decoder layer is compiled once and called per layer (its compile region)."""
+        options = compiling.inductor_options(mode, extra, self.device)
         if self._graphs:
             mark_static_(self.cache)        # the drafter's cache is marked in generate, after its reset
             torch._dynamo.mark_static_address(self.noise_key, guard=False)
-        # Before every call of a compiled step dynamo checks all it read, every parameter, buffer and attribute of
-        # the models included: 641 checks, about a tenth of a compiled decode step of the embedded target on a
-        # CPU, and one per round for each of draft, verify and commit. The models do not change under an Engine,
-        # so the checks whose source is a module are dropped; model_state, compared once per generation, stands in
-        # for them, and each Engine compiles its own copies of the steps (_own), so none runs for other models.
-        def compiled(method):
-            return torch.compile(_own(method), fullgraph=True, dynamic=False, options={
-                **options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        self.decode_step, self.verify_step = compiled(self._decode), compiled(self._verify)
-        self.commit, self.pick_step = compiled(self.cache.commit), compiled(self._pick)
+        self.decode_step = compiling.compile_step(self._decode, options)
+        self.verify_step = compiling.compile_step(self._verify, options)
+        self.commit = compiling.compile_step(self.cache.commit, options)
+        self.pick_step = compiling.compile_step(self._pick, options)
         if getattr(self.proposer, "compilable", False):
-            self.draft_step, self.plain_step = compiled(self.proposer.propose), compiled(self._plain)
+            self.draft_step = compiling.compile_step(self.proposer.propose, options)
+            self.plain_step = compiling.compile_step(self._plain, options)
         held = [self.target, *(vars(self.proposer).values() if self.proposer is not None else ())]   # the drafter, ...
         self._models = list({id(m): m for m in held if isinstance(m, torch.nn.Module)}.values())
-        self._state = model_state(*self._models)
+        self._state = compiling.model_state(*self._models)
 
     # ---- the steps -----------------------------------------------------------------------------
 
@@ -386,7 +342,7 @@ class Engine:
         if images is not None and list(images.ids) != list(prompt_ids):
             raise GenerationError("prompt_ids must be the ImagePrompt's expanded ids (vision.encode_images)")
         check_inputs(self.target, prompt_ids, max_new_tokens, self.block, self.capacity, self.proposer)
-        if self._state is not None and model_state(*self._models) != self._state:
+        if self._state is not None and compiling.model_state(*self._models) != self._state:
             raise GenerationError("the models changed (a dtype, device, shape, attribute or hook) since this Engine compiled "
                                   "its steps, which take them as fixed; build a new Engine for them")
         self.profile, s = profile, sampling or Sampling()

@@ -138,6 +138,7 @@ def test_profile_decode_reports_per_step_self_times(capsys):
     assert out["compile_mode"] is None and 0 < len(out["self_us_per_step"]) <= 8
     assert all(v >= 0 for v in out["self_us_per_step"].values())
     assert any(line.startswith("decode step, median over 2 generations: ") for line in lines)
+    assert bench.parse_args(["--profile-decode", "--compile"]).compile                 # compiled steps are its point
     for other in (["--vs-pure"], ["--no-adaptive"], ["--methods", "dflash"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--profile-decode", *other])

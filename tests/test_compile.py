@@ -163,7 +163,7 @@ def test_default_capacity_is_a_power_of_two():
 
 def test_compiled_steps_check_the_models_once_per_generation(tmp_path, monkeypatch):
     """Compiled steps skip dynamo's per-call checks of the models (Engine._compile) and the Engine checks them once
-    per generation instead (dflash.model_state). So: two Engines over models of the same shapes that differ only in
+    per generation instead (compiling.model_state). So: two Engines over models of the same shapes that differ only in
     a constant compiled into the steps (the norms' eps) each run steps of their own and give their eager tokens;
     weights edited in place are read by the next call; a model changed in what the steps take as fixed (a dtype,
     an attribute, a hook) is refused with a one-line error before any step runs."""

@@ -1,0 +1,89 @@
+"""How dflash.Engine compiles its step functions: the inductor options per device, the checks dynamo skips
+before each call, and what stands in for them.
+
+What it holds:
+    inductor_options  the options of a --compile-mode, with the changes the steps get on a CPU (below).
+    compile_step      torch.compile(fullgraph=True, dynamic=False) of one step function, over a copy of its code
+                      of its own and without dynamo's per-call checks of the models.
+    model_state       what compiled steps take as fixed in the models; the Engine compares it once per generation.
+
+One-row products on a CPU. A decode (or plain) step multiplies one row by every weight matrix. MKL's sgemm,
+which torch calls for them, streams the weights at 8-12 GB/s on one core of the AMD EPYC this was measured on;
+inductor's own vectorised multiply-and-sum loops, which its `decompose_mm_pass` writes for products of one row,
+read them at about twice that (and scale with threads, where sgemm of one row hardly does). The pass's size
+limit on a CPU (both other dimensions <= 2048) is a module variable of inductor's, read from its config once at
+import, so `inductor_options` raises it: every product of one row is written as loops (the loops were faster
+on every shape measured, up to 12288 x 4096 and the embedded target's 4096-row lm_head, at 1 and 2 threads,
+except 4096 x 12288 at 1 thread: 0.89x). The limit matters only to compiles that turn the pass on, i.e. these.
+
+Dynamo's checks. Before every call of a compiled step dynamo checks everything the step read: for the embedded
+target's decode step 641 checks, 81% of them of the models (each parameter's dtype, shape and strides, each
+module's type, attributes and hooks), about a tenth of the step on a CPU, and more per round (draft, verify and
+commit each check). The models do not change under an Engine, so `compile_step` drops the checks whose source is
+a module (torch.compiler.skip_guard_on_all_nn_modules_unsafe) and the Engine compares `model_state` once per
+generation instead, refusing models changed since it compiled. Dynamo keeps compiled graphs per code object, and
+with those checks gone one Engine's graphs could run for another Engine's models of the same shapes (say, with
+another norm epsilon, a constant of the graphs): so each compiled step runs over a fresh copy of its function's
+code, and an Engine's graphs are its own. Values of the weights are not checked and need not be: they are inputs
+of every call, so weights edited in place are used by the next one.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import is_dataclass
+
+import torch
+
+ONE_ROW_LIMIT = 1 << 31        # decompose_mm_pass's CPU limit on the other two dimensions: no limit
+
+
+def inductor_options(mode: str, extra: dict, device: torch.device) -> dict:
+    """The inductor options of torch.compile mode `mode` with `extra` (cppwrapper.py's) added; on a CPU without
+    max-autotune's CUDA graphs and with every one-row product written as multiply-sum loops (module docstring;
+    `extra` may set post_grad_fusion_options itself)."""
+    from torch._inductor import list_mode_options
+    options = {**list_mode_options(mode, False), **extra}
+    if torch.device(device).type == "cpu":
+        options.pop("triton.cudagraphs", None)      # nothing to capture on a CPU
+        options.setdefault("post_grad_fusion_options", {"decompose_mm_pass": {}})
+        try:
+            from torch._inductor.fx_passes import decompose_mem_bound_mm
+            decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = ONE_ROW_LIMIT
+        except ImportError:          # another torch: the pass keeps its own limit (slower, same results)
+            pass
+    return options
+
+
+def compile_step(method, options: dict):
+    """torch.compile(fullgraph=True, dynamic=False) of bound method `method` with inductor `options`: over a copy
+    of its function's code (its compiled graphs are this call's own) and without the checks of the models (the
+    caller compares model_state instead; module docstring)."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(types.MethodType(own, method.__self__), fullgraph=True, dynamic=False,
+                         options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def model_state(*modules) -> list:
+    """What compiled steps take as fixed in the models, beyond their tensors' values: per module (named_modules
+    order) its type and public attributes (numbers, strings, flags, configs), its hooks, and every parameter's,
+    buffer's and tensor attribute's dtype, device, shape and strides. -> a list to compare with =="""
+    def summary(v):
+        if isinstance(v, torch.Tensor):
+            return v.dtype, v.device, tuple(v.shape), v.stride()
+        if isinstance(v, (bool, int, float, str, torch.dtype, torch.device, type(None))):
+            return v
+        if isinstance(v, (tuple, list)):
+            return tuple(summary(x) for x in v)
+        return repr(v) if is_dataclass(v) else type(v)        # a config by value; anything else by its type
+    out = []
+    for root in modules:
+        for name, m in root.named_modules(remove_duplicate=False):
+            out.append((name, type(m)))
+            for key, v in vars(m).items():
+                if key in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
+                    out.append((name, key, tuple((k, summary(x)) for k, x in v.items())))
+                elif not key.startswith("_"):
+                    out.append((name, key, summary(v)))
+    return out
