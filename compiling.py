@@ -45,7 +45,9 @@ def inductor_options(mode: str, extra: dict, device: torch.device) -> dict:
     options = {**list_mode_options(mode, False), **extra}
     if torch.device(device).type == "cpu":
         options.pop("triton.cudagraphs", None)      # nothing to capture on a CPU
-        options.setdefault("post_grad_fusion_options", {"decompose_mm_pass": {}})
+        # the limit in the options too, although the pass reads the module variable: it keys inductor's caches,
+        # so a graph compiled under another limit is not served from its on-disk cache
+        options.setdefault("post_grad_fusion_options", {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": ONE_ROW_LIMIT}})
         try:
             from torch._inductor.fx_passes import decompose_mem_bound_mm
             decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = ONE_ROW_LIMIT
