@@ -17,7 +17,7 @@ on every shape measured, up to 12288 x 4096 and the embedded target's 4096-row l
 except 4096 x 12288 at 1 thread: 0.89x). The limit matters only to compiles that turn the pass on, i.e. these.
 
 Dynamo's checks. Before every call of a compiled step dynamo checks everything the step read: for the embedded
-target's decode step 641 checks, 81% of them of the models (each parameter's dtype, shape and strides, each
+target's decode step 641 checks, 531 of them of the models (each parameter's dtype, shape and strides, each
 module's type, attributes and hooks), about a tenth of the step on a CPU, and more per round (draft, verify and
 commit each check). The models do not change under an Engine, so `compile_step` drops the checks whose source is
 a module (torch.compiler.skip_guard_on_all_nn_modules_unsafe) and the Engine compares `model_state` once per
