@@ -21,11 +21,12 @@ target's decode step 641 checks, 531 of them of the models (each parameter's dty
 module's type, attributes and hooks), about a tenth of the step on a CPU, and more per round (draft, verify and
 commit each check). The models do not change under an Engine, so `compile_step` drops the checks whose source is
 a module (torch.compiler.skip_guard_on_all_nn_modules_unsafe) and the Engine compares `model_state` once per
-generation instead, refusing models changed since it compiled. Dynamo keeps compiled graphs per code object, and
-with those checks gone one Engine's graphs could run for another Engine's models of the same shapes (say, with
-another norm epsilon, a constant of the graphs): so each compiled step runs over a fresh copy of its function's
-code, and an Engine's graphs are its own. Values of the weights are not checked and need not be: they are inputs
-of every call, so weights edited in place are used by the next one.
+generation instead, refusing models changed since it compiled (about 1 ms for the embedded pair, 11-17 ms for
+the 32- and 40-layer preset shapes: a walk over every module in Python). Dynamo keeps compiled graphs per code
+object, and with those checks gone one Engine's graphs could run for another Engine's models of the same shapes
+(say, with another norm epsilon, a constant of the graphs): so each compiled step runs over a fresh copy of its
+function's code, and an Engine's graphs are its own. Values of the weights are not checked and need not be: they
+are inputs of every call, so weights edited in place are used by the next one.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def inductor_options(mode: str, extra: dict, device: torch.device) -> dict:
         options.pop("triton.cudagraphs", None)      # nothing to capture on a CPU
         # the limit in the options too, although the pass reads the module variable: it keys inductor's caches,
         # so a graph compiled under another limit is not served from its on-disk cache
-        options.setdefault("post_grad_fusion_options", {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": ONE_ROW_LIMIT}})
+        one_row = {"cpu_max_other_dimension_decomposition": ONE_ROW_LIMIT}
+        options.setdefault("post_grad_fusion_options", {"decompose_mm_pass": one_row})
         try:
             from torch._inductor.fx_passes import decompose_mem_bound_mm
             decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = ONE_ROW_LIMIT
