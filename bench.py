@@ -150,6 +150,10 @@ def parse_args(argv=None):
         if not temps:
             p.error(f"--draft-rules takes temperatures > 0, comma-separated (e.g. 0.3,0.8), got {args.draft_rules!r}")
         args.draft_rules = temps
+    if args.vs_pure:
+        refuse_flags(p, "--vs-pure runs adaptive speculation and pure rounds on one DFlash engine", {
+            **others, "--compile": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
+            "--no-adaptive": args.no_adaptive})
     if args.profile_decode:
         refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False, "--replay": args.replay,
                      "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})

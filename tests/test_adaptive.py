@@ -250,3 +250,7 @@ def test_bench_vs_pure(capsys):
     ratios = [float(line.rsplit("ratio ", 1)[1]) for line in out.splitlines() if line.startswith("prompt ")]
     assert len(ratios) == 2 and s["prompts"] == 2
     assert s["adaptive_over_pure_geomean"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5, rel=2e-3)
+    assert bench.parse_args(["--vs-pure", "--compile"]).compile                     # it runs compiled steps
+    for other in (["--no-adaptive"], ["--methods", "dflash"], ["--vs-reference"], ["--replay"]):
+        with pytest.raises(SystemExit):                                             # flags it would not run
+            bench.parse_args(["--vs-pure", *other])
