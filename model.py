@@ -632,12 +632,11 @@ class Qwen35(nn.Module):
         T = ids.shape[1]
         if mask is None:       # given: Engine.prefill's dense mask, whichever backend the cached steps use
             mask = cache.masks.target(pos) if cache is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        outputs = {}
+        outputs, last = {}, len(self.layers) - 1      # only the outputs a proposer reads stay alive (a long prefill)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, pos, mask, None if cache is None else cache.layers[i], verify)
-            outputs[i] = x                   # the OUTPUT of layer i (transformers' hidden_states[i + 1])
-        if len(self.layers) - 1 in feature_layers:     # transformers' hidden_states[L] is taken AFTER the final norm
-            outputs[len(self.layers) - 1] = self.norm(x)
+            if i in feature_layers:          # the OUTPUT of layer i (transformers' hidden_states[i + 1]); the last
+                outputs[i] = self.norm(x) if i == last else x        # one's is taken AFTER the final norm
         feats = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         h = self.norm(x[:, -1:] if last_logits_only else x)
         return self.lm_head(h), feats

@@ -75,6 +75,37 @@ def test_features_are_layer_outputs(causal):
     assert (feats[..., -H:] - hs[L]).abs().max() < TOL and (feats[..., -H:] - raw_last).abs().max() > 0.1
 
 
+def test_forward_keeps_only_the_feature_layers_outputs(causal):
+    """While the target runs, the outputs of layers no proposer reads are freed as soon as the next layer has
+    them: when the last layer starts, of the earlier layers' outputs only the feature layers' are alive (at 9B
+    shapes and a 32k-token prefill, keeping all of them would hold about 8.6 GB in bfloat16)."""
+    import gc
+    import weakref
+    path, _ = causal
+    ours = ckpt.load_target(str(path), torch.float32)
+    L = ours.cfg.num_hidden_layers
+    keep = (0, L - 2)
+    refs, alive = {}, {}
+
+    def record(i):
+        def hook(module, args, out):
+            refs[i] = weakref.ref(out)
+        return hook
+
+    def at_last_layer(module, args):
+        gc.collect()
+        alive.update({i: r() is not None for i, r in refs.items()})
+
+    handles = [layer.register_forward_hook(record(i)) for i, layer in enumerate(ours.layers[:-1])]
+    handles.append(ours.layers[-1].register_forward_pre_hook(at_last_layer))
+    with torch.no_grad():
+        ours(prompt(24, ours.cfg.vocab_size), torch.arange(24), feature_layers=keep)
+    for h in handles:
+        h.remove()
+    # layer L - 2's output is also the last layer's input; the others are dead unless a proposer reads them
+    assert alive == {i: i in keep or i == L - 2 for i in range(L - 1)}, alive
+
+
 def test_a_norm_slip_would_show(causal):
     """Sanity of the comparison itself: treating zero-centred norm weights as plain weights moves the logits."""
     path, hf = causal
