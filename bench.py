@@ -550,7 +550,11 @@ def methods_main(args, device) -> dict:
     tok = ckpt.load_tokenizer(target.path)
     prompts, stops = load_prompts(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
     methods = method_proposers(args, target, dtype, device)
-    capacity = bench_capacity(prompts, args.max_new_tokens, max(b for _, b in methods.values()))
+    widest = max(b for _, b in methods.values())
+    drafters = [getattr(p, "drafter", None) for p, _ in methods.values()]     # (the MTP head keeps nn.Linear, as in generate.py)
+    products = use_onednn(args.onednn, widest, target, *drafters)             # chosen at the widest block
+    print(products_words(products), flush=True)
+    capacity = bench_capacity(prompts, args.max_new_tokens, widest)
     ar_engine = dflash.Engine(target, None, 1, capacity)
     ar_engine.run(prompts[0], 8, stops)
     engines = {}
@@ -586,7 +590,7 @@ def methods_main(args, device) -> dict:
     print("outputs identical to AR: all")
     result = {"methods": table, "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens,
               "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-              "adaptive": not args.no_adaptive, "prompt_len": args.prompt_len}
+              "adaptive": not args.no_adaptive, "prompt_len": args.prompt_len, **products}
     print(json.dumps(result))
     return result
 
