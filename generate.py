@@ -119,11 +119,16 @@ def parse_args(argv=None):
 
 
 def compile_options(args, device) -> dict:
-    """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (cppwrapper.py), unless --no-cpp-wrapper."""
+    """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (cppwrapper.py), unless --no-cpp-wrapper;
+    with --attention flex on a CPU no epilogue fusion (torch 2.13's CPU flex kernel refuses to take the
+    one-query steps' following ops as epilogues: NotImplementedError in CppFlexAttentionTemplate)."""
+    options = {}
+    if torch.device(device).type == "cpu" and getattr(args, "attention", "sdpa") == "flex":
+        options["epilogue_fusion"] = False
     if not (args.cpp_wrapper and torch.device(device).type == "cpu"):
-        return {}
+        return options
     import cppwrapper
-    return cppwrapper.options()
+    return {**options, **cppwrapper.options()}
 
 
 def use_onednn(flag: bool | None, rows: int, *modules) -> dict:

@@ -214,6 +214,30 @@ def test_compiled_flex_no_recompiles_same_tokens():
     assert res.draft_ids == ref.draft_ids
 
 
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_compiled_flex_one_query_steps_as_the_command_lines_compile_them(tmp_path, monkeypatch):
+    """The steps of one query (AR decode, adaptive speculation's plain steps and looks) compiled with flex
+    attention and the command lines' CPU options (generate.compile_options: the C++ wrapper, and no epilogue
+    fusion, which torch 2.13's CPU flex kernel refuses for them) run, and give the eager SDPA engine's tokens."""
+    import argparse
+    import adaptive
+    import generate
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    target, drafter, p1, p2 = embedded_pair()
+    options = generate.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
+    assert options.get("epilogue_fusion") is False
+    pattern = adaptive.Pattern([False, "look", True, False, False, True])
+    kw = dict(compile_mode="default", masks=flex.FlexMasks, compile_options=options)
+    engines = [dflash.Engine(target, None, 1, 256, **kw),
+               dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, policy=pattern, **kw)]
+    want = dflash.run(target, p2, 48).output_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for engine in engines:
+            assert engine.run(p2, 48).output_ids == want
+
+
 def test_prefill_does_not_call_flex(monkeypatch):
     """Prefill runs eager; with FlexMasks it goes through SDPA's dense mask, so it neither prints PyTorch's
     "flex_attention called without torch.compile" warning nor materialises flex's unfused scores (counted:
