@@ -274,20 +274,12 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.preset:
-        return preset_main(args, device)
-    if args.parting:
-        return parting_main(args, device)
-    if args.methods:
-        return methods_main(args, device)
-    if args.replay:
-        return replay_main(args, device)
-    if args.draft_rules:
-        return draft_rules_main(args, device)
-    if args.vs_pure:
-        return vs_pure_main(args, device)
-    if args.profile_decode:
-        return profile_decode_main(args, device)
+    modes = ((args.preset, preset_main), (args.parting, parting_main), (args.methods, methods_main),
+             (args.replay, replay_main), (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
+             (args.profile_decode, profile_decode_main))
+    for chosen, mode_main in modes:         # the modes instead of AR vs DFlash, first given first
+        if chosen:
+            return mode_main(args, device)
     dtype = pick_dtype(args.dtype, device)
     peak = peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target, drafter, window, proposer, block, prompts, stops, products = load_pair(args, dtype, device)

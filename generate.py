@@ -122,10 +122,10 @@ def compile_options(args, device) -> dict:
     """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (cppwrapper.py), unless --no-cpp-wrapper;
     with --attention flex on a CPU no epilogue fusion (torch 2.13's CPU flex kernel refuses to take the
     one-query steps' following ops as epilogues: NotImplementedError in CppFlexAttentionTemplate)."""
-    options = {}
-    if torch.device(device).type == "cpu" and getattr(args, "attention", "sdpa") == "flex":
-        options["epilogue_fusion"] = False
-    if not (args.cpp_wrapper and torch.device(device).type == "cpu"):
+    if torch.device(device).type != "cpu":
+        return {}
+    options = {"epilogue_fusion": False} if getattr(args, "attention", "sdpa") == "flex" else {}
+    if not args.cpp_wrapper:
         return options
     import cppwrapper
     return {**options, **cppwrapper.options()}

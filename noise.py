@@ -84,16 +84,20 @@ def uniforms(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (bits.double() + 0.5) * 2.0 ** -32
 
 
+def _exponentials(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """uniforms(rows, keys) as Exp(1) noise, float32."""
+    return (-uniforms(rows, keys).log()).float()
+
+
 def exponentials(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise float32 [R, C] for rows [R] over token ids [R, C] or [C]: the E of dflash.draw."""
-    return (-uniforms(rows, token_keys(ids)).log()).float()
+    return _exponentials(rows, token_keys(ids))
 
 
 def vocab_noise(key: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """E(TARGET, t, v) for every token v at each position t of pos [R] -> float32 [R, V]: what draws the token
     that lands at t."""
-    rows = row_keys(key, pos, TARGET)
-    return (-uniforms(rows, vocab_keys(vocab_size, pos.device)).log()).float()
+    return _exponentials(row_keys(key, pos, TARGET), vocab_keys(vocab_size, pos.device))
 
 
 def accept_uniforms(key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
