@@ -100,4 +100,6 @@ class FlexMasks:
         return None
 
     def draft(self, start, n: int, causal: bool = False, sliding: int | None = None) -> BlockMask:
-        return draft_rows(self.drafts, start, n, self.window, causal, sliding)
+        if start.numel() != 1:
+            raise ValueError("FlexAttention masks serve one sequence; a batch of requests uses DenseMasks")
+        return draft_rows(self.drafts, start.reshape(()), n, self.window, causal, sliding)

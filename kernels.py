@@ -75,15 +75,16 @@ def state_after(k, writes, g, state, n):
     """The state after the first n tokens of a recurrent or block call (1 <= n <= T), from its writes:
         S_n = e^gamma_n S_0 + sum_{j <= n} e^(gamma_n - gamma_j) k_j e_j^T      (1-based token index)
     k [B,T,Hk,dk]; writes [B,T,Hv,dv]; g [B,T,Hv]; state [B,Hv,dk,dv] (S_0, the state before the call);
-    n an int or a 0-d LongTensor (on the device: no host sync) -> [B,Hv,dk,dv] in the state dtype.
+    n an int or a 0-d LongTensor (on the device: no host sync), or [B] (each row its own) -> [B,Hv,dk,dv] in the
+    state dtype.
     Rows past T may hold anything (a stale, longer call): only rows j < n are read."""
     sd = state_dtype(writes.dtype)
     k = _to_value_heads(k, writes.shape[2])
     T = writes.shape[1]
     gamma = g.to(sd).cumsum(1)                                        # [B,T,Hv]
-    n = torch.as_tensor(n, device=gamma.device).reshape(1)
-    gamma_n = gamma.index_select(1, n - 1)                            # [B,1,Hv]
-    keep = (torch.arange(T, device=gamma.device) < n)[None, :, None]
+    n = torch.as_tensor(n, device=gamma.device).reshape(-1)          # [1] (every row) or [B] (each row its own)
+    gamma_n = gamma.gather(1, (n - 1).view(-1, 1, 1).expand(gamma.shape[0], 1, gamma.shape[2]))   # [B,1,Hv]
+    keep = (torch.arange(T, device=gamma.device) < n[:, None])[..., None]                           # [1 or B,T,1]
     # e^(gamma_n - gamma_j) for j < n; rows j >= n get exp(-inf) = 0 (their exponent could overflow)
     w = torch.where(keep, gamma_n - gamma, float("-inf")).exp()       # [B,T,Hv]
     return (gamma_n[:, 0].exp()[..., None, None] * state.to(sd)

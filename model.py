@@ -348,33 +348,38 @@ class DenseMasks:
         self.gathers = window is not None and window < capacity
 
     def target(self, pos):
-        """A target call at positions pos [T] -> [T, capacity]: a query at p sees the slots <= p. Slots past the
+        """A target call at positions pos [T] -> [T, capacity], or per-row positions pos [B,T] (a batch of
+        sequences of different lengths) -> [B,1,T,capacity]: a query at p sees the slots <= p. Slots past the
         committed length hold a rejected draft's K/V: hidden by the same rule and overwritten before they are
         seen, so attention needs no rollback."""
-        return torch.arange(self.capacity, device=pos.device)[None, :] <= pos[:, None]
+        visible = torch.arange(self.capacity, device=pos.device) <= pos[..., None]
+        return visible if pos.dim() == 1 else visible[:, None]
 
     def _window(self, start):
-        """The positions start - window .. start - 1 [window] (those < 0 are no slot)."""
-        return start - self.window + torch.arange(self.window, device=start.device)
+        """The positions start - window .. start - 1 per row [B, window] (those < 0 are no slot)."""
+        return start.view(-1, 1) - self.window + torch.arange(self.window, device=start.device)
 
     def draft_slots(self, start):
-        """The cache slots a draft starting at `start` (0-d tensor) reads: the window's, start - window ..
-        start - 1 ([window], those before slot 0 clamped to it and hidden by `draft`), or None: the whole cache."""
+        """The cache slots each row's draft starting at start [B] reads: the window's, start - window .. start - 1
+        ([B, window], those before slot 0 clamped to it and hidden by `draft`), or None: the whole cache."""
         return self._window(start).clamp(min=0) if self.gathers else None
 
     def draft(self, start, n: int, causal: bool = False, sliding: int | None = None):
-        """A draft block of n tokens starting at `start` (0-d tensor) -> [n, keys + n] over [cache ; block] (keys:
-        capacity, or the window's slots when draft_slots gives them), for the layers of one attention kind
-        (DraftConfig.attention_kind)."""
-        q_idx = torch.arange(n, device=start.device)[:, None]
+        """Draft blocks of n tokens, row b's starting at start[b] (start [B]) -> [B, 1, n, keys + n] over
+        [cache ; block] (keys: capacity, or the window's slots when draft_slots gives them), for the layers of
+        one attention kind (DraftConfig.attention_kind)."""
+        B, dev = start.numel(), start.device
+        q_idx, at = torch.arange(n, device=dev)[:, None], start.view(-1, 1, 1)            # [n,1], [B,1,1]
         if not self.gathers:
-            kv_idx = torch.arange(self.capacity + n, device=start.device)
-            return draft_visible(self.capacity, self.window, start, q_idx, kv_idx[None, :], causal, sliding).expand(n, -1)
+            kv_idx = torch.arange(self.capacity + n, device=dev)
+            visible = draft_visible(self.capacity, self.window, at, q_idx, kv_idx[None, None, :], causal, sliding)
+            return visible.expand(B, n, -1)[:, None]
         # columns numbered as draft_visible numbers them: a context slot by its position, block token i as capacity + i
         slots = self._window(start)                                                      # unclamped: < 0 is no slot
-        kv_idx = torch.cat([slots, self.capacity + torch.arange(n, device=start.device)])
-        real = torch.cat([slots >= 0, torch.ones(n, dtype=torch.bool, device=start.device)])
-        return (draft_visible(self.capacity, self.window, start, q_idx, kv_idx[None, :], causal, sliding) & real).expand(n, -1)
+        kv_idx = torch.cat([slots, (self.capacity + torch.arange(n, device=dev)).expand(B, n)], 1)      # [B, keys+n]
+        real = torch.cat([slots >= 0, torch.ones(B, n, dtype=torch.bool, device=dev)], 1)
+        visible = draft_visible(self.capacity, self.window, at, q_idx, kv_idx[:, None], causal, sliding) & real[:, None]
+        return visible.expand(B, n, -1)[:, None]
 
 
 # ---- Target: Qwen3.5 hybrid ----------------------------------------------------------------------
@@ -383,6 +388,13 @@ class DenseMasks:
 class AttnCache:
     k: torch.Tensor          # [B, Hkv, capacity, hd], post-norm, post-RoPE
     v: torch.Tensor          # [B, Hkv, capacity, hd]
+
+
+def write_slots(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
+    """x [B,heads,T,d] into cache [B,heads,capacity,d] at the slots pos: [T] (every row alike) or [B,T] (each
+    row its own: a batch of sequences of different lengths)."""
+    B, h, T, d = x.shape
+    cache.scatter_(2, pos.expand(B, T)[:, None, :, None].expand(B, h, T, d), x.to(cache.dtype))
 
 
 @dataclass
@@ -411,12 +423,13 @@ class GDNCache:
         self.window[:, :window.shape[1]].copy_(window)
 
     def commit(self, n) -> None:
-        """The rollback: keep the first n tokens (1 <= n <= T; an int, or a device tensor: no host sync) of the
-        kept verify call. S becomes the state after token n (kernels.state_after: S before the call plus the
-        writes of tokens < n only); the conv state becomes window rows n .. n+K-2."""
-        n = torch.as_tensor(n, device=self.rec.device).reshape(1)
+        """The rollback: keep the first n tokens (1 <= n <= T; an int, or a device tensor: no host sync; [B]: each
+        row its own n) of the kept verify call. S becomes the state after token n (kernels.state_after: S before
+        the call plus the writes of tokens < n only); the conv state becomes window rows n .. n+K-2."""
+        n = torch.as_tensor(n, device=self.rec.device).reshape(-1)                       # [1] or [B]
         self.rec.copy_(kernels.state_after(self.keys, self.writes, self.decay, self.rec, n))
-        self.conv.copy_(self.window.index_select(1, n + torch.arange(self.conv.shape[1], device=n.device)))
+        rows = n[:, None] + torch.arange(self.conv.shape[1], device=n.device)            # [1 or B, K-1]
+        self.conv.copy_(self.window.gather(1, rows[..., None].expand(self.window.shape[0], -1, self.window.shape[2])))
 
 
 class GatedAttention(nn.Module):
@@ -434,7 +447,8 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, pos, mask, cache: AttnCache | None):
-        """x [B,T,H]; cos, sin [T,R]; pos [T]; mask over the keys (the call's own without a cache, else the cache's)."""
+        """x [B,T,H]; cos, sin [T,R] (or [B,1,T,R]); pos [T] (or [B,T]: each row's own); mask over the keys (the
+        call's own without a cache, else the cache's)."""
         bsz, T, _ = x.shape
         qg = self.q_proj(x).view(bsz, T, self.nh, 2 * self.hd)
         q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(bsz, T, self.nh * self.hd)
@@ -442,8 +456,8 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(bsz, T, self.nkv, self.hd).transpose(1, 2)
         if cache is not None:                          # written at the absolute positions; the mask hides the rest
-            cache.k.index_copy_(2, pos, k.to(cache.k.dtype))
-            cache.v.index_copy_(2, pos, v.to(cache.v.dtype))
+            write_slots(cache.k, pos, k)
+            write_slots(cache.v, pos, v)
             k, v = cache.k, cache.v
         return self.o_proj(attention(q, k, v, mask) * torch.sigmoid(gate))
 
@@ -569,8 +583,9 @@ class TargetCache:
                                             decay=zeros(max_block, hv, dt=sd), window=zeros(k1 + max_block, conv_dim)))
 
     def commit(self, n) -> None:
-        """After a verify call over T tokens, keep its first n (a 0-d device tensor: no host sync): every GDN layer
-        rolls back to the state after token n (GDNCache.commit). Attention needs nothing: stale slots are masked."""
+        """After a verify call over T tokens, keep its first n (a 0-d device tensor: no host sync; [B]: per row):
+        every GDN layer rolls back to the state after token n (GDNCache.commit). Attention needs nothing: stale
+        slots are masked."""
         for layer in self.layers:
             if isinstance(layer, GDNCache):
                 layer.commit(n)
@@ -582,6 +597,14 @@ class TargetCache:
             if isinstance(layer, GDNCache):
                 layer.conv.zero_()
                 layer.rec.zero_()
+
+    def row(self, b: int) -> TargetCache:
+        """Row b of a batch's caches as a cache of batch 1: views, so writing it writes row b (a request's prefill
+        into its slot while the other rows keep theirs)."""
+        view = object.__new__(TargetCache)
+        view.capacity, view.masks = self.capacity, DenseMasks(self.capacity)
+        view.layers = [type(layer)(*(t[b:b + 1] for t in vars(layer).values())) for layer in self.layers]
+        return view
 
 
 class Qwen35(nn.Module):
@@ -610,25 +633,33 @@ class Qwen35(nn.Module):
         self.mrope_cols = mrope_columns(self.cfg.mrope_section, self.cfg.rotary_dim // 2).to(self.mrope_cols.device)
 
     def rope(self, pos, dtype):
-        """pos [T] (text) or [3,T] (t,h,w streams) -> cos, sin [T, rotary_dim] in `dtype`. Angles in float32
-        (as transformers computes them); with equal streams this is plain partial RoPE."""
+        """pos [T] (text) or [3,T] (t,h,w streams) -> cos, sin [T, rotary_dim] in `dtype`; per-row streams
+        [B,3,T] -> [B,1,T, rotary_dim] (broadcast over heads). Angles in float32 (as transformers computes them);
+        with equal streams this is plain partial RoPE."""
         pos3 = pos.expand(3, -1) if pos.dim() == 1 else pos
-        ang = pos3.float()[:, :, None] * self.inv_freq                             # [3,T,R/2]
-        ang = ang.gather(0, self.mrope_cols.view(1, 1, -1).expand(1, ang.shape[1], -1)).squeeze(0)
+        ang = pos3.float()[..., None] * self.inv_freq                              # [(B,)3,T,R/2]
+        cols = self.mrope_cols.expand(*ang.shape[:-3], 1, ang.shape[-2], -1)
+        ang = ang.gather(-3, cols).squeeze(-3)                                     # [(B,)T,R/2]
         ang = torch.cat([ang, ang], dim=-1)
+        if ang.dim() == 3:
+            ang = ang[:, None]
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, ids, pos, cache: TargetCache | None = None, *, verify: bool = False, feature_layers=(),
                 last_logits_only: bool = False, rope_pos=None, image_embeds=None, mask=None):
-        """ids [B,T] at positions pos [T]. cache None: a plain causal forward over ids alone (training,
-        reference); else the caches are read and written, and `verify` says how GDN states move (module doc).
+        """ids [B,T] at positions pos [T], or [B,T] when rows are at different positions (a batch of requests).
+        cache None: a plain causal forward over ids alone (training, reference); else the caches are read and
+        written, and `verify` says how GDN states move (module doc).
         rope_pos: RoPE positions where they differ from pos: [3,T] for a prompt with images, pos + rope_delta
         after it (vision.py). image_embeds [n,H] replace, in order, the embeddings of the n image pad tokens.
         -> logits [B,T,V] ([B,1,V] with last_logits_only), feats [B,T,len(feature_layers)*H] or None."""
         x = self.embed_tokens(ids)
         if image_embeds is not None:
             x = x.masked_scatter((ids == self.cfg.image_token_id)[..., None], image_embeds.to(x.dtype))
-        cos, sin = self.rope(pos if rope_pos is None else rope_pos, x.dtype)
+        rope_pos = pos if rope_pos is None else rope_pos
+        if pos.dim() == 2 and rope_pos.dim() == 2:     # per-row text positions: the three streams alike, per row
+            rope_pos = rope_pos[:, None].expand(-1, 3, -1)
+        cos, sin = self.rope(rope_pos, x.dtype)
         T = ids.shape[1]
         if mask is None:       # given: Engine.prefill's dense mask, whichever backend the cached steps use
             mask = cache.masks.target(pos) if cache is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -838,26 +869,28 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def append_context(self, feats, ctx_pos, cache: DraftCache) -> None:
-        """feats [B,Tc,n_feat*H] at positions ctx_pos [Tc] -> every layer's context K/V, written into the cache.
-        They depend on the context only, not on the block, so they are written ahead of the draft."""
+        """feats [B,Tc,n_feat*H] at positions ctx_pos [Tc] (or [B,Tc], per row) -> every layer's context K/V,
+        written into the cache. They depend on the context only, not on the block, so they are written ahead of
+        the draft."""
         ctx = self.hidden_norm(self.fc(feats))
         cos, sin = self.rope(ctx_pos, ctx.dtype)
         for layer, lc in zip(self.layers, cache.layers):
             kc, vc = layer.self_attn.kv(ctx, cos, sin)
-            lc.k.index_copy_(2, ctx_pos, kc.to(lc.k.dtype))
-            lc.v.index_copy_(2, ctx_pos, vc.to(lc.v.dtype))
+            write_slots(lc.k, ctx_pos, kc)
+            write_slots(lc.v, ctx_pos, vc)
 
     def draft(self, block_embeds, start, cache: DraftCache, masks):
-        """Drafting: block_embeds [1,Tq,H] at positions start .. start+Tq-1 (start: a 1-element tensor) read the
-        cached context; masks: DenseMasks or flex.FlexMasks, asked once per attention kind. -> hidden [1,Tq,H]."""
-        n, start = block_embeds.shape[1], start.view(-1)[0]
-        rope = self.rope(start + torch.arange(n, device=start.device), block_embeds.dtype)
+        """Drafting: block_embeds [B,Tq,H], row b's at positions start[b] .. start[b]+Tq-1 (start [B]), read the
+        cached context; masks: DenseMasks or flex.FlexMasks, asked once per attention kind. -> hidden [B,Tq,H]."""
+        n, start = block_embeds.shape[1], start.view(-1)
+        rope = self.rope(start[:, None] + torch.arange(n, device=start.device), block_embeds.dtype)   # [B,1,Tq,hd]
         by_kind = {kind: masks.draft(start, n, *kind) for kind in dict.fromkeys(self.kinds)}
         slots = masks.draft_slots(start)              # a window shorter than the cache: read only its slots
         x = block_embeds
         for layer, lc, kind in zip(self.layers, cache.layers, self.kinds):
-            if slots is not None:
-                lc = AttnCache(lc.k.index_select(2, slots), lc.v.index_select(2, slots))
+            if slots is not None:                     # [B, window] per row
+                at = slots[:, None, :, None].expand(-1, lc.k.shape[1], -1, lc.k.shape[3])
+                lc = AttnCache(lc.k.gather(2, at), lc.v.gather(2, at))
             x = layer.draft(x, rope, lc, by_kind[kind])
         return self.norm(x)
 

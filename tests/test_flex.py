@@ -36,10 +36,13 @@ def dense_draft(capacity, block, window, s, causal=False, sliding=None) -> torch
     shorter than the cache the mask covers [the window's slots ; block] (DenseMasks.draft_slots): scattered back
     here to the slots' positions; slots before 0 must be hidden."""
     masks = M.DenseMasks(capacity, block, window)
-    mask, slots = masks.draft(torch.tensor(s), block, causal, sliding), masks.draft_slots(torch.tensor(s))
+    mask, slots = masks.draft(torch.tensor([s]), block, causal, sliding), masks.draft_slots(torch.tensor([s]))
     assert (slots is not None) == (window is not None and window < capacity)
+    assert mask.shape[:2] == (1, 1)                  # [rows, heads, queries, keys]: one row here
+    mask = mask[0, 0]
     if slots is None:
         return mask
+    slots = slots[0]
     raw = s - window + torch.arange(window)
     assert torch.equal(slots, raw.clamp(min=0)) and mask.shape == (block, window + block)
     assert not mask[:, :window][:, raw < 0].any()
