@@ -197,6 +197,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def cut(tokens: list, stops, room: int) -> list:
+    """Tokens a step produced -> those it commits: at most `room` (what max_new_tokens leaves), and none after the
+    first stop token."""
+    tokens = tokens[:room]
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i + 1]
+    return tokens
+
+
 class _Sequence:
     """What a generation carries from one step to the next. `last` and `start_t` are the last committed token
     and its position on the device (the steps read them there: no host sync); `start` is the host's copy."""
@@ -210,11 +220,7 @@ class _Sequence:
 
     def take(self, tokens: list) -> list:
         """Tokens a step produced -> those committed: cut at max_new_tokens and after a stop token."""
-        tokens = tokens[:self.max_new - self.n_out]
-        for i, t in enumerate(tokens):
-            if t in self.stops:
-                tokens = tokens[:i + 1]
-                break
+        tokens = cut(tokens, self.stops, self.max_new - self.n_out)
         self.n_out += len(tokens)
         self.done = tokens[-1] in self.stops or self.n_out >= self.max_new
         return tokens

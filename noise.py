@@ -79,8 +79,9 @@ def vocab_keys(vocab_size: int, device) -> torch.Tensor:
 
 
 def uniforms(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """rows [R] row keys; keys [R, C] or [C] (shared by every row) token_keys -> U(0, 1) float64 [R, C]."""
-    bits = mix32(rows[:, None] ^ keys)
+    """rows [R] row keys; keys [R, C] or [C] (shared by every row) token_keys -> U(0, 1) float64 [R, C]. Rows of
+    any shape [..., R] work alike (a batch of requests: [N, R] -> [N, R, C])."""
+    bits = mix32(rows[..., None] ^ keys)
     return (bits.double() + 0.5) * 2.0 ** -32
 
 
@@ -96,7 +97,7 @@ def exponentials(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def vocab_noise(key: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """E(TARGET, t, v) for every token v at each position t of pos [R] -> float32 [R, V]: what draws the token
-    that lands at t."""
+    that lands at t. A batch of requests, each with its own seed: key [N, 1], pos [N, R] -> [N, R, V]."""
     return _exponentials(row_keys(key, pos, TARGET), vocab_keys(vocab_size, pos.device))
 
 

@@ -1,0 +1,419 @@
+"""Many requests at once: continuous batching over N slots, every row exactly its batch-1 self
+(docs/method.md#many-requests-at-once).
+
+The caches hold N rows: the target's KV and GDN states, the drafter's context. Each row is a slot that holds one
+request at a time, at its own positions. A step runs every slot together: one draft [N, block-1], one verify
+[N, block] (or, without a drafter, one AR decode step [N, 1]). Each row accepts its own number of proposals and
+rolls its GDN states back with its own n (TargetCache.commit with n [N]). A row that finishes (a stop token,
+max_new_tokens) frees its slot and the next waiting request is admitted into it: its prompt is prefilled alone,
+into that row of the caches (TargetCache.row), between two steps, while the other rows wait. A free slot rides
+along in every step at position 0 and its results are thrown away, so the shapes never change: compiled steps
+(one set per N) never recompile as requests come and go.
+
+Why a row equals its batch-1 self: everything a row computes reads its own row of the caches at its own
+positions (per-row masks, RoPE and cache writes: model.py); a sampled token's noise is keyed by the request's own
+seed and the position it fills (noise.py); each row's proposals are judged against that row's own target tokens.
+What remains is rounding: a product over N rows may round differently from one over a single row (float32 and
+bfloat16: near-ties only; float64: the same tokens in every test).
+
+    Request          one generation asked for: prompt, max_new_tokens, stops, sampling settings, seed
+    BatchProposer    what drafts for every row at once (a typing.Protocol); SlotDrafter wraps a DFlash drafter
+    Batch            the N-slot engine: run(requests) -> one dflash.Result per request, in order
+    Policy           adaptive speculation for a batch: a round or a plain step, from acceptance and measured costs
+"""
+from __future__ import annotations
+
+import collections
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+import compiling
+import noise
+from dflash import Result, Step, check_inputs, cut, mark_static_, _sync
+from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
+from sampling import Sampling, draw
+
+
+@dataclass
+class Request:
+    """One generation: greedy (sampling None or temperature 0) or sampled with its own seed (None: a random one,
+    recorded in its Result)."""
+    prompt_ids: list
+    max_new_tokens: int
+    stop_ids: tuple = ()
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int | None = None
+
+
+class BatchProposer(Protocol):
+    """Drafts for all N rows in one call. Shapes: N slots, B = block size, F = feature width."""
+    max_block_size: int
+    feature_layers: tuple           # the target layers whose outputs it reads
+
+    def reset(self, slots: int, capacity: int) -> None:
+        """Allocate (or keep) its per-row state for `slots` rows of `capacity` positions."""
+
+    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        """A new request in `row`: its prompt's features [1,T,F] at positions pos [T]."""
+
+    def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        """Features [N,R,F] of every row at positions pos [N,R] into its context (a plain step's)."""
+
+    def propose(self, last: torch.Tensor, start: torch.Tensor, feats: torch.Tensor, feat_pos: torch.Tensor,
+                n: int) -> torch.Tensor:
+        """last [N] tokens at positions start [N]; feats [N,B,F] features at feat_pos [N,B] not seen yet (rows at
+        positions >= a row's start are stale: hidden) -> proposals [N,n] for positions start+1 .. start+n."""
+
+
+class SlotDrafter:
+    """A DFlash or DFlash2 drafter for N rows: its context cache has a row per slot. DFlash2 drafts greedily here
+    (its candidate selector's best path; a sampling target then verifies it by the coupled rule, which keeps
+    the output the target's own draws)."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Qwen35, window: int | None = None):
+        if window is not None and window < 1:
+            raise GenerationError(f"--draft-window must be >= 1, got {window}")
+        self.drafter, self.target, self.window = drafter, target, window
+        self.max_block_size = drafter.cfg.block_size
+        self.feature_layers = tuple(drafter.cfg.target_layer_ids)
+        self.cache, self.masks = None, None
+
+    def reset(self, slots: int, capacity: int) -> None:
+        w = self.drafter.fc.weight
+        self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device, batch=slots)
+        self.masks = DenseMasks(capacity, self.max_block_size, self.window)
+
+    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        view = object.__new__(DraftCache)            # row `row` of every layer's context, as views
+        view.capacity = self.cache.capacity
+        view.layers = [AttnCache(lc.k[row:row + 1], lc.v[row:row + 1]) for lc in self.cache.layers]
+        self.drafter.append_context(feats, pos, view)
+
+    def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        self.drafter.append_context(feats, pos, self.cache)
+
+    def propose(self, last, start, feats, feat_pos, n: int) -> torch.Tensor:
+        cfg = self.drafter.cfg
+        self.append(feats, feat_pos)
+        block = torch.cat([last[:, None], torch.full((last.shape[0], n), cfg.mask_token_id, dtype=torch.long,
+                                                     device=last.device)], 1)                           # [N, n+1]
+        emb = self.target.embed_tokens(block)
+        if cfg.input_embedding_scale != 1.0:
+            emb = emb * cfg.input_embedding_scale
+        hidden = self.drafter.draft(emb, start, self.cache, self.masks)[:, 1:]                         # [N, n, H]
+        logits = self.drafter.draft_logits(hidden, self.target.lm_head)
+        if self.drafter.candidate_selector is None:
+            return logits.argmax(-1)
+        select = self.drafter.candidate_selector.select                 # row by row: its path is sequential
+        return torch.stack([select(hidden[b], logits[b], last[b:b + 1])[0] for b in range(last.shape[0])])
+
+
+# ---- Sampling, each row by its own request's settings -------------------------------------------
+
+def row_probs(logits, temperature, top_p, top_k):
+    """sampling.sampling_probs with each row's own settings: logits [N,T,V]; temperature (> 0), top_p [N] float32;
+    top_k [N] long (0: all) -> float32 [N,T,V]."""
+    x = logits.float() / temperature.view(-1, 1, 1)
+    V = x.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V).view(-1, 1, 1).expand(*x.shape[:-1], 1)
+    kth = x.sort(-1, descending=True).values.gather(-1, k - 1)               # the k-th largest (k = V: no cut)
+    p = torch.softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
+    ps, order = p.sort(dim=-1, descending=True, stable=True)
+    drop = (ps.cumsum(-1) - ps) >= top_p.view(-1, 1, 1)       # keep up to and including the token that reaches top_p
+    nucleus = torch.zeros_like(p).scatter(-1, order, ps.masked_fill(drop, 0.0))
+    nucleus = nucleus / nucleus.sum(-1, keepdim=True)
+    return torch.where((top_p < 1).view(-1, 1, 1), nucleus, p)
+
+
+def choose(logits, at, keys, temperature, top_p, top_k):
+    """The tokens that fill positions at [N,T] from logits [N,T,V]: a greedy row's argmax (temperature 0), a sampled
+    row's draw at its settings with the noise of its seed's key (keys [N]) at those positions -> [N,T]. A sampled
+    row draws exactly what dflash.Engine draws for the same seed at the same position."""
+    greedy = temperature == 0
+    probs = row_probs(logits, torch.where(greedy, 1.0, temperature), top_p, top_k)
+    drawn = draw(probs, noise.vocab_noise(keys[:, None], at, logits.shape[-1]))
+    return torch.where(greedy[:, None], logits.argmax(-1), drawn)
+
+
+# ---- The engine ----------------------------------------------------------------------------------
+
+class _Row:
+    """A request in a slot: what it has committed, and its Result as it grows."""
+
+    def __init__(self, index: int, req: Request, seed, first: int, start: int, prefill_seconds: float):
+        self.index, self.req, self.stops, self.start = index, req, set(req.stop_ids), start
+        self.result = Result(list(req.prompt_ids), [first], [], [], [Step("prefill", start - 1, [first])],
+                             prefill_seconds=prefill_seconds, seed=seed)
+        self.done = first in self.stops or req.max_new_tokens <= 1
+        self.result.steps[0].stop = self.done
+        self.t_first = time.perf_counter()
+
+    def take(self, kind: str, tokens: list, proposals=(), accepted: int = 0, times=(0.0, 0.0)) -> list:
+        """Commit what a step produced for this row (cut at a stop token and max_new_tokens) -> the committed tokens."""
+        res = self.result
+        new = cut(tokens, self.stops, self.req.max_new_tokens - len(res.output_ids))
+        self.done = new[-1] in self.stops or len(res.output_ids) + len(new) >= self.req.max_new_tokens
+        res.steps.append(Step(kind, self.start, new, list(proposals), accepted, self.done, *times))
+        res.output_ids += new
+        if kind != "decode":
+            res.acceptance_lengths.append(len(new))
+            res.draft_ids.append(list(proposals))
+            res.step_kinds.append(kind)
+        self.start += len(new)
+        if self.done:
+            res.decode_seconds = time.perf_counter() - self.t_first
+        return new
+
+
+class Batch:
+    """N slots over one target (and optionally a BatchProposer), caches allocated once for `capacity` positions
+    per row, and fixed-shape steps, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
+        decode_step  (tok [N,1], pos [N,1])                    -> tokens [N]     AR
+        plain_step   (tok [N,1], pos [N,1], feats, feat_pos)   -> tokens [N]     AR, the drafter's context fed
+        verify_step  (block [N,B], pos [N,B])                  -> posterior [N,B], accepted [N], feats [N,B,F]
+        draft_step   (last [N], start [N], feats [N,B,F], feat_pos [N,B], B-1) -> proposals [N,B-1]
+        commit       (n [N])                                   -> each row's GDN states after its n-th block token
+    Per row on the device: last (the last committed token), start (its position), the request's sampling settings
+    and noise key. Prefill (a request's admission) runs eager, one request at a time."""
+
+    def __init__(self, target: Qwen35, proposer: BatchProposer | None = None, block_size: int = 16, slots: int = 1,
+                 capacity: int = 2048, compile_mode: str | None = None, compile_options: dict | None = None,
+                 policy=None):
+        """policy: adaptive speculation (Policy; None = a round every step)."""
+        if slots < 1:
+            raise GenerationError(f"--concurrency must be >= 1, got {slots}")
+        self.target, self.proposer, self.slots, self.capacity, self.policy = target, proposer, slots, capacity, policy
+        self.block = block_size if proposer is not None else 1
+        if self.block < 1 or (proposer is not None and self.block > proposer.max_block_size):
+            check_inputs(target, [0], 1, self.block, None, proposer)            # raises the block size error
+        self.device = dev = target.embed_tokens.weight.device
+        dtype = target.embed_tokens.weight.dtype
+        self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block)
+        self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
+        self.offsets = torch.arange(self.block, device=dev)
+        self.last, self.start = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
+        # each row's request's sampling: device tensors the steps read, so a request's settings never recompile
+        self.keys, self.top_k = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.sampled = False          # some request of the run samples: the steps draw (else argmax only)
+        self.feats = self.feat_pos = None
+        if proposer is not None:
+            proposer.reset(slots, capacity)
+            width = len(self.feature_layers) * target.cfg.hidden_size
+            self.feats = torch.zeros(slots, self.block, width, dtype=dtype, device=dev)
+            self.feat_pos = self.offsets.repeat(slots, 1)
+        self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
+        self.draft_step, self.plain_step = (proposer.propose if proposer is not None else None), self._plain
+        self._graphs, self._models, self._state = False, [], None
+        if compile_mode is not None:
+            self._compile(compile_mode, compile_options or {})
+
+    def _compile(self, mode: str, extra: dict) -> None:
+        """As dflash.Engine._compile: the steps wrapped by compiling.compile_step, the models' state kept."""
+        options = compiling.inductor_options(mode, extra, self.device)
+        self._graphs = self.device.type == "cuda"
+        if self._graphs:
+            for c in (self.cache, getattr(self.proposer, "cache", None)):
+                if c is not None:
+                    mark_static_(c)
+            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p):
+                torch._dynamo.mark_static_address(t, guard=False)
+        self.decode_step = compiling.compile_step(self._decode, options)
+        self.verify_step = compiling.compile_step(self._verify, options)
+        self.commit = compiling.compile_step(self.cache.commit, options)
+        if self.proposer is not None:
+            self.draft_step = compiling.compile_step(self.proposer.propose, options)
+            self.plain_step = compiling.compile_step(self._plain, options)
+        held = [self.target, *(vars(self.proposer).values() if self.proposer is not None else ())]
+        self._models = list({id(m): m for m in held if isinstance(m, torch.nn.Module)}.values())
+        self._state = compiling.model_state(*self._models)
+
+    # ---- the steps -----------------------------------------------------------------------------
+
+    def _choose(self, logits, at):
+        if not self.sampled:
+            return logits.argmax(-1)
+        return choose(logits, at, self.keys, self.temperature, self.top_p, self.top_k)
+
+    def _decode(self, tok, pos):
+        """One AR step for every row."""
+        logits, _ = self.target(tok, pos, self.cache)
+        return self._choose(logits, pos + 1)[:, 0]
+
+    def _plain(self, tok, pos, feats, feat_pos):
+        """_decode for a batch with a drafter: the last round's features not yet in its context (feats [N,B,F] at
+        feat_pos [N,B]) go in first, then the step's own tokens' features, so rounds can resume at any step."""
+        self.proposer.append(feats, feat_pos)
+        logits, own = self.target(tok, pos, self.cache, feature_layers=self.feature_layers)
+        self.proposer.append(own, pos)
+        return self._choose(logits, pos + 1)[:, 0]
+
+    def _verify(self, block, pos):
+        """The target over every row's block (GDN layers keep its writes); row i of a block judges proposal i by the
+        token the target puts at position pos[i] + 1 (argmax, or the request's draw there), as dflash.Engine does."""
+        logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers)
+        posterior = self._choose(logits, pos + 1)                                        # [N,B]
+        accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
+        return posterior, accepted, feats
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def admit(self, b: int, index: int, req: Request) -> _Row:
+        """Prefill `req` alone into slot b (its GDN states zeroed; attention slots past the prompt are masked until
+        overwritten) and set the row's sampling; its first token comes from the prompt's last logits."""
+        t0 = time.perf_counter()
+        T0, dev, s = len(req.prompt_ids), self.device, req.sampling
+        seed = None if s.greedy else (secrets.randbits(63) if req.seed is None else req.seed)
+        self.keys[b] = noise.seed_key(seed) if seed is not None else 0
+        self.temperature[b], self.top_p[b], self.top_k[b] = s.temperature, s.top_p, s.top_k
+        view, pos = self.cache.row(b), torch.arange(T0, device=dev)
+        view.reset()
+        logits, feats = self.target(torch.tensor([req.prompt_ids], device=dev), pos, view, last_logits_only=True,
+                                    feature_layers=self.feature_layers, mask=DenseMasks(self.capacity).target(pos))
+        at = pos[-1:][None] + 1
+        first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
+        if self.proposer is not None:
+            self.proposer.admit(b, feats, pos)
+            self.feats[b].zero_()                          # placeholders at positions >= start: hidden, rewritten
+            self.feat_pos[b] = T0 + self.offsets
+        self.last[b], self.start[b] = first, T0
+        _sync(dev)
+        return _Row(index, req, seed, first, T0, time.perf_counter() - t0)
+
+    def _upload(self, rows, n=None) -> None:
+        """Every row's last token and position to the device after a step (a free row: token 0 at position 0)."""
+        live = [r is not None for r in rows]
+        last = [r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)]
+        start = [r.start if on else 0 for r, on in zip(rows, live)]
+        self.last.copy_(torch.tensor(last))
+        self.start.copy_(torch.tensor(start))
+
+    def run(self, requests: list, on_step=None) -> list:
+        """Every request to its end, N at a time, admitted in order as slots free -> [Result] in request order.
+        on_step(index, step) sees each request's steps as they come."""
+        for i, r in enumerate(requests):
+            try:
+                check_inputs(self.target, r.prompt_ids, r.max_new_tokens, self.block, self.capacity, self.proposer)
+            except GenerationError as e:
+                raise GenerationError(f"request {i}: {e}") from None
+        if self._state is not None and compiling.model_state(*self._models) != self._state:
+            raise GenerationError("the models changed (a dtype, device, shape, attribute or hook) since this Batch compiled "
+                                  "its steps, which take them as fixed; build a new Batch for them")
+        self.sampled = any(not r.sampling.greedy for r in requests)
+        if self.policy is not None:
+            self.policy.reset()
+        waiting, rows, results = collections.deque(enumerate(requests)), [None] * self.slots, [None] * len(requests)
+        with torch.inference_mode():
+            while True:
+                for b in range(self.slots):              # free slots take the next waiting requests
+                    while rows[b] is None and waiting:
+                        rows[b] = self.admit(b, *waiting.popleft())
+                        self._emit(rows[b], on_step)
+                        if rows[b].done:
+                            results[rows[b].index], rows[b] = rows[b].result, None
+                if not any(rows):
+                    return results
+                self._upload(rows)
+                self.step(rows)
+                for b, row in enumerate(rows):
+                    self._emit(row, on_step)
+                    if row is not None and row.done:
+                        results[row.index], rows[b] = row.result, None
+
+    def _emit(self, row, on_step) -> None:
+        if row is not None and on_step is not None:
+            on_step(row.index, row.result.steps[-1])
+
+    def step(self, rows: list) -> None:
+        """One step of every live row: a round, or a plain step (AR, or the policy's choice)."""
+        if self.proposer is None:
+            self.decode(rows, "decode")
+        elif self.policy is None or self.policy.speculate(rows):
+            t0 = time.perf_counter()
+            self.round(rows)
+            if self.policy is not None:
+                self.policy.observe_round(rows, time.perf_counter() - t0)
+        else:
+            t0 = time.perf_counter()
+            self.decode(rows, "plain")
+            self.policy.observe_plain(rows, time.perf_counter() - t0)
+
+    def round(self, rows: list) -> None:
+        """Draft, verify, accept and commit for every row (dflash.Engine.round, row by row)."""
+        B, dev = self.block, self.device
+        pos = self.start[:, None] + self.offsets                                        # [N,B]
+        t0 = time.perf_counter()
+        proposals = torch.zeros(self.slots, 0, dtype=torch.long, device=dev)
+        if B > 1:
+            proposals = self.draft_step(self.last, self.start, self.feats, self.feat_pos, B - 1)   # [N,B-1]
+        t1 = time.perf_counter()
+        block = torch.cat([self.last[:, None], proposals], 1)
+        posterior, accepted, feats = self.verify_step(block, pos)
+        host = torch.cat([accepted[:, None], posterior, proposals], 1).tolist()       # the round's one host sync
+        n = [1] * self.slots                                                           # a free row keeps 1: ignored
+        t2 = time.perf_counter()
+        for b, row in enumerate(rows):
+            if row is not None:
+                a, post, props = host[b][0], host[b][1:B + 1], host[b][B + 1:]
+                n[b] = len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1)))
+        self.commit(torch.tensor(n, device=dev))                  # each row's rollback to its own committed tokens
+        self.feats = feats.clone() if self._graphs else feats     # (CUDA graphs reuse their outputs)
+        self.feat_pos = pos
+
+    def decode(self, rows: list, kind: str) -> None:
+        """One AR step for every row (`kind` "decode"), or with a drafter a plain step ("plain"): the same target call
+        with the tokens' features written into the drafter's context, so rounds can resume at any step."""
+        t0 = time.perf_counter()
+        tok, pos = self.last[:, None], self.start[:, None]
+        if kind == "plain":
+            host = self.plain_step(tok, pos, self.feats, self.feat_pos).tolist()
+            # the pending rows are in the context now; what the next draft appends again lies at >= its start: hidden
+            self.feat_pos = pos + 1 + self.offsets
+        else:
+            host = self.decode_step(tok, pos).tolist()
+        for b, row in enumerate(rows):
+            if row is not None:
+                row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
+
+
+class Policy:
+    """Adaptive speculation for a batch: before each step, a round for every row or a plain step for every row.
+
+    A round commits, over the live rows, sum(tokens) tokens in round_seconds; a plain step commits one token per
+    live row in plain_seconds. Rounds go on while their measured tokens per second (the last `window` rounds'
+    committed tokens over their times) is at least plain steps'; while they lose, plain steps, with a round every
+    `probe` steps to keep the measure of acceptance fresh (acceptance changes as the text does). The first step
+    of a run is a plain step (it times one). Output never depends on the choice: both kinds commit the target's
+    own tokens."""
+
+    def __init__(self, window: int = 16, probe: int = 8):
+        self.window, self.probe = window, probe
+        self.reset()
+
+    def reset(self) -> None:
+        self.rounds = collections.deque(maxlen=self.window)     # (tokens committed, seconds) per round
+        self.plain = collections.deque(maxlen=self.window)      # seconds per plain step, per live row
+        self.since = 0                                          # plain steps since the last round
+
+    def speculate(self, rows) -> bool:
+        if not self.plain:
+            return False
+        if not self.rounds or self.since >= self.probe:
+            return True
+        tokens, seconds = (sum(x) for x in zip(*self.rounds))
+        return tokens / seconds >= 1 / statistics.median(self.plain)
+
+    def observe_round(self, rows, seconds: float) -> None:
+        committed = sum(len(r.result.steps[-1].tokens) for r in rows if r is not None)
+        self.rounds.append((committed, seconds))
+        self.since = 0
+
+    def observe_plain(self, rows, seconds: float) -> None:
+        self.plain.append(seconds / max(1, sum(r is not None for r in rows)))
+        self.since += 1
