@@ -58,8 +58,8 @@ class BatchProposer(Protocol):
     def reset(self, slots: int, capacity: int) -> None:
         """Allocate (or keep) its per-row state for `slots` rows of `capacity` positions."""
 
-    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor) -> None:
-        """A new request in `row`: its prompt's features [1,T,F] at positions pos [T]."""
+    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list) -> None:
+        """A new request in `row`: its prompt (token ids [T]) and their features [1,T,F] at positions pos [T]."""
 
     def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
         """Features [N,R,F] of every row at positions pos [N,R] into its context (a plain step's)."""
@@ -88,7 +88,7 @@ class SlotDrafter:
         self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device, batch=slots)
         self.masks = DenseMasks(capacity, self.max_block_size, self.window)
 
-    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor) -> None:
+    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list) -> None:
         view = object.__new__(DraftCache)            # row `row` of every layer's context, as views
         view.capacity = self.cache.capacity
         view.layers = [AttnCache(lc.k[row:row + 1], lc.v[row:row + 1]) for lc in self.cache.layers]
@@ -279,8 +279,9 @@ class Batch:
         at = pos[-1:][None] + 1
         first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
         if self.proposer is not None:
-            self.proposer.admit(b, feats, pos)
-            self.feats[b].zero_()                          # placeholders at positions >= start: hidden, rewritten
+            self.proposer.admit(b, feats, pos, req.prompt_ids)
+            if self.feats is not None:                     # placeholders at positions >= start: hidden, rewritten
+                self.feats[b].zero_()
             self.feat_pos[b] = T0 + self.offsets
         self.last[b], self.start[b] = first, T0
         _sync(dev)
