@@ -418,3 +418,20 @@ class Policy:
     def observe_plain(self, rows, seconds: float) -> None:
         self.plain.append(seconds / max(1, sum(r is not None for r in rows)))
         self.since += 1
+
+
+class Alternate:
+    """A plain step, then a round, in turn: a warm-up that compiles both step kinds (generate.py --compile)."""
+
+    def reset(self) -> None:
+        self.steps = 0
+
+    def speculate(self, rows) -> bool:
+        self.steps += 1
+        return self.steps % 2 == 0
+
+    def observe_round(self, rows, seconds: float) -> None:
+        pass
+
+    def observe_plain(self, rows, seconds: float) -> None:
+        pass

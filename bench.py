@@ -22,6 +22,7 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
     python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
     python bench.py --draft-rules 0.3,0.5,0.8,1.0 --heldout 16      # sampled DFlash2 drafts: coupled vs ratio acceptance
     python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
+    python bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
 
 `--parting` times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
 where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 import adaptive
+import batching
 import dflash
 import checkpoint as ckpt
 import model as M
@@ -118,6 +120,9 @@ def parse_args(argv=None):
                    help="instead of AR vs DFlash: where a plain AR decode step's time goes (compiled with --compile): step "
                         "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
                         "entries (the compiled graph, dynamo's checks, the gathering of its inputs, ...)")
+    p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
+                   help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of a batch (batching.py) kept at "
+                        "N requests until the queue runs dry (generated tokens / wall time), speedup, mean acceptance")
     p.add_argument("--round-costs", default=None, metavar="C1,C2,...",
                    help="with --replay: also replay at these fixed costs of a round, in plain steps (a look at its measured "
                         "ratio), e.g. 1.2,2,2.5,3: how the policy and pure rounds trade on other devices")
@@ -154,6 +159,14 @@ def parse_args(argv=None):
         refuse_flags(p, "--vs-pure runs adaptive speculation and pure rounds on one DFlash engine", {
             **others, "--compile": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
             "--no-adaptive": args.no_adaptive})
+    if args.concurrency is not None:
+        ns = positive_numbers(args.concurrency)
+        if not ns or any(n != int(n) for n in ns):
+            p.error(f"--concurrency takes whole numbers >= 1, comma-separated (e.g. 1,8,32), got {args.concurrency!r}")
+        args.concurrency = [int(n) for n in ns]
+        refuse_flags(p, "--concurrency runs batches of requests on checkpoints", {
+            **others, "--compile": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
+            "--vs-pure": args.vs_pure, "--attention flex": args.attention == "flex"})
     if args.profile_decode:
         refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False, "--replay": args.replay,
                      "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})
@@ -276,7 +289,7 @@ def main(argv=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = ((args.preset, preset_main), (args.parting, parting_main), (args.methods, methods_main),
              (args.replay, replay_main), (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
-             (args.profile_decode, profile_decode_main))
+             (args.profile_decode, profile_decode_main), (args.concurrency, concurrency_main))
     for chosen, mode_main in modes:         # the modes instead of AR vs DFlash, first given first
         if chosen:
             return mode_main(args, device)
@@ -494,6 +507,70 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
               "self_us_per_step": {e.key: e.self_cpu_time_total / n for e in rows}}
     print(json.dumps(result))
     return result
+
+
+def concurrency_main(args, device) -> dict:
+    """--concurrency N1,N2,...: per N, a batching.Batch of N slots with a DFlash drafter (adaptive unless --no-adaptive)
+    and one without (AR) run the same requests, each prompt --repeat times, alternately; N requests are in flight
+    until the queue runs dry (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer
+    are left, is short). Throughput = generated tokens / wall time of the whole run (admissions' prefills included,
+    the same for both); per-request tok/s = a request's tokens after its first / its decode time."""
+    dtype = pick_dtype(args.dtype, device)
+    target, drafter, window, _, block, prompts, stops, products = load_pair(args, dtype, device)
+    print(f"{products_words(products)}; {torch.get_num_threads()} threads", flush=True)
+    mode = args.compile_mode if args.compile else None
+    options = compile_options(args, target.embed_tokens.weight.device)
+    table = []
+    for n in args.concurrency:
+        reqs = [batching.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
+        capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
+        policy = None if args.no_adaptive else batching.Policy()
+        engines = {"ar": batching.Batch(target, None, 1, n, capacity, mode, options),
+                   "dflash": batching.Batch(target, batching.SlotDrafter(drafter, target, window), block, n, capacity,
+                                            mode, options, policy)}
+        t0 = time.perf_counter()
+        for name, eng in engines.items():          # warm-up: compiles, and both step kinds of the policy
+            kept, eng.policy = eng.policy, (batching.Alternate() if eng.policy is not None else None)
+            eng.run([batching.Request(r.prompt_ids, 3 * block, r.stop_ids) for r in reqs[:n]])
+            eng.policy = kept
+        warm = time.perf_counter() - t0
+        runs = {"ar": [], "dflash": []}
+        for _ in range(args.repeat):
+            for name, eng in engines.items():
+                t0 = time.perf_counter()
+                results = eng.run(reqs)
+                runs[name].append((time.perf_counter() - t0, results))
+        row = concurrency_row(n, runs, warm)
+        table.append(row)
+        print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DFlash {row['dflash_tokens_per_s']:8.1f} tok/s  "
+              f"speedup {row['speedup']:.2f}x  per request: AR {row['ar_request_tokens_per_s']:.1f}, DFlash "
+              f"{row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance {row['mean_acceptance']:.2f}  "
+              f"rounds {row['round_share']:.0%} of DFlash steps  identical {row['identical']}  ({len(reqs)} requests; "
+              f"warm-up {warm:.1f} s)", flush=True)
+    out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
+           "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not args.no_adaptive,
+           "compile": bool(mode), **products, "concurrency": table}
+    print(json.dumps(out))
+    return out
+
+
+def concurrency_row(n: int, runs: dict, warm: float) -> dict:
+    """One N's line of the concurrency table from runs {name: [(seconds, [Result])] per repeat}: medians over repeats."""
+    def throughput(name):
+        return statistics.median(sum(len(r.output_ids) for r in res) / sec for sec, res in runs[name])
+
+    def per_request(name):
+        return statistics.median((len(r.output_ids) - 1) / r.decode_seconds for _, res in runs[name] for r in res
+                                 if r.decode_seconds > 0 and len(r.output_ids) > 1)
+    rounds = [a for _, res in runs["dflash"] for r in res for a in r.verify_lengths]
+    kinds = [k for _, res in runs["dflash"] for r in res for k in r.step_kinds]
+    ar, sp = throughput("ar"), throughput("dflash")
+    identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
+    return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar,
+            "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
+            "ar_request_tokens_per_s": per_request("ar"), "dflash_request_tokens_per_s": per_request("dflash"),
+            "round_share": kinds.count("verify") / len(kinds) if kinds else 0.0, "identical": identical,
+            "requests": len(runs["ar"][0][1]), "warmup_seconds": warm}
 
 
 def replay_at_costs(args, looked, rounds, look: float) -> dict:

@@ -10,6 +10,9 @@ With a checkpoint that ships a chat template (chat_template.jinja, or tokenizer_
 
 This is also the oracle interface other engines compare against: with --json the last stdout line is one
 JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timings.
+
+Many requests at once (batching.py: continuous batching, each request's output its own run's):
+    python generate.py --prompts-file requests.jsonl --concurrency 8 --json     # one JSON line per request, in order
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import time
 import torch
 
 import adaptive
+import batching
 import chat
 import dflash
 import flex
@@ -109,6 +113,12 @@ def parse_args(argv=None):
                    help="float32 on a CPU with a drafter: products of a few rows (verify, draft) through oneDNN on "
                         "prepacked weights (onednn.py; faster on some CPUs, not on others). Default: both kinds of "
                         "product are timed at load and oneDNN is used where it is at least 10%% faster")
+    p.add_argument("--prompts-file", metavar="FILE.jsonl",
+                   help="many requests, one JSON object per line: prompt, prompt_ids or messages, and optionally "
+                        "max_new_tokens, temperature, top_p, top_k, seed (the flags' values otherwise); run as a batch "
+                        "of --concurrency requests at a time. With --json: one line per request, in input order")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="with --prompts-file: requests in flight at once, the batch's slots (default 1)")
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                    help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
@@ -299,10 +309,13 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
     dtype = pick_dtype(args.dtype, device)
+    batch_flags_check(args)
 
     t0 = time.perf_counter()
     target, tokenizer, proposer, products = load(args, device, dtype)
     load_seconds = time.perf_counter() - t0
+    if args.prompts_file is not None:
+        return run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype)
     template, specials = chat.load_chat_template(target.path)
     as_chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
     tools = chat.read_tools(args.tools) if as_chat and args.tools else None
@@ -354,19 +367,10 @@ def main(argv=None) -> int:
         return 130
     if args.json:
         res = samples[-1]
-        n_decode = len(res.output_ids) - 1
+        run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block_size if proposer else 1,
+                   cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products)
         print(json.dumps({
-            "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
-            "text": tokenizer.decode(res.output_ids, skip_special_tokens=False) if tokenizer is not None else None,
-            "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids, "step_kinds": res.step_kinds,
-            "mean_acceptance_length": res.mean_acceptance_length,
-            "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
-            "decode_tokens_per_s": n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0,
-            "load_seconds": load_seconds, "compile_seconds": compile_seconds, "block_size": block_size if proposer else 1,
-            "cache_len": capacity, "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar", "adaptive": policy is not None,
-            "draft_window": proposer.window if proposer else None, "device": device, "dtype": str(dtype).replace("torch.", ""),
-            **products, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "seed": None if sampling.greedy else seed,
+            **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
             # the rule that decided: a drafter that drafts greedily is verified by the coupled rule under either flag
             "draft_rule": args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled",
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
@@ -376,6 +380,179 @@ def main(argv=None) -> int:
                if args.num_samples > 1 else {}),
         }))
     return 0
+
+
+def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> dict:
+    """The --json fields of one generation (a single run's, or one request's of --prompts-file); `run` holds what
+    the run shares: load_seconds, compile_seconds, block_size, cache_len, adaptive, device, dtype, products."""
+    n_decode = len(res.output_ids) - 1
+    return {
+        "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
+        "text": tokenizer.decode(res.output_ids, skip_special_tokens=False) if tokenizer is not None else None,
+        "acceptance_lengths": res.acceptance_lengths, "draft_ids": res.draft_ids, "step_kinds": res.step_kinds,
+        "mean_acceptance_length": res.mean_acceptance_length,
+        "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
+        "decode_tokens_per_s": n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0,
+        "load_seconds": run["load_seconds"], "compile_seconds": run["compile_seconds"], "block_size": run["block_size"],
+        "cache_len": run["cache_len"], "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar",
+        "adaptive": run["adaptive"], "draft_window": proposer.window if proposer else None, "device": run["device"],
+        "dtype": str(run["dtype"]).replace("torch.", ""), **run["products"],
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "seed": None if sampling.greedy else seed,
+    }
+
+
+# ---- many requests at once: --prompts-file, --concurrency (batching.py) ------------------------------
+
+REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "messages": list, "max_new_tokens": int, "temperature": (int, float),
+                "top_p": (int, float), "top_k": int, "seed": int}      # what a line of --prompts-file may hold
+PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
+
+
+def batch_flags_check(args) -> None:
+    """--concurrency without --prompts-file, and the flags a batch does not take, each refused before loading."""
+    if args.prompts_file is None:
+        if args.concurrency is not None:
+            raise dflash.GenerationError("--concurrency applies to --prompts-file (one request per line); give one, or drop it")
+        return
+    if args.concurrency is not None and args.concurrency < 1:
+        raise dflash.GenerationError(f"--concurrency must be >= 1, got {args.concurrency}")
+    refused = [(f, why) for f, on, why in (
+        ("--prompt/--prompt-ids", args.prompt is not None or args.prompt_ids is not None, "the requests are the file's lines"),
+        ("--messages", args.messages, "put a request's turns in its line's \"messages\""),
+        ("--image", args.image, "a batch serves text requests"),
+        ("--num-samples", args.num_samples != 1, "write one line per sample, each with its own seed"),
+        ("--draft mtp", args.draft.lower() == "mtp", "a batch drafts with a DFlash drafter (or none)"),
+        ("--attention flex", args.attention == "flex", "a batch's rows use the boolean masks of sdpa"),
+        ("--draft-rule ratio", args.draft_rule == "ratio", "a batch drafts greedily and verifies by the coupled rule")) if on]
+    if refused:
+        flag, why = refused[0]
+        raise dflash.GenerationError(f"{flag} does not go with --prompts-file: {why}")
+
+
+def read_requests(path: str) -> list:
+    """--prompts-file -> [(line number, the line's object)], each checked: exactly one of prompt, prompt_ids and
+    messages; only REQUEST_KEYS, each of its type."""
+    if not os.path.isfile(path):
+        raise dflash.GenerationError(f"--prompts-file {path}: no such file")
+    lines = []
+    with open(path, encoding="utf-8") as fh:
+        for n, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise dflash.GenerationError(f"{path} line {n} is not JSON ({e.msg}); write one object per line") from None
+            if not isinstance(line, dict):
+                raise dflash.GenerationError(f"{path} line {n} is not a JSON object; write one object per line")
+            unknown = sorted(set(line) - set(REQUEST_KEYS))
+            if unknown:
+                raise dflash.GenerationError(f"{path} line {n}: unknown key {unknown[0]!r}; a line holds {', '.join(REQUEST_KEYS)}")
+            bad = [k for k, v in line.items() if not isinstance(v, REQUEST_KEYS[k]) or isinstance(v, bool)]
+            if bad:
+                raise dflash.GenerationError(f"{path} line {n}: {bad[0]} has the wrong type ({type(line[bad[0]]).__name__})")
+            if sum(k in line for k in PROMPT_KEYS) != 1:
+                raise dflash.GenerationError(f"{path} line {n}: give exactly one of {', '.join(PROMPT_KEYS)}")
+            lines.append((n, line))
+    if not lines:
+        raise dflash.GenerationError(f"--prompts-file {path} holds no requests")
+    return lines
+
+
+def request_of(line: dict, index: int, args, tokenizer, template, specials, tools, stops: list) -> tuple:
+    """One line -> (batching.Request, whether it is a chat turn). A "prompt" is a user turn rendered by the chat
+    template as --prompt is (unless --no-chat), "messages" a whole conversation, "prompt_ids" used as is; the
+    line's settings override the flags'; the seed is the line's, else --seed + index, else a random one."""
+    as_chat = "messages" in line or ("prompt" in line and (args.chat if args.chat is not None else template is not None))
+    if as_chat:
+        if template is None:
+            raise dflash.GenerationError("the checkpoint ships no chat template, which \"messages\" (or --chat) needs")
+        messages = line.get("messages") or [{"role": "user", "content": line["prompt"]}]
+        if args.system is not None:
+            messages = [{"role": "system", "content": args.system}] + messages
+        text = chat.render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials, tools=tools)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    elif "prompt" in line:
+        if tokenizer is None:
+            raise dflash.GenerationError("the checkpoint has no tokenizer.json; give \"prompt_ids\" instead of \"prompt\"")
+        ids = tokenizer.encode(line["prompt"]).ids
+    else:
+        ids = line["prompt_ids"]
+    if as_chat:
+        stops = stops + [i for i in map(tokenizer.token_to_id, chat.CHAT_STOPS) if i is not None and i not in stops]
+    sampling = dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p),
+                               line.get("top_k", args.top_k))
+    seed = line.get("seed", None if args.seed is None else args.seed + index)
+    return batching.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed), as_chat
+
+
+def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype) -> int:
+    """--prompts-file: every line's request through a batching.Batch of --concurrency slots; the outputs in input order
+    (with --json one line per request: a single run's fields plus its index), then the run's throughput."""
+    template, specials = chat.load_chat_template(target.path)
+    tools = chat.read_tools(args.tools) if args.tools else None
+    base_stops = ckpt.stop_token_ids(target.path, target.cfg)
+    reqs, chats = [], []
+    for i, (n, line) in enumerate(read_requests(args.prompts_file)):
+        try:
+            req, as_chat = request_of(line, i, args, tokenizer, template, specials, tools, base_stops)
+        except dflash.GenerationError as e:
+            raise dflash.GenerationError(f"{args.prompts_file} line {n}: {e}") from None
+        reqs.append(req)
+        chats.append(as_chat)
+    slots = args.concurrency or 1
+    block = args.block_size if args.block_size is not None else (proposer.max_block_size if proposer else 1)
+    capacity = 0
+    for i, r in enumerate(reqs):
+        try:
+            capacity = max(capacity, dflash.check_inputs(target, r.prompt_ids, r.max_new_tokens, block, args.cache_len,
+                                                         proposer, round_up=args.compile))
+        except dflash.GenerationError as e:
+            raise dflash.GenerationError(f"request {i}: {e}") from None
+    drafts = batching.SlotDrafter(proposer.drafter, target, proposer.window) if proposer is not None else None
+    policy = None if (proposer is None or args.no_adaptive) else batching.Policy()
+    engine = batching.Batch(target, drafts, block, slots, capacity, args.compile_mode if args.compile else None,
+                            compile_options(args, device), policy)
+    compile_seconds = warm_up(engine, reqs, block) if args.compile else 0.0
+    t0 = time.perf_counter()
+    results = engine.run(reqs)
+    wall = time.perf_counter() - t0
+    run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block if proposer else 1,
+               cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products)
+    thinking = not args.no_think
+    for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
+        if args.json:
+            print(json.dumps({"index": i, **result_fields(res, args, tokenizer, proposer, run, req.sampling, res.seed),
+                              "draft_rule": "coupled", "concurrency": slots,
+                              **(chat.chat_fields(tokenizer, res.output_ids, list(req.stop_ids), thinking, tools)
+                                 if as_chat else {"chat": False})}))
+        else:
+            print(f"--- request {i}")
+            print(tokenizer.decode(res.output_ids, skip_special_tokens=False) if tokenizer is not None else
+                  " ".join(map(str, res.output_ids)), flush=True)
+            say(stats_line(res, block, proposer, load_seconds, f"request {i}: ", products))
+    generated = sum(len(r.output_ids) for r in results)
+    say(f"[{len(reqs)} requests, {slots} in flight: {generated} tokens in {wall:.2f} s, {generated / wall:.1f} tok/s "
+        "(prefills included)]")
+    return 0
+
+
+def warm_up(engine, reqs: list, block: int) -> float:
+    """--compile with --prompts-file: compile every step kind on the first requests, cut short, before the timed
+    run (a sampled one too when any request samples: the steps then draw) -> seconds."""
+    say(f"compiling the batch's step functions ({engine.slots} slots, a {engine.capacity}-position cache)...")
+    t0 = time.perf_counter()
+    warm = [batching.Request(r.prompt_ids, min(r.max_new_tokens, 3 * block), r.stop_ids, r.sampling, 0)
+            for r in reqs[:engine.slots]]
+    if any(not r.sampling.greedy for r in reqs) and all(r.sampling.greedy for r in warm):
+        warm[0] = batching.Request(warm[0].prompt_ids, warm[0].max_new_tokens, (), dflash.Sampling(1.0), 0)
+    policy, engine.policy = engine.policy, (batching.Alternate() if engine.policy is not None else None)
+    engine.run(warm)
+    engine.policy = policy
+    seconds = time.perf_counter() - t0
+    say(f"compiled in {seconds:.1f} s")
+    return seconds
 
 
 class Output:

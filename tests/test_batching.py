@@ -1,0 +1,267 @@
+"""Many requests at once (batching.py): every row's output == the same request run alone, whatever else is in the
+batch, for every acceptance length on every row, stop tokens, max_new_tokens, arrival orders and N from 1 to 8."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import batching
+import dflash
+from dflash import Sampling
+from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
+from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
+
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
+
+
+class BatchOracle:
+    """Stand-in BatchProposer: for each row, the true continuation of the request in it (known from a run alone)
+    with one corruption at an index drawn per row and per round, so every row accepts exactly what its own plan
+    says, independently of the other rows; each row's plan cycles through a shuffled 0..n (n = all accepted)."""
+
+    feature_layers = ()
+
+    def __init__(self, continuations: dict, vocab: int, seed: int, max_block_size: int = 16):
+        self.cont, self.V, self.rng = continuations, vocab, random.Random(seed)
+        self.max_block_size = max_block_size
+        self.asked = []                                    # (prompt, start, planned acceptance) per live row and round
+
+    def reset(self, slots, capacity):
+        self.rows, self.plans = [None] * slots, [[] for _ in range(slots)]
+
+    def admit(self, row, feats, pos, prompt_ids):
+        self.rows[row] = tuple(prompt_ids)
+
+    def append(self, feats, pos):
+        pass
+
+    def propose(self, last, start, feats, feat_pos, n):
+        out = []
+        for b, prompt in enumerate(self.rows):
+            if prompt is None or int(start[b]) < len(prompt):      # a free slot (it rides along at position 0)
+                out.append([0] * n)
+                continue
+            cont = self.cont[prompt]
+            if not self.plans[b]:
+                self.plans[b] = list(range(n + 1))
+                self.rng.shuffle(self.plans[b])
+            a = self.plans[b].pop()
+            i = int(start[b]) - len(prompt) + 1                 # index in the continuation of the token after last
+            row = (cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
+            if a < n:
+                row[a] = (row[a] + 1 + self.rng.randrange(self.V - 1)) % self.V
+            self.asked.append((prompt, int(start[b]), a))
+            out.append(row)
+        return torch.tensor(out, dtype=torch.long)
+
+
+class RandomPattern:
+    """A stand-in batch policy: a round or a plain step by a seeded coin (the output must not depend on it)."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def reset(self):
+        pass
+
+    def speculate(self, rows):
+        return self.rng.random() < 0.6
+
+    def observe_round(self, rows, seconds):
+        pass
+
+    def observe_plain(self, rows, seconds):
+        pass
+
+
+def make_requests(rng, vocab, n, max_len, alone_runner, stop_rate=0.3):
+    """n random requests; some stop at a token their run alone produces (so the stop is hit mid-output)."""
+    reqs = []
+    for _ in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
+        max_new = rng.randint(1, 40)
+        stops = ()
+        if rng.random() < stop_rate:
+            out = alone_runner(prompt, max_new, ())
+            stops = (out[rng.randrange(len(out))],)
+        reqs.append(batching.Request(prompt, max_new, stops))
+    return reqs
+
+
+def check_batch(target, reqs, slots, block, seed, dtype, drafter_kind="dflash"):
+    """Batched AR, batched DFlash behind the oracle (with and without a random plain/round pattern) and behind a
+    random drafter: each request's output == its run alone (dflash.run, AR)."""
+    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens, r.stop_ids).output_ids for r in reqs]
+    cont = {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}
+    capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
+    oracle = BatchOracle(cont, target.cfg.vocab_size, seed)
+    drafter = random_drafter(kind_draft_config(target.cfg, drafter_kind, target_layer_ids=[seed % target.cfg.num_hidden_layers],
+                                               num_target_layers=None), seed, dtype)
+    runs = {
+        "ar": batching.Batch(target, None, 1, slots, capacity).run(reqs),
+        "oracle": batching.Batch(target, oracle, block, slots, capacity).run(reqs),
+        "pattern": batching.Batch(target, BatchOracle(cont, target.cfg.vocab_size, seed + 1), block, slots, capacity,
+                                  policy=RandomPattern(seed)).run(reqs),
+        "drafter": batching.Batch(target, batching.SlotDrafter(drafter, target), block, slots, capacity).run(reqs),
+    }
+    for name, results in runs.items():
+        for r, res, want in zip(reqs, results, alone):
+            if dtype == torch.float64 or res.output_ids == want:
+                assert res.output_ids == want, (name, r)
+            else:
+                assert first_divergence_is_near_tie(target, r.prompt_ids, want, res.output_ids, 1e-4), name
+            assert res.prompt_ids == r.prompt_ids
+            # the trace contract, per row: the steps' tokens make up the output, acceptance lengths sum to it
+            assert [t for s in res.steps for t in s.tokens] == res.output_ids
+            assert sum(res.acceptance_lengths) + 1 == len(res.output_ids) or name == "ar"
+            assert all(1 <= a <= block for a in res.acceptance_lengths)
+            assert [s.stop for s in res.steps] == [False] * (len(res.steps) - 1) + [True]
+    return oracle, runs
+
+
+@st.composite
+def moe_or_dense(draw):
+    cfg = draw(target_configs())
+    if draw(st.booleans()):
+        cfg = tiny_target_config(**{**vars(cfg), **MOE})
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@settings(max_examples=30, deadline=None)
+@given(cfg=moe_or_dense(), seed=st.integers(0, 10**6), n_req=st.integers(1, 10), slots=st.integers(1, 8),
+       block=st.integers(1, 16), max_len=st.sampled_from([8, 60, 200]))
+def test_batch_equals_alone(dtype, cfg, seed, n_req, slots, block, max_len):
+    target = random_target(cfg, seed, dtype)
+    rng = random.Random(seed)
+    reqs = make_requests(rng, cfg.vocab_size, n_req, max_len,
+                         lambda p, m, s: dflash.run(target, p, m, s).output_ids)
+    oracle, _ = check_batch(target, reqs, slots, block, seed, dtype, rng.choice(["dflash", "sliding", "dflash2"]))
+
+
+def test_every_acceptance_length_on_every_row():
+    """Rows accept independently: in one batch, each row sees every acceptance length 0..block-1, and the rows'
+    lengths in the same round differ."""
+    cfg = tiny_target_config(vocab_size=50)
+    target = random_target(cfg, 3)
+    rng = random.Random(1)
+    block = 6
+    reqs = [batching.Request([rng.randrange(50) for _ in range(rng.randint(5, 40))], 120) for _ in range(4)]
+    oracle, _ = check_batch(target, reqs, 4, block, 5, torch.float64)
+    for r in reqs:
+        seen = {a for p, _, a in oracle.asked if p == tuple(r.prompt_ids)}
+        assert seen == set(range(block)), seen
+    by_start = {}
+    for p, s, a in oracle.asked:
+        by_start.setdefault(len(by_start) // 4, []).append(a)
+    assert any(len(set(v)) > 1 for v in by_start.values())
+
+
+def test_admission_order_and_slots_do_not_matter():
+    """The same requests in another order, through 1, 3 and 8 slots: each request's output is the same."""
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 8)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 4)
+    rng = random.Random(2)
+    reqs = [batching.Request([rng.randrange(40) for _ in range(rng.randint(1, 50))], rng.randint(1, 30)) for _ in range(9)]
+    want = None
+    for slots in (1, 3, 8):
+        order = list(range(len(reqs)))
+        rng.shuffle(order)
+        res = batching.Batch(target, batching.SlotDrafter(d, target), 8, slots, 100).run([reqs[i] for i in order])
+        got = {i: r.output_ids for i, r in zip(order, res)}
+        want = want or got
+        assert got == want
+
+
+def test_sampled_rows_equal_concurrency_one_and_the_engine():
+    """float64: a request's samples at concurrency N == at concurrency 1 == dflash.Engine's, for its own seed, beside
+    greedy rows and rows with other settings."""
+    cfg = tiny_target_config(vocab_size=30)
+    target = random_target(cfg, 9)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 4)
+    rng = random.Random(3)
+    settings_ = [Sampling(), Sampling(0.7), Sampling(1.3, top_p=0.8), Sampling(1.0, top_k=4), Sampling(0.9, 0.9, 6)]
+    reqs = [batching.Request([rng.randrange(30) for _ in range(rng.randint(1, 30))], rng.randint(5, 30), (),
+                             settings_[i % len(settings_)], seed=100 + i) for i in range(8)]
+    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed).output_ids for r in reqs]
+    for slots in (1, 4, 8):
+        for proposer, block in ((None, 1), (batching.SlotDrafter(d, target), 8)):
+            res = batching.Batch(target, proposer, block, slots, 80).run(reqs)
+            assert [r.output_ids for r in res] == alone, (slots, proposer)
+            assert [r.seed for r in res] == [None if r.sampling.greedy else r.seed for r in reqs]
+
+
+def test_batched_sampling_keeps_the_target_distribution():
+    """Chi-square: the second token of 400 seeded requests, run 8 at a time behind a drafter (accepts and rejects
+    both occur), against the same requests' plain AR draws; and the AR draws fit the target's distribution."""
+    from test_sampling import goodness_of_fit, two_sample_chi2
+    cfg = tiny_target_config(vocab_size=6, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    target = random_target(cfg, 11, torch.float32)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=4, target_layer_ids=[0, 1], num_target_layers=None),
+                       2, torch.float32)
+    prompt, s = [1, 4, 2, 0, 3], Sampling(1.0)
+    reqs = [batching.Request(prompt, 3, (), s, seed=i) for i in range(400)]
+    sp = batching.Batch(target, batching.SlotDrafter(d, target), 4, 8, 16).run(reqs)
+    ar = batching.Batch(target, None, 1, 1, 16).run(reqs[:200] + [batching.Request(prompt, 3, (), s, seed=10**6 + i)
+                                                                  for i in range(200)])
+    assert two_sample_chi2([r.output_ids[1] for r in sp], [r.output_ids[1] for r in ar]) > 1e-4
+    with torch.no_grad():
+        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
+    p0 = dflash.sampling_probs(logits[0, -1], s).double()
+    assert goodness_of_fit(torch.bincount(torch.tensor([r.output_ids[0] for r in ar]), minlength=6).double(), p0) > 1e-4
+    accepted = [st.accepted for r in sp for st in r.steps if st.kind == "verify"]
+    assert 0 < sum(a > 0 for a in accepted) < len(accepted)
+
+
+def test_batch_policy_plain_steps_and_rounds_are_both_exact():
+    """The batch policy (batching.Policy) on a drafter that never agrees: it turns to plain steps, probes with a
+    round now and then, and the output is AR's."""
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 12)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
+    rng = random.Random(4)
+    reqs = [batching.Request([rng.randrange(40) for _ in range(20)], 60) for _ in range(3)]
+    res = batching.Batch(target, batching.SlotDrafter(d, target), 8, 3, 100, policy=batching.Policy()).run(reqs)
+    for r, got in zip(reqs, res):
+        assert got.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
+        assert {"plain", "verify"} <= set(got.step_kinds)
+
+
+def test_bad_requests_name_the_request():
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 1)
+    b = batching.Batch(target, None, 1, 2, 30)
+    with pytest.raises(dflash.GenerationError, match="request 1: .*exceeds the cache length 30"):
+        b.run([batching.Request([1, 2], 5), batching.Request([1] * 20, 20)])
+    with pytest.raises(dflash.GenerationError, match="request 0: the prompt is empty"):
+        b.run([batching.Request([], 5)])
+    with pytest.raises(dflash.GenerationError, match="--concurrency must be >= 1"):
+        batching.Batch(target, None, 1, 0, 30)
+
+
+def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
+    """Compiled with N = 3: requests of other lengths arriving and finishing at other times, greedy, never recompile;
+    the tokens are the eager batch's."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 2, torch.float32)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=4), 3, torch.float32)
+    rng = random.Random(5)
+
+    def requests(k):
+        return [batching.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
+    for policy in (None, RandomPattern(0)):
+        eng = batching.Batch(target, batching.SlotDrafter(d, target), 4, 3, 64, compile_mode="default", policy=policy)
+        eng.run(requests(4))                                    # warm-up: every step kind compiles once
+        graphs = counters["stats"]["unique_graphs"]
+        later = requests(7)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = eng.run(later)
+        assert counters["stats"]["unique_graphs"] == graphs
+        eager = batching.Batch(target, batching.SlotDrafter(d, target), 4, 3, 64).run(later)
+        for a, b in zip(got, eager):
+            assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
