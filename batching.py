@@ -174,7 +174,7 @@ class Batch:
     """N slots over one target (and optionally a BatchProposer), caches allocated once for `capacity` positions
     per row, and fixed-shape steps, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
         decode_step  (tok [N,1], pos [N,1])                    -> tokens [N]     AR
-        plain_step   (tok [N,1], pos [N,1], feats, feat_pos)   -> tokens [N]     AR, the drafter's context fed
+        plain_step   (tok [N,1], pos [N,1], buf [N,B,F], slot [1]) -> tokens [N]  AR, the features kept in buf
         verify_step  (block [N,B], pos [N,B])                  -> posterior [N,B], accepted [N], feats [N,B,F]
         draft_step   (last [N], start [N], feats [N,B,F], feat_pos [N,B], B-1) -> proposals [N,B-1]
         commit       (n [N])                                   -> each row's GDN states after its n-th block token
@@ -196,18 +196,23 @@ class Batch:
         self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block)
         self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
         self.offsets = torch.arange(self.block, device=dev)
+        self.columns = [self.offsets[j:j + 1].clone() for j in range(self.block)]    # plain steps' slots in plain_buf
         self.last, self.start = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
         # each row's request's sampling: device tensors the steps read, so a request's settings never recompile
         self.keys, self.top_k = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.sampled = False          # some request of the run samples: the steps draw (else argmax only)
-        self.feats = self.feat_pos = None
+        # The features the drafter's context has not taken yet: a round's verify features, or plain steps' columns
+        # in plain_buf (plain_run of them; None: a round's), at positions feat_pos [N,B] (those at >= a row's
+        # start are stale: hidden from its draft, rewritten later).
+        self.feats = self.feat_pos = self.plain_buf = self.plain_run = None
         if proposer is not None:
             proposer.reset(slots, capacity)
             width = len(self.feature_layers) * target.cfg.hidden_size
             self.feats = torch.zeros(slots, self.block, width, dtype=dtype, device=dev)
             self.feat_pos = self.offsets.repeat(slots, 1)
+            self.plain_buf = torch.zeros_like(self.feats)
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
         self.draft_step, self.plain_step = (proposer.propose if proposer is not None else None), self._plain
         self._graphs, self._models, self._state = False, [], None
@@ -222,7 +227,7 @@ class Batch:
             for c in (self.cache, getattr(self.proposer, "cache", None)):
                 if c is not None:
                     mark_static_(c)
-            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p):
+            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.plain_buf):
                 torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)
         self.verify_step = compiling.compile_step(self._verify, options)
@@ -246,12 +251,13 @@ class Batch:
         logits, _ = self.target(tok, pos, self.cache)
         return self._choose(logits, pos + 1)[:, 0]
 
-    def _plain(self, tok, pos, feats, feat_pos):
-        """_decode for a batch with a drafter: the last round's features not yet in its context (feats [N,B,F] at
-        feat_pos [N,B]) go in first, then the step's own tokens' features, so rounds can resume at any step."""
-        self.proposer.append(feats, feat_pos)
+    def _plain(self, tok, pos, buf, slot):
+        """_decode for a batch with a drafter: the step also keeps its tokens' features, as column `slot` [1] of buf
+        [N,B,F], which the drafter's context takes whole (B columns) when it is full or when a round drafts next,
+        as it takes a round's verify features; so rounds can resume at any step."""
         logits, own = self.target(tok, pos, self.cache, feature_layers=self.feature_layers)
-        self.proposer.append(own, pos)
+        if own is not None:
+            buf.index_copy_(1, slot, own)
         return self._choose(logits, pos + 1)[:, 0]
 
     def _verify(self, block, pos):
@@ -279,6 +285,8 @@ class Batch:
         at = pos[-1:][None] + 1
         first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
         if self.proposer is not None:
+            if self.plain_run:                  # plain steps' columns are pending: into the context first, so that
+                self._take_pending()            # every row's column j is again position start + j
             self.proposer.admit(b, feats, pos, req.prompt_ids)
             if self.feats is not None:                     # placeholders at positions >= start: hidden, rewritten
                 self.feats[b].zero_()
@@ -287,9 +295,16 @@ class Batch:
         _sync(dev)
         return _Row(index, req, seed, first, T0, time.perf_counter() - t0)
 
-    def _upload(self, rows, n=None) -> None:
-        """Every row's last token and position to the device after a step (a free row: token 0 at position 0)."""
-        live = [r is not None for r in rows]
+    def _take_pending(self) -> None:
+        """The pending features (a round's, or plain steps') into the drafter's context; plain steps fill plain_buf
+        from column 0 from here, column j holding position start + j of each row."""
+        self.proposer.append(self.feats, self.feat_pos)
+        self.feats, self.feat_pos, self.plain_run = self.plain_buf, self.start[:, None] + self.offsets, 0
+
+    def _upload(self, rows) -> None:
+        """Every row's last token and position to the device after a step (a free or finished row: token 0 at
+        position 0)."""
+        live = [r is not None and not r.done for r in rows]
         last = [r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)]
         start = [r.start if on else 0 for r, on in zip(rows, live)]
         self.last.copy_(torch.tensor(last))
@@ -320,8 +335,8 @@ class Batch:
                             results[rows[b].index], rows[b] = rows[b].result, None
                 if not any(rows):
                     return results
-                self._upload(rows)
                 self.step(rows)
+                self._upload(rows)
                 for b, row in enumerate(rows):
                     self._emit(row, on_step)
                     if row is not None and row.done:
@@ -365,17 +380,18 @@ class Batch:
                 n[b] = len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1)))
         self.commit(torch.tensor(n, device=dev))                  # each row's rollback to its own committed tokens
         self.feats = feats.clone() if self._graphs else feats     # (CUDA graphs reuse their outputs)
-        self.feat_pos = pos
+        self.feat_pos, self.plain_run = pos, None
 
     def decode(self, rows: list, kind: str) -> None:
         """One AR step for every row (`kind` "decode"), or with a drafter a plain step ("plain"): the same target call
-        with the tokens' features written into the drafter's context, so rounds can resume at any step."""
+        that also keeps the tokens' features for the drafter's context (plain_buf, taken whole when full)."""
         t0 = time.perf_counter()
         tok, pos = self.last[:, None], self.start[:, None]
-        if kind == "plain":
-            host = self.plain_step(tok, pos, self.feats, self.feat_pos).tolist()
-            # the pending rows are in the context now; what the next draft appends again lies at >= its start: hidden
-            self.feat_pos = pos + 1 + self.offsets
+        if kind == "plain" and self.plain_buf is not None:
+            if self.plain_run in (None, self.block):
+                self._take_pending()
+            host = self.plain_step(tok, pos, self.plain_buf, self.columns[self.plain_run]).tolist()
+            self.plain_run += 1
         else:
             host = self.decode_step(tok, pos).tolist()
         for b, row in enumerate(rows):
@@ -386,37 +402,49 @@ class Batch:
 class Policy:
     """Adaptive speculation for a batch: before each step, a round for every row or a plain step for every row.
 
-    A round commits, over the live rows, sum(tokens) tokens in round_seconds; a plain step commits one token per
-    live row in plain_seconds. Rounds go on while their measured tokens per second (the last `window` rounds'
-    committed tokens over their times) is at least plain steps'; while they lose, plain steps, with a round every
-    `probe` steps to keep the measure of acceptance fresh (acceptance changes as the text does). The first step
-    of a run is a plain step (it times one). Output never depends on the choice: both kinds commit the target's
-    own tokens."""
+    Both are measured as the batch runs, at its own N: a round's seconds and the tokens it commits per live row
+    (its acceptance), a plain step's seconds. A round is worth `gain` = tokens per row x plain seconds / round
+    seconds plain steps; rounds go on while gain >= 1. While they lose, plain steps, and after `wait` of them a
+    probe round re-measures the acceptance (it changes with the text). A probe costs (round seconds / plain
+    seconds - tokens) plain steps, so the wait is set to keep that under `budget` of the time: on a device where
+    a verify of N x block tokens is compute-bound (a CPU at N = 8 or 32), rounds are probed rarely.
+    The first step of a batch is a plain step, the second a round (each times one). Timings and acceptance carry
+    over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
+    depends on the choice: both kinds commit the target's own tokens."""
 
-    def __init__(self, window: int = 16, probe: int = 8):
-        self.window, self.probe = window, probe
-        self.reset()
+    def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02):
+        self.first_wait, self.max_wait, self.budget = first_wait, max_wait, budget
+        self.rounds = collections.deque(maxlen=window)      # (seconds, committed tokens per live row) per round
+        self.plain = collections.deque(maxlen=window)       # seconds per plain step
+        self.since = 0                                      # plain steps since the last round
 
     def reset(self) -> None:
-        self.rounds = collections.deque(maxlen=self.window)     # (tokens committed, seconds) per round
-        self.plain = collections.deque(maxlen=self.window)      # seconds per plain step, per live row
-        self.since = 0                                          # plain steps since the last round
+        self.since = 0
+
+    def gain(self) -> float:
+        """Plain steps a round is worth, from the medians of the last rounds and plain steps."""
+        seconds = statistics.median(s for s, _ in self.rounds)
+        tokens = statistics.mean(t for _, t in self.rounds)
+        return tokens * statistics.median(self.plain) / seconds
+
+    def wait(self) -> int:
+        """Plain steps before the next probe: a probe's loss over the wait stays within `budget`."""
+        g, tokens = self.gain(), statistics.mean(t for _, t in self.rounds)
+        loss = tokens / g - tokens if g > 0 else self.max_wait     # a round's cost in plain steps, minus its tokens
+        return int(min(self.max_wait, max(self.first_wait, loss / self.budget)))
 
     def speculate(self, rows) -> bool:
-        if not self.plain:
-            return False
-        if not self.rounds or self.since >= self.probe:
-            return True
-        tokens, seconds = (sum(x) for x in zip(*self.rounds))
-        return tokens / seconds >= 1 / statistics.median(self.plain)
+        if not self.plain or not self.rounds:
+            return bool(self.plain)
+        return self.gain() >= 1 or self.since >= self.wait()
 
     def observe_round(self, rows, seconds: float) -> None:
-        committed = sum(len(r.result.steps[-1].tokens) for r in rows if r is not None)
-        self.rounds.append((committed, seconds))
+        live = [r for r in rows if r is not None]
+        self.rounds.append((seconds, sum(len(r.result.steps[-1].tokens) for r in live) / max(1, len(live))))
         self.since = 0
 
     def observe_plain(self, rows, seconds: float) -> None:
-        self.plain.append(seconds / max(1, sum(r is not None for r in rows)))
+        self.plain.append(seconds)
         self.since += 1
 
 

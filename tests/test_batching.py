@@ -265,3 +265,57 @@ def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
         eager = batching.Batch(target, batching.SlotDrafter(d, target), 4, 3, 64).run(later)
         for a, b in zip(got, eager):
             assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
+
+
+class Pattern:
+    """A stand-in batch policy that cycles through a fixed pattern of rounds (True) and plain steps (False)."""
+
+    def __init__(self, pattern):
+        self.pattern, self.i = pattern, 0
+
+    def reset(self):
+        pass
+
+    def speculate(self, rows):
+        self.i += 1
+        return self.pattern[(self.i - 1) % len(self.pattern)]
+
+    def observe_round(self, rows, seconds):
+        pass
+
+    def observe_plain(self, rows, seconds):
+        pass
+
+
+@pytest.mark.parametrize("kind,block,pattern,slots", [("dflash", 8, [False] * 5 + [True], 2),
+                                                      ("sliding", 8, [False] * 11 + [True, True], 3),
+                                                      ("dflash", 4, [True, False], 2), ("dflash2", 16, [False, True], 2),
+                                                      ("dflash", 8, [False] * 19 + [True], 1)])
+def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind, block, pattern, slots):
+    """The drafter's context in a batch (a round's features, plain steps' columns taken whole when full, taken early
+    when a request is admitted beside them): every row's every proposal == the drafter run from scratch on
+    full-forward target features of that request's committed prefix."""
+    from test_spec_equals_ar import scratch_mask
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 7)
+    dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
+    drafter = random_drafter(dcfg, 7)
+    rng = random.Random(7)
+    reqs = [batching.Request([rng.randrange(40) for _ in range(rng.randint(3, 30))], rng.randint(20, 70)) for _ in range(5)]
+    results = batching.Batch(target, batching.SlotDrafter(drafter, target), block, slots, 120,
+                             policy=Pattern(pattern)).run(reqs)
+    rounds = 0
+    for req, res in zip(reqs, results):
+        seq = torch.tensor([req.prompt_ids + res.output_ids])
+        with torch.no_grad():
+            _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
+            for step in [s for s in res.steps if s.kind == "verify"]:
+                start = step.start
+                blk = torch.full((1, block), dcfg.mask_token_id)
+                blk[0, 0] = seq[0, start]
+                masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
+                h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block),
+                            torch.arange(start), masks)
+                assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids, start
+                rounds += 1
+    assert rounds >= 5 and sum(r.step_kinds.count("plain") for r in results) >= 20
