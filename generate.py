@@ -452,6 +452,8 @@ def read_requests(path: str) -> list:
             bad = [k for k, v in line.items() if not isinstance(v, REQUEST_KEYS[k]) or isinstance(v, bool)]
             if bad:
                 raise dflash.GenerationError(f"{path} line {n}: {bad[0]} has the wrong type ({type(line[bad[0]]).__name__})")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in line.get("prompt_ids", [])):
+                raise dflash.GenerationError(f"{path} line {n}: prompt_ids must be a list of token ids (integers)")
             if sum(k in line for k in PROMPT_KEYS) != 1:
                 raise dflash.GenerationError(f"{path} line {n}: give exactly one of {', '.join(PROMPT_KEYS)}")
             lines.append((n, line))

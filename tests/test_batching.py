@@ -319,3 +319,74 @@ def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind
                 assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids, start
                 rounds += 1
     assert rounds >= 5 and sum(r.step_kinds.count("plain") for r in results) >= 20
+
+
+# ---- generate.py --prompts-file --concurrency --------------------------------------------------------
+
+def test_prompts_file_equals_single_runs(tmp_path, capsys):
+    """The embedded pair through --prompts-file at concurrency 3: one JSON line per request, in input order, each ==
+    the same request run alone by generate.py (greedy and sampled, its own settings, text and ids, a stop)."""
+    import json
+
+    import generate
+    lines = [{"prompt": "def fibonacci(n):", "max_new_tokens": 30},
+             {"prompt_ids": [1, 2, 3, 4], "max_new_tokens": 12, "temperature": 0.8, "seed": 7, "top_k": 20},
+             {"prompt": "import os\nimport sys\n", "max_new_tokens": 40},
+             {"prompt": "class Point:", "max_new_tokens": 5, "temperature": 1.1, "top_p": 0.9, "seed": 3},
+             {"prompt": "x = ", "max_new_tokens": 1}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    capsys.readouterr()
+    assert generate.main(["--prompts-file", str(path), "--concurrency", "3", "--json", "--threads", "1"]) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [o["index"] for o in out] == list(range(len(lines)))
+    for line, got in zip(lines, out):
+        argv = ["--json", "--threads", "1", "--max-new-tokens", str(line["max_new_tokens"])]
+        argv += ["--prompt", line["prompt"]] if "prompt" in line else ["--prompt-ids", ",".join(map(str, line["prompt_ids"]))]
+        for key, flag in (("temperature", "--temperature"), ("seed", "--seed"), ("top_k", "--top-k"), ("top_p", "--top-p")):
+            if key in line:
+                argv += [flag, str(line[key])]
+        assert generate.main(argv) == 0
+        alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        for key in ("prompt_ids", "output_ids", "text", "seed", "temperature", "mode", "block_size"):
+            assert got[key] == alone[key], (key, line)
+        assert got["concurrency"] == 3 and sum(got["acceptance_lengths"]) + 1 == len(got["output_ids"])
+    capsys.readouterr()
+    assert generate.main(["--prompts-file", str(path), "--concurrency", "2", "--draft", "none", "--json"]) == 0
+    ar = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [o["output_ids"] for o in ar] == [o["output_ids"] for o in out] and ar[0]["mode"] == "ar"
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ('{"prompt": "a", "temprature": 1}', [], "line 1: unknown key 'temprature'; a line holds prompt, "),
+    ('{"prompt": "a"}\nnot json', [], "line 2 is not JSON"),
+    ('[1, 2]', [], "line 1 is not a JSON object"),
+    ('{"prompt": "a", "prompt_ids": [1]}', [], "line 1: give exactly one of prompt, prompt_ids, messages"),
+    ('{"prompt_ids": "1,2"}', [], "line 1: prompt_ids has the wrong type (str)"),
+    ('{"prompt_ids": [1, "2"]}', [], "line 1: prompt_ids must be a list of token ids (integers)"),
+    ('{"prompt_ids": [1, 2], "max_new_tokens": 5000}', [], "request 0: .*exceeds the model's max_position_embeddings"),
+    ('{"prompt_ids": [1, 2], "temperature": -1}', [], "line 1: temperature must be >= 0"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', [], "ships no chat template"),
+    ('', [], "holds no requests"),
+    ('{"prompt_ids": [1]}', ["--concurrency", "0"], "--concurrency must be >= 1"),
+    ('{"prompt_ids": [1]}', ["--image", "x.png"], "--image does not go with --prompts-file"),
+    ('{"prompt_ids": [1]}', ["--draft", "mtp"], "--draft mtp does not go with --prompts-file"),
+    ('{"prompt_ids": [1]}', ["--prompt", "x"], "--prompt/--prompt-ids does not go with --prompts-file"),
+])
+def test_prompts_file_errors(tmp_path, capsys, content, args, message):
+    import re
+
+    import generate
+    path = tmp_path / "r.jsonl"
+    path.write_text(content)
+    assert generate.cli(["--prompts-file", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and (message in err or re.search(message, err)), err
+
+
+def test_concurrency_needs_a_prompts_file(capsys):
+    import generate
+    assert generate.cli(["--prompt", "x", "--concurrency", "4"]) == 2
+    assert "--concurrency applies to --prompts-file" in capsys.readouterr().err
+    assert generate.cli(["--prompts-file", "/no/such/file.jsonl"]) == 2
+    assert "no such file" in capsys.readouterr().err
