@@ -164,8 +164,8 @@ def parse_args(argv=None):
         if not ns or any(n != int(n) for n in ns):
             p.error(f"--concurrency takes whole numbers >= 1, comma-separated (e.g. 1,8,32), got {args.concurrency!r}")
         args.concurrency = [int(n) for n in ns]
-        refuse_flags(p, "--concurrency runs batches of requests on checkpoints", {
-            **others, "--compile": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
+        refuse_flags(p, "--concurrency runs batches of requests on checkpoints or a --preset", {
+            **others, "--compile": False, "--preset": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
             "--vs-pure": args.vs_pure, "--attention flex": args.attention == "flex"})
     if args.profile_decode:
         refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False, "--replay": args.replay,
@@ -862,6 +862,8 @@ def preset_main(args, device) -> dict:
     timings as the checkpoint benchmark), then print the step costs, the bandwidth and the projection."""
     cuda = torch.device(device).type == "cuda"
     dtype = pick_dtype(args.dtype, device)
+    if args.concurrency:
+        return preset_concurrency(args, device, dtype)
     peak = peak_copy_gb_s() if cuda else None              # before the model takes the memory
     t0 = time.perf_counter()
     target, drafter = random_models(args.preset, device, dtype)
@@ -912,6 +914,46 @@ def preset_main(args, device) -> dict:
                        "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
         if target.cfg.num_experts:    # a verify reads up to block * top_k experts per layer, a decode top_k: no such bar
             del out["bars"]["verify_le_1.3x_decode"]
+    print(json.dumps(out))
+    return out
+
+
+def preset_concurrency(args, device, dtype) -> dict:
+    """--preset with --concurrency N1,...: per N, a batching.Batch's AR decode step and DFlash round (draft, verify of
+    N x block tokens, commit; pure rounds) on the preset's shapes with random weights, N requests of --prompt-len
+    random tokens in flight. The step costs are measured; DFlash's tok/s is PROJECTED at --tau (random weights
+    accept nothing): N * tau / round seconds, against AR's measured N / decode seconds."""
+    target, drafter = random_models(args.preset, device, dtype)
+    block = args.block_size or drafter.cfg.block_size
+    prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
+    products = use_onednn(args.onednn, block, target, drafter)
+    mode = args.compile_mode if args.compile else None
+    options = compile_options(args, target.embed_tokens.weight.device)
+    g = torch.Generator().manual_seed(0)
+    table = []
+    for n in args.concurrency:
+        reqs = [batching.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
+                                 args.max_new_tokens) for _ in range(n)]
+        capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
+        ar = batching.Batch(target, None, 1, n, capacity, mode, options)
+        sp = batching.Batch(target, batching.SlotDrafter(drafter, target), block, n, capacity, mode, options)
+        t0 = time.perf_counter()
+        for eng in (ar, sp):
+            eng.run([batching.Request(r.prompt_ids, 3 * block) for r in reqs])
+        warm = time.perf_counter() - t0
+        decode_ms = 1000 * statistics.median(s.verify_seconds for s in ar.run(reqs)[0].steps[1:])
+        round_ms = 1000 * statistics.median(s.draft_seconds + s.verify_seconds for s in sp.run(reqs)[0].steps[1:])
+        row = {"n": n, "decode_ms": decode_ms, "round_ms": round_ms, "round_over_decode": round_ms / decode_ms,
+               "ar_tokens_per_s": 1000 * n / decode_ms, "projected_dflash_tokens_per_s": 1000 * n * args.tau / round_ms,
+               "projected_speedup": args.tau * decode_ms / round_ms, "warmup_seconds": warm}
+        table.append(row)
+        print(f"{args.preset} N={n:3d}: decode {decode_ms:.3f} ms, round ({n}x{block} verified) {round_ms:.3f} ms "
+              f"({row['round_over_decode']:.2f}x); AR {row['ar_tokens_per_s']:.0f} tok/s measured, DFlash "
+              f"{row['projected_dflash_tokens_per_s']:.0f} tok/s PROJECTED at tau {args.tau:.2f} "
+              f"({row['projected_speedup']:.2f}x); warm-up {warm:.1f} s", flush=True)
+    out = {"preset": args.preset, "mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""),
+           "compile_mode": mode, "block_size": block, "prompt_len": prompt_len, "projected_tau": args.tau, **products,
+           "concurrency": table}
     print(json.dumps(out))
     return out
 

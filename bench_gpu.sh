@@ -10,7 +10,9 @@
 #                                      MODE=max-autotune for autotuned kernels, slower to compile)
 # The same script on a CPU, as tests/test_bench_preset.py runs it (no bars there: they are GPU bars):
 #   DEVICE=cpu PRESET=tiny-9b-shape COMPILE=0 bash bench_gpu.sh
-# The JSON lines go to ${OUT:-.}/bench_gpu_<attention>.json; the exit code is 1 when a bar is missed.
+# Then the concurrency table of the same preset (CONCURRENCY=1,8,32; none skips it).
+# The JSON lines go to ${OUT:-.}/bench_gpu_<attention>.json and bench_gpu_concurrency.json; the exit code is 1
+# when a bar is missed.
 set -euo pipefail
 cd "$(dirname "$0")"
 ATTENTION=${ATTENTION:-sdpa}
@@ -37,4 +39,13 @@ timeout 390 python bench.py --preset "$PRESET" --random-weights --device "$DEVIC
     | tee "$OUTDIR/bench_gpu_$ATTENTION.log"
 tail -n 1 "$OUTDIR/bench_gpu_$ATTENTION.log" > "$OUTDIR/bench_gpu_$ATTENTION.json"
 python -c 'import bench, sys; sys.exit(bench.preset_summary(sys.argv[1]))' "$OUTDIR/bench_gpu_$ATTENTION.json"
+# Many requests in flight (batching.py): the preset's decode step and DFlash round at N = 1, 8, 32 (CONCURRENCY),
+# AR tok/s measured, DFlash tok/s projected at tau 5.60; no bar, a table. Its own time limit: a miss loses only it.
+CONCURRENCY=${CONCURRENCY:-1,8,32}
+if [ "$ATTENTION" = sdpa ] && [ "$CONCURRENCY" != none ]; then
+    timeout 240 python bench.py --preset "$PRESET" --random-weights --device "$DEVICE" --dtype "$DTYPE" \
+        "${FLAGS[@]}" --max-new-tokens 32 --prompt-len "$PROMPT_LEN" --concurrency "$CONCURRENCY" \
+        | tee "$OUTDIR/bench_gpu_concurrency.log" || echo "  FAIL  --concurrency $CONCURRENCY (time limit or error)"
+    tail -n 1 "$OUTDIR/bench_gpu_concurrency.log" > "$OUTDIR/bench_gpu_concurrency.json"
+fi
 [ "$TESTS" = PASS ]

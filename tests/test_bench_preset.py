@@ -101,12 +101,14 @@ def test_bench_gpu_script_runs_on_cpu(tmp_path):
     import os
     import subprocess
     from helpers import ROOT
-    env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=str(tmp_path))
+    env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=str(tmp_path), CONCURRENCY="1,2")
     run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "SKIP  tests/test_gpu.py" in run.stdout and "no bars" in run.stdout
     r = json.loads((tmp_path / "bench_gpu_sdpa.json").read_text())
     assert r["preset"] == "tiny-9b-shape" and r["device"] == "cpu" and r["verify_ms"] > 0
+    c = json.loads((tmp_path / "bench_gpu_concurrency.json").read_text())
+    assert [row["n"] for row in c["concurrency"]] == [1, 2] and all(row["round_ms"] > 0 for row in c["concurrency"])
 
 
 def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
