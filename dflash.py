@@ -233,7 +233,7 @@ class _Sequence:
         return up[0]
 
 
-class Engine:
+class Steps:
     """One target (and optionally a proposer) with caches allocated once for `capacity` positions and the
     fixed-shape step functions, eager or compiled with torch.compile(fullgraph=True, dynamic=False):
         decode_step  (tok [1,1], pos [1])                      -> logits [V]        AR; commits its token
@@ -333,7 +333,42 @@ class Engine:
         noise (noise.py)."""
         return draw(sampling_probs(logits, self.sampling), noise.vocab_noise(key, at, logits.shape[-1])[0])
 
-    # ---- a generation --------------------------------------------------------------------------
+    def pick(self, logits, at):
+        """One token on the device from logits [V] for position at [1]: the argmax (one op, not worth a compiled
+        call), or the generation's draw there (pick_step: the noise and the draw fused when compiled)."""
+        return logits.argmax() if self.key is None else self.pick_step(logits, at, self.key)
+
+    def _draft_noise(self, seq, n: int) -> tuple:
+        """(row keys [n], temperature) for a proposer that samples its draft (samples_drafts) when sampling, else ():
+        the keys of positions start+1 .. start+n, in the TARGET stream under the coupled rule (the draft races with
+        the target's own noise) or the DRAFT stream under the ratio rule (noise of its own)."""
+        if self.key is None or not getattr(self.proposer, "samples_drafts", False):
+            return ()
+        stream = noise.TARGET if self.sampling.draft_rule == "coupled" else noise.DRAFT
+        return noise.row_keys(self.key, seq.start_t + 1 + self.offsets[:n], stream), self.sampling.temperature
+
+    def _clock(self) -> float:
+        """Wall clock for per-step timings; on CUDA it syncs only when profiling (a sync per step costs speed)."""
+        if self.profile:
+            _sync(self.device)
+        return time.perf_counter()
+
+    def _upload(self, values: list) -> torch.Tensor:
+        """Host ints -> a LongTensor on the device without a sync: on CUDA a non-blocking copy from a pinned
+        buffer, rewritten only after the next host read (the round's one sync) has waited for this copy."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, device=self.device)
+        if self._host is None:
+            self._host = torch.empty(8, dtype=torch.long, pin_memory=True)
+        host = self._host[:len(values)]
+        host.copy_(torch.tensor(values))
+        return host.to(self.device, non_blocking=True)
+
+
+class Engine(Steps):
+    """A generation over the Steps: prefill, then, as the policy says, rounds (draft, verify, accept, commit) or plain
+    AR steps, each yielded as a Step; `run` collects them into a Result. Per generation the state lives in a
+    _Sequence; the engine keeps what the steps need (the sampling settings, the noise key) and the seed used."""
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), *, profile: bool = False,
@@ -475,37 +510,6 @@ class Engine:
     def _next_kw(self, seq) -> dict:
         """next_ids= for a proposer that reads the token after each feature row (wants_next_ids), else nothing."""
         return {"next_ids": seq.feat_next} if self._next_ids else {}
-
-    def pick(self, logits, at):
-        """One token on the device from logits [V] for position at [1]: the argmax (one op, not worth a compiled
-        call), or the generation's draw there (pick_step: the noise and the draw fused when compiled)."""
-        return logits.argmax() if self.key is None else self.pick_step(logits, at, self.key)
-
-    def _draft_noise(self, seq, n: int) -> tuple:
-        """(row keys [n], temperature) for a proposer that samples its draft (samples_drafts) when sampling, else ():
-        the keys of positions start+1 .. start+n, in the TARGET stream under the coupled rule (the draft races with
-        the target's own noise) or the DRAFT stream under the ratio rule (noise of its own)."""
-        if self.key is None or not getattr(self.proposer, "samples_drafts", False):
-            return ()
-        stream = noise.TARGET if self.sampling.draft_rule == "coupled" else noise.DRAFT
-        return noise.row_keys(self.key, seq.start_t + 1 + self.offsets[:n], stream), self.sampling.temperature
-
-    def _clock(self) -> float:
-        """Wall clock for per-step timings; on CUDA it syncs only when profiling (a sync per step costs speed)."""
-        if self.profile:
-            _sync(self.device)
-        return time.perf_counter()
-
-    def _upload(self, values: list) -> torch.Tensor:
-        """Host ints -> a LongTensor on the device without a sync: on CUDA a non-blocking copy from a pinned
-        buffer, rewritten only after the next host read (the round's one sync) has waited for this copy."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, device=self.device)
-        if self._host is None:
-            self._host = torch.empty(8, dtype=torch.long, pin_memory=True)
-        host = self._host[:len(values)]
-        host.copy_(torch.tensor(values))
-        return host.to(self.device, non_blocking=True)
 
     def run(self, prompt_ids: list, max_new_tokens: int, stop_ids=(), on_step=None, **kw) -> Result:
         """generate(...) to the end, collected into a Result; on_step(step) sees every Step as it comes."""
