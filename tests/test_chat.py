@@ -335,3 +335,23 @@ def test_json_reports_tool_calls(chat_ckpt):
     assert fields["reasoning"] == "I should call it."
     assert fields["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]
     assert chat.chat_fields(tok, tok.encode("plain answer", add_special_tokens=False).ids, stops, False)["tool_calls"] == []
+
+
+def test_prompts_file_chat_lines_equal_single_runs(chat_ckpt, capsys, tmp_path):
+    """--prompts-file with a templated checkpoint: a "prompt" line is a chat user turn as --prompt is, a "messages"
+    line the conversation as --messages + --prompt render it; each line's output == its single run's, and the chat
+    fields (thinking, the stop at <|im_end|>) come with it."""
+    p = chat_ckpt["path"]
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    lines = [{"prompt": "Hello there"}, {"messages": earlier + [{"role": "user", "content": "And now?"}]}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    base = ["--target", p, "--max-new-tokens", 6, "--json", "--dtype", "float32", "--no-think"]
+    capsys.readouterr()
+    assert generate.main([str(a) for a in [*base, "--prompts-file", tmp_path / "r.jsonl", "--concurrency", 2]]) == 0
+    batch = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    singles = [run_json(capsys, *base, "--prompt", "Hello there"),
+               run_json(capsys, *base, "--messages", tmp_path / "earlier.json", "--prompt", "And now?")]
+    for got, want in zip(batch, singles):
+        assert got["prompt_ids"] == want["prompt_ids"] and got["output_ids"] == want["output_ids"]
+        assert got["chat"] and got["content"] == want["content"] and got["thinking"] is False
