@@ -357,7 +357,7 @@ class Batch:
                 self.policy.observe_round(rows, time.perf_counter() - t0)
         else:
             t0 = time.perf_counter()
-            self.decode(rows, "plain")
+            self.decode(rows, "plain", feed=getattr(self.policy, "feeds", True))
             self.policy.observe_plain(rows, time.perf_counter() - t0)
 
     def round(self, rows: list) -> None:
@@ -382,12 +382,13 @@ class Batch:
         self.feats = feats.clone() if self._graphs else feats     # (CUDA graphs reuse their outputs)
         self.feat_pos, self.plain_run = pos, None
 
-    def decode(self, rows: list, kind: str) -> None:
+    def decode(self, rows: list, kind: str, feed: bool = True) -> None:
         """One AR step for every row (`kind` "decode"), or with a drafter a plain step ("plain"): the same target call
-        that also keeps the tokens' features for the drafter's context (plain_buf, taken whole when full)."""
+        that also keeps the tokens' features for the drafter's context (plain_buf, taken whole when full), unless
+        `feed` is False (the policy has given rounds up at this N: the context is no longer kept)."""
         t0 = time.perf_counter()
         tok, pos = self.last[:, None], self.start[:, None]
-        if kind == "plain" and self.plain_buf is not None:
+        if kind == "plain" and feed and self.plain_buf is not None:
             if self.plain_run in (None, self.block):
                 self._take_pending()
             host = self.plain_step(tok, pos, self.plain_buf, self.columns[self.plain_run]).tolist()
@@ -404,16 +405,25 @@ class Policy:
 
     Both are measured as the batch runs, at its own N: a round's seconds and the tokens it commits per live row
     (its acceptance), a plain step's seconds. A round is worth `gain` = tokens per row x plain seconds / round
-    seconds plain steps; rounds go on while gain >= 1. While they lose, plain steps, and after `wait` of them a
+    seconds plain steps; rounds go on while gain >= 1, and come back from plain steps when gain >= 1 + `margin`
+    (step times on a shared machine move by tens of percent; without the margin a noisy stretch near break-even
+    starts runs of losing rounds). While they lose, plain steps, and after `wait` of them a
     probe round re-measures the acceptance (it changes with the text). A probe costs (round seconds / plain
     seconds - tokens) plain steps, so the wait is set to keep that under `budget` of the time: on a device where
     a verify of N x block tokens is compute-bound (a CPU at N = 8 or 32), rounds are probed rarely.
+    When even a full block could not pay (block x plain seconds / round seconds below 1 - `margin`, over at least
+    `min_rounds` rounds: a verify of N x block tokens costs more than `block` plain steps, as on a CPU at N = 32),
+    no acceptance can make rounds pay at this N: the batch stops probing and stops feeding the drafter's context
+    (`feeds` False), so its plain steps cost exactly AR's.
     The first step of a batch is a plain step, the second a round (each times one). Timings and acceptance carry
     over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
     depends on the choice: both kinds commit the target's own tokens."""
 
-    def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02):
-        self.first_wait, self.max_wait, self.budget = first_wait, max_wait, budget
+    def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
+                 margin: float = 0.1, block: int = 16, min_rounds: int = 3):
+        self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
+        self.block, self.min_rounds = block, min_rounds
+        self.feeds = True                                   # plain steps keep features for the drafter's context
         self.rounds = collections.deque(maxlen=window)      # (seconds, committed tokens per live row) per round
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
@@ -437,13 +447,21 @@ class Policy:
         """Decided after each round (the medians cost tens of microseconds; a plain step on a CPU, under a ms)."""
         if not self.plain or not self.rounds:
             return bool(self.plain)
-        return self.since >= self.next_probe
+        return self.feeds and self.since >= self.next_probe
 
     def observe_round(self, rows, seconds: float) -> None:
         live = [r for r in rows if r is not None]
         self.rounds.append((seconds, sum(len(r.result.steps[-1].tokens) for r in live) / max(1, len(live))))
+        speculating = self.since == 0 and len(self.rounds) > 1      # this round followed a round
         self.since = 0
-        self.next_probe = 0 if not self.plain or self.gain() >= 1 else self.wait()
+        pays = not self.plain or self.gain() >= (1 if speculating else 1 + self.margin)
+        self.next_probe = 0 if pays else self.wait()
+        if self.plain:                                      # could a full block pay at all?
+            full = self.block * statistics.median(self.plain) / statistics.median(s for s, _ in self.rounds)
+            if full < 1 - self.margin and len(self.rounds) < self.min_rounds:
+                self.next_probe = self.first_wait           # confirm it soon rather than after a long wait
+            elif len(self.rounds) >= self.min_rounds:
+                self.feeds = full >= 1 - self.margin
 
     def observe_plain(self, rows, seconds: float) -> None:
         self.plain.append(seconds)

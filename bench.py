@@ -524,7 +524,7 @@ def concurrency_main(args, device) -> dict:
     for n in args.concurrency:
         reqs = [batching.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
-        policy = None if args.no_adaptive else batching.Policy()
+        policy = None if args.no_adaptive else batching.Policy(block=block)
         engines = {"ar": batching.Batch(target, None, 1, n, capacity, mode, options),
                    "dflash": batching.Batch(target, batching.SlotDrafter(drafter, target, window), block, n, capacity,
                                             mode, options, policy)}

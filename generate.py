@@ -513,7 +513,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
     drafts = batching.SlotDrafter(proposer.drafter, target, proposer.window) if proposer is not None else None
-    policy = None if (proposer is None or args.no_adaptive) else batching.Policy()
+    policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block)
     engine = batching.Batch(target, drafts, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy)
     compile_seconds = warm_up(engine, reqs, block) if args.compile else 0.0
