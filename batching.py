@@ -203,6 +203,7 @@ class Batch:
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.sampled = False          # some request of the run samples: the steps draw (else argmax only)
+        self.feeding = proposer is not None    # the drafter's context is kept (False: the policy gave rounds up)
         # The features the drafter's context has not taken yet: a round's verify features, or plain steps' columns
         # in plain_buf (plain_run of them; None: a round's), at positions feat_pos [N,B] (those at >= a row's
         # start are stale: hidden from its draft, rewritten later).
@@ -281,10 +282,11 @@ class Batch:
         view, pos = self.cache.row(b), torch.arange(T0, device=dev)
         view.reset()
         logits, feats = self.target(torch.tensor([req.prompt_ids], device=dev), pos, view, last_logits_only=True,
-                                    feature_layers=self.feature_layers, mask=DenseMasks(self.capacity).target(pos))
+                                    feature_layers=self.feature_layers if self.feeding else (),
+                                    mask=DenseMasks(self.capacity).target(pos))
         at = pos[-1:][None] + 1
         first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
-        if self.proposer is not None:
+        if self.feeding:
             if self.plain_run:                  # plain steps' columns are pending: into the context first, so that
                 self._take_pending()            # every row's column j is again position start + j
             self.proposer.admit(b, feats, pos, req.prompt_ids)
@@ -348,6 +350,7 @@ class Batch:
 
     def step(self, rows: list) -> None:
         """One step of every live row: a round, or a plain step (AR, or the policy's choice)."""
+        self.feeding = self.proposer is not None and getattr(self.policy, "feeds", True)
         if self.proposer is None:
             self.decode(rows, "decode")
         elif self.policy is None or self.policy.speculate(rows):
@@ -357,7 +360,7 @@ class Batch:
                 self.policy.observe_round(rows, time.perf_counter() - t0)
         else:
             t0 = time.perf_counter()
-            self.decode(rows, "plain", feed=getattr(self.policy, "feeds", True))
+            self.decode(rows, "plain", feed=self.feeding)
             self.policy.observe_plain(rows, time.perf_counter() - t0)
 
     def round(self, rows: list) -> None:
