@@ -18,7 +18,8 @@ bfloat16: near-ties only; float64: the same tokens in every test).
 
     Request          one generation asked for: prompt, max_new_tokens, stops, sampling settings, seed
     BatchProposer    what drafts for every row at once (a typing.Protocol); SlotDrafter wraps a DFlash drafter
-    Batch            the N-slot engine: run(requests) -> one dflash.Result per request, in order
+    SlotSteps        the N slots' caches and fixed-shape steps (decode, plain, verify, draft, commit), compiled once per N
+    Batch            the N-slot engine over them: run(requests) -> one dflash.Result per request, in order
     Policy           adaptive speculation for a batch: a round or a plain step, from acceptance and measured costs
 """
 from __future__ import annotations
@@ -170,7 +171,7 @@ class _Row:
         return new
 
 
-class Batch:
+class SlotSteps:
     """N slots over one target (and optionally a BatchProposer), caches allocated once for `capacity` positions
     per row, and fixed-shape steps, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
         decode_step  (tok [N,1], pos [N,1])                    -> tokens [N]     AR
@@ -269,7 +270,10 @@ class Batch:
         accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
         return posterior, accepted, feats
 
-    # ---- requests in and out -------------------------------------------------------------------
+
+class Batch(SlotSteps):
+    """Requests through the SlotSteps: admitted into free slots as they come, then steps of every slot (a round, or
+    a plain step, as the policy says) until each request ends; `run` returns one dflash.Result per request."""
 
     def admit(self, b: int, index: int, req: Request) -> _Row:
         """Prefill `req` alone into slot b (its GDN states zeroed; attention slots past the prompt are masked until
