@@ -57,15 +57,18 @@ class BatchOracle:
 
 
 class RandomPattern:
-    """A stand-in batch policy: a round or a plain step by a seeded coin (the output must not depend on it)."""
+    """A stand-in batch policy: a round or a plain step by a seeded coin, and plain steps that feed the drafter's
+    context or not (`feeds`, as Policy when it gives rounds up): the output must not depend on either."""
 
     def __init__(self, seed):
         self.rng = random.Random(seed)
+        self.feeds = True
 
     def reset(self):
         pass
 
     def speculate(self, rows):
+        self.feeds = self.rng.random() < 0.8
         return self.rng.random() < 0.6
 
     def observe_round(self, rows, seconds):
