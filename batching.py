@@ -439,15 +439,19 @@ class Policy:
     When even a full block could not pay (block x plain seconds / round seconds below 1 - `margin`, over at least
     `min_rounds` rounds: a verify of N x block tokens costs more than `block` plain steps, as on a CPU at N = 32),
     no acceptance can make rounds pay at this N: the batch stops probing and stops feeding the drafter's context
-    (`feeds` False), so its plain steps cost exactly AR's.
+    (`feeds` False), so its plain steps cost exactly AR's. It does the same after `patience` probes in a row that
+    each lost by more than the margin (a CPU at N = 8: rounds would need about 9 tokens per row where the drafter
+    gives 7); keeping the context for the probes costs a few percent of every plain step. Both verdicts are for
+    the life of the Batch: a new workload at this N gets a new Policy.
     The first step of a batch is a plain step, the second a round (each times one). Timings and acceptance carry
     over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
     depends on the choice: both kinds commit the target's own tokens."""
 
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
-                 margin: float = 0.1, block: int = 16, min_rounds: int = 3):
+                 margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
-        self.block, self.min_rounds = block, min_rounds
+        self.block, self.min_rounds, self.patience = block, min_rounds, patience
+        self.losing = 0                                     # probes in a row that lost by more than the margin
         self.feeds = True                                   # plain steps keep features for the drafter's context
         self.rounds = collections.deque(maxlen=window)      # (seconds, committed tokens per live row) per round
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
@@ -481,12 +485,15 @@ class Policy:
         self.since = 0
         pays = not self.plain or self.gain() >= (1 if speculating else 1 + self.margin)
         self.next_probe = 0 if pays else self.wait()
+        self.losing = self.losing + 1 if self.plain and self.gain() < 1 - self.margin else 0
+        if self.losing >= self.patience:
+            self.feeds = False
         if self.plain:                                      # could a full block pay at all?
             full = self.block * statistics.median(self.plain) / statistics.median(s for s, _ in self.rounds)
             if full < 1 - self.margin and len(self.rounds) < self.min_rounds:
                 self.next_probe = self.first_wait           # confirm it soon rather than after a long wait
-            elif len(self.rounds) >= self.min_rounds:
-                self.feeds = full >= 1 - self.margin
+            elif len(self.rounds) >= self.min_rounds and full < 1 - self.margin:
+                self.feeds = False
 
     def observe_plain(self, rows, seconds: float) -> None:
         self.plain.append(seconds)
