@@ -37,7 +37,7 @@ import torch
 
 import compiling
 import noise
-from dflash import Result, Step, check_inputs, cut, mark_static_, _sync
+from dflash import Result, Step, check_block_size, check_inputs, cut, mark_static_, _sync
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
 from sampling import Sampling, draw
 
@@ -192,8 +192,7 @@ class SlotSteps:
             raise GenerationError(f"--concurrency must be >= 1, got {slots}")
         self.target, self.proposer, self.slots, self.capacity, self.policy = target, proposer, slots, capacity, policy
         self.block = block_size if proposer is not None else 1
-        if self.block < 1 or (proposer is not None and self.block > proposer.max_block_size):
-            check_inputs(target, [0], 1, self.block, None, proposer)            # raises the block size error
+        check_block_size(self.block, proposer)
         self.device = dev = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block)
@@ -232,7 +231,8 @@ class SlotSteps:
                 if c is not None:
                     mark_static_(c)
             for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.plain_buf):
-                torch._dynamo.mark_static_address(t, guard=False)
+                if t is not None:                  # (plain_buf: a batch with a drafter only)
+                    torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)
         self.verify_step = compiling.compile_step(self._verify, options)
         self.commit = compiling.compile_step(self.cache.commit, options)

@@ -242,6 +242,11 @@ def test_bad_requests_name_the_request():
         b.run([batching.Request([], 5)])
     with pytest.raises(dflash.GenerationError, match="--concurrency must be >= 1"):
         batching.Batch(target, None, 1, 0, 30)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 1)
+    with pytest.raises(dflash.GenerationError, match="block size 9 exceeds the drafter's block_size 8"):
+        batching.Batch(target, batching.SlotDrafter(d, target), 9, 2, 30)
+    with pytest.raises(dflash.GenerationError, match="block size must be >= 1"):
+        batching.Batch(target, batching.SlotDrafter(d, target), 0, 2, 30)
 
 
 def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
