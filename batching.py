@@ -37,7 +37,7 @@ import torch
 
 import compiling
 import noise
-from dflash import Result, Step, check_block_size, check_inputs, cut, mark_static_, _sync
+from dflash import Result, Step, check_block_size, check_inputs, cut, _sync
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
 from sampling import Sampling, draw
 
@@ -101,14 +101,8 @@ class SlotDrafter:
         self.drafter.append_context(feats, pos, self.cache)
 
     def propose(self, last, start, feats, feat_pos, n: int) -> torch.Tensor:
-        cfg = self.drafter.cfg
         self.append(feats, feat_pos)
-        block = torch.cat([last[:, None], torch.full((last.shape[0], n), cfg.mask_token_id, dtype=torch.long,
-                                                     device=last.device)], 1)                           # [N, n+1]
-        emb = self.target.embed_tokens(block)
-        if cfg.input_embedding_scale != 1.0:
-            emb = emb * cfg.input_embedding_scale
-        hidden = self.drafter.draft(emb, start, self.cache, self.masks)[:, 1:]                         # [N, n, H]
+        hidden = self.drafter.draft_block(last, start, n, self.target.embed_tokens, self.cache, self.masks)  # [N,n,H]
         logits = self.drafter.draft_logits(hidden, self.target.lm_head)
         if self.drafter.candidate_selector is None:
             return logits.argmax(-1)
@@ -218,7 +212,7 @@ class SlotSteps:
             self.plain_buf = torch.zeros_like(self.feats)
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
         self.draft_step, self.plain_step = (proposer.propose if proposer is not None else None), self._plain
-        self._graphs, self._models, self._state = False, [], None
+        self._graphs, self._guard = False, None         # with compiled steps: compiling.ModelGuard
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
 
@@ -229,7 +223,7 @@ class SlotSteps:
         if self._graphs:
             for c in (self.cache, getattr(self.proposer, "cache", None)):
                 if c is not None:
-                    mark_static_(c)
+                    compiling.mark_static_(c)
             for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.plain_buf):
                 if t is not None:                  # (plain_buf: a batch with a drafter only)
                     torch._dynamo.mark_static_address(t, guard=False)
@@ -239,9 +233,7 @@ class SlotSteps:
         if self.proposer is not None:
             self.draft_step = compiling.compile_step(self.proposer.propose, options)
             self.plain_step = compiling.compile_step(self._plain, options)
-        held = [self.target, *(vars(self.proposer).values() if self.proposer is not None else ())]
-        self._models = list({id(m): m for m in held if isinstance(m, torch.nn.Module)}.values())
-        self._state = compiling.model_state(*self._models)
+        self._guard = compiling.ModelGuard(self.target, self.proposer, "Batch")
 
     # ---- the steps -----------------------------------------------------------------------------
 
@@ -341,9 +333,8 @@ class Batch(SlotSteps):
                 check_inputs(self.target, r.prompt_ids, r.max_new_tokens, self.block, self.capacity, self.proposer)
             except GenerationError as e:
                 raise GenerationError(f"request {i}: {e}") from None
-        if self._state is not None and compiling.model_state(*self._models) != self._state:
-            raise GenerationError("the models changed (a dtype, device, shape, attribute or hook) since this Batch compiled "
-                                  "its steps, which take them as fixed; build a new Batch for them")
+        if self._guard is not None:
+            self._guard.check()
         self.sampled = any(not r.sampling.greedy for r in requests)
         if self.policy is not None:
             self.policy.reset()
@@ -364,6 +355,20 @@ class Batch(SlotSteps):
                     self._emit(row, on_step)
                     if row is not None and row.done:
                         results[row.index], rows[b] = row.result, None
+
+    def warm_up(self, requests: list) -> None:
+        """A throw-away run that compiles every step kind before timed runs: the first N requests cut to 3 blocks
+        (one of them sampled when any request samples: the steps then draw), under Alternate when the Batch has a
+        policy (every kind a policy may take); the policy is kept as it was."""
+        warm = [Request(r.prompt_ids, min(r.max_new_tokens, 3 * self.block), r.stop_ids, r.sampling, 0)
+                for r in requests[:self.slots]]
+        if any(not r.sampling.greedy for r in requests) and all(r.sampling.greedy for r in warm):
+            warm[0] = Request(warm[0].prompt_ids, warm[0].max_new_tokens, (), Sampling(1.0), 0)
+        policy, self.policy = self.policy, (Alternate() if self.policy is not None else None)
+        try:
+            self.run(warm)
+        finally:
+            self.policy = policy
 
     def _emit(self, row, on_step) -> None:
         if row is not None and on_step is not None:
@@ -460,16 +465,20 @@ class Policy:
     def reset(self) -> None:
         self.since = 0
 
-    def gain(self) -> float:
-        """Plain steps a round is worth, from the medians of the last rounds and plain steps."""
-        seconds = statistics.median(s for s, _ in self.rounds)
-        tokens = statistics.mean(t for _, t in self.rounds)
-        return tokens * statistics.median(self.plain) / seconds
+    def costs(self) -> tuple:
+        """(round seconds, tokens per row a round commits, plain seconds): medians of the last rounds' and plain
+        steps' times, the mean of the rounds' tokens."""
+        return (statistics.median(s for s, _ in self.rounds), statistics.mean(t for _, t in self.rounds),
+                statistics.median(self.plain))
 
-    def wait(self) -> int:
+    def gain(self) -> float:
+        """Plain steps a round is worth."""
+        round_s, tokens, plain_s = self.costs()
+        return tokens * plain_s / round_s
+
+    def wait(self, gain: float, tokens: float) -> int:
         """Plain steps before the next probe: a probe's loss over the wait stays within `budget`."""
-        g, tokens = self.gain(), statistics.mean(t for _, t in self.rounds)
-        loss = tokens / g - tokens if g > 0 else self.max_wait     # a round's cost in plain steps, minus its tokens
+        loss = tokens / gain - tokens if gain > 0 else self.max_wait   # a round's cost in plain steps, minus its tokens
         return int(min(self.max_wait, max(self.first_wait, loss / self.budget)))
 
     def speculate(self, rows) -> bool:
@@ -483,16 +492,19 @@ class Policy:
         self.rounds.append((seconds, sum(len(r.result.steps[-1].tokens) for r in live) / max(1, len(live))))
         speculating = self.since == 0 and len(self.rounds) > 1      # this round followed a round
         self.since = 0
-        pays = not self.plain or self.gain() >= (1 if speculating else 1 + self.margin)
-        self.next_probe = 0 if pays else self.wait()
-        self.losing = self.losing + 1 if self.plain and self.gain() < 1 - self.margin else 0
+        if not self.plain:
+            self.next_probe = 0
+            return
+        round_s, tokens, plain_s = self.costs()
+        gain, full = tokens * plain_s / round_s, self.block * plain_s / round_s   # full: a whole block accepted
+        self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
+        self.losing = self.losing + 1 if gain < 1 - self.margin else 0
         if self.losing >= self.patience:
             self.feeds = False
-        if self.plain:                                      # could a full block pay at all?
-            full = self.block * statistics.median(self.plain) / statistics.median(s for s, _ in self.rounds)
-            if full < 1 - self.margin and len(self.rounds) < self.min_rounds:
+        if full < 1 - self.margin:                          # not even a full block could pay
+            if len(self.rounds) < self.min_rounds:
                 self.next_probe = self.first_wait           # confirm it soon rather than after a long wait
-            elif len(self.rounds) >= self.min_rounds and full < 1 - self.margin:
+            else:
                 self.feeds = False
 
     def observe_plain(self, rows, seconds: float) -> None:

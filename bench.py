@@ -529,10 +529,8 @@ def concurrency_main(args, device) -> dict:
                    "dflash": batching.Batch(target, batching.SlotDrafter(drafter, target, window), block, n, capacity,
                                             mode, options, policy)}
         t0 = time.perf_counter()
-        for name, eng in engines.items():          # warm-up: compiles, and both step kinds of the policy
-            kept, eng.policy = eng.policy, (batching.Alternate() if eng.policy is not None else None)
-            eng.run([batching.Request(r.prompt_ids, 3 * block, r.stop_ids) for r in reqs[:n]])
-            eng.policy = kept
+        for eng in engines.values():               # warm-up: compiles every step kind the policy may take
+            eng.warm_up(reqs)
         warm = time.perf_counter() - t0
         runs = {"ar": [], "dflash": []}
         for _ in range(args.repeat):
@@ -939,7 +937,7 @@ def preset_concurrency(args, device, dtype) -> dict:
         sp = batching.Batch(target, batching.SlotDrafter(drafter, target), block, n, capacity, mode, options)
         t0 = time.perf_counter()
         for eng in (ar, sp):
-            eng.run([batching.Request(r.prompt_ids, 3 * block) for r in reqs])
+            eng.warm_up(reqs)
         warm = time.perf_counter() - t0
         decode_ms = 1000 * statistics.median(s.verify_seconds for s in ar.run(reqs)[0].steps[1:])
         round_ms = 1000 * statistics.median(s.draft_seconds + s.verify_seconds for s in sp.run(reqs)[0].steps[1:])

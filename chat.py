@@ -30,6 +30,12 @@ THINK_END = "</think>"
 CHAT_STOPS = ("<|im_end|>", "<|endoftext|>")
 
 
+def with_chat_stops(tokenizer, stops: list) -> list:
+    """`stops` plus the ids of CHAT_STOPS the tokenizer has: a turn ends at <|im_end|> even when the checkpoint's
+    configs name only <|endoftext|>."""
+    return stops + [i for i in map(tokenizer.token_to_id, CHAT_STOPS) if i is not None and i not in stops]
+
+
 def load_chat_template(path: str):
     """-> (template text, special tokens the template may name) from chat_template.jinja (preferred, as in
     transformers 5) or tokenizer_config.json's chat_template; (None, {}) when the checkpoint ships none."""

@@ -6,6 +6,8 @@ What it holds:
     compile_step      torch.compile(fullgraph=True, dynamic=False) of one step function, over a copy of its code
                       of its own and without dynamo's per-call checks of the models.
     model_state       what compiled steps take as fixed in the models; the Engine compares it once per generation.
+    ModelGuard        the models an engine's compiled steps read, their model_state, and that comparison.
+    mark_static_      a cache's tensors as static addresses (CUDA graphs replay steps that write them).
 
 One-row products on a CPU. A decode (or plain) step multiplies one row by every weight matrix. MKL's sgemm,
 which torch calls for them, streams the weights at 8-12 GB/s on one core of the AMD EPYC this was measured on;
@@ -34,6 +36,8 @@ import types
 from dataclasses import is_dataclass
 
 import torch
+
+from model import GenerationError
 
 ONE_ROW_LIMIT = 1 << 31        # decompose_mm_pass's CPU limit on the other two dimensions: no limit
 
@@ -91,3 +95,29 @@ def model_state(*modules) -> list:
                 elif not key.startswith("_"):
                     out.append((name, key, summary(v)))
     return out
+
+
+class ModelGuard:
+    """What stands in for the model checks compile_step drops: the models an engine's compiled steps read (the
+    target and the proposer's modules: a drafter, an MTP head), their model_state when it compiled, and `check`,
+    which an engine calls once per generation (dflash.Engine) or per run of requests (batching.Batch)."""
+
+    def __init__(self, target: torch.nn.Module, proposer, owner: str):
+        held = [target, *(vars(proposer).values() if proposer is not None else ())]
+        self.models = list({id(m): m for m in held if isinstance(m, torch.nn.Module)}.values())
+        self.state, self.owner = model_state(*self.models), owner
+
+    def check(self) -> None:
+        if model_state(*self.models) != self.state:
+            raise GenerationError(f"the models changed (a dtype, device, shape, attribute or hook) since this {self.owner} "
+                                  f"compiled its steps, which take them as fixed; build a new {self.owner} for them")
+
+
+def mark_static_(cache) -> None:
+    """Mark every cache tensor as a static address for torch.compile: CUDA graphs (cudagraph trees) replay a
+    graph that writes an input in place only when that input is static, and every step writes the caches.
+    Unguarded: cudagraph trees re-record a graph whose static input moved (a cache of another capacity)."""
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t, guard=False)

@@ -124,14 +124,9 @@ class DrafterProposer:
         distributions q [n,V] (None: greedy, one-hot). rows [n]: the noise row keys of those positions (row_keys;
         samples_drafts only): sample at `temperature`. All shapes are fixed for a given block size, so this
         compiles to one graph."""
-        cfg = self.drafter.cfg
         self.drafter.append_context(feats, feat_pos, self.cache)
-        block = torch.cat([last.view(1), torch.full((n,), cfg.mask_token_id, dtype=torch.long, device=last.device)])[None]
-        emb = self.target.embed_tokens(block)
-        if cfg.input_embedding_scale != 1.0:
-            emb = emb * cfg.input_embedding_scale
-        hidden = self.drafter.draft(emb, start, self.cache, self.masks)
-        return self.drafter.propose(hidden[0, 1:], last.view(1), self.target.lm_head, rows, temperature)
+        hidden = self.drafter.draft_block(last.view(1), start, n, self.target.embed_tokens, self.cache, self.masks)
+        return self.drafter.propose(hidden[0], last.view(1), self.target.lm_head, rows, temperature)
 
 
 def check_block_size(block_size: int, proposer=None) -> None:
@@ -181,16 +176,6 @@ def check_inputs(target: Qwen35, prompt_ids: list, max_new_tokens: int, block_si
 
 
 # ---- The engine ----------------------------------------------------------------------------------
-
-def mark_static_(cache) -> None:
-    """Mark every cache tensor as a static address for torch.compile: CUDA graphs (cudagraph trees) replay a
-    graph that writes an input in place only when that input is static, and every step writes the caches.
-    Unguarded: cudagraph trees re-record a graph whose static input moved (a cache of another capacity)."""
-    for layer in cache.layers:
-        for t in vars(layer).values():
-            if isinstance(t, torch.Tensor):
-                torch._dynamo.mark_static_address(t, guard=False)
-
 
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
@@ -274,7 +259,7 @@ class Steps:
         self.pick_step = self._pick
         self.draft_step = proposer.propose if proposer is not None else None
         self._next_ids = getattr(proposer, "wants_next_ids", False)
-        self._models, self._state = [], None           # with compiled steps: the models and their model_state
+        self._guard = None                             # with compiled steps: compiling.ModelGuard
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
 
@@ -284,7 +269,7 @@ class Steps:
         generation). Each distinct decoder layer is compiled once and called per layer (its compile region)."""
         options = compiling.inductor_options(mode, extra, self.device)
         if self._graphs:
-            mark_static_(self.cache)        # the drafter's cache is marked in generate, after its reset
+            compiling.mark_static_(self.cache)        # the drafter's cache is marked in generate, after its reset
             torch._dynamo.mark_static_address(self.noise_key, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)
         self.verify_step = compiling.compile_step(self._verify, options)
@@ -293,9 +278,7 @@ class Steps:
         if getattr(self.proposer, "compilable", False):
             self.draft_step = compiling.compile_step(self.proposer.propose, options)
             self.plain_step = compiling.compile_step(self._plain, options)
-        held = [self.target, *(vars(self.proposer).values() if self.proposer is not None else ())]   # the drafter, ...
-        self._models = list({id(m): m for m in held if isinstance(m, torch.nn.Module)}.values())
-        self._state = compiling.model_state(*self._models)
+        self._guard = compiling.ModelGuard(self.target, self.proposer, "Engine")
 
     # ---- the steps -----------------------------------------------------------------------------
 
@@ -383,9 +366,8 @@ class Engine(Steps):
         if images is not None and list(images.ids) != list(prompt_ids):
             raise GenerationError("prompt_ids must be the ImagePrompt's expanded ids (vision.encode_images)")
         check_inputs(self.target, prompt_ids, max_new_tokens, self.block, self.capacity, self.proposer)
-        if self._state is not None and compiling.model_state(*self._models) != self._state:
-            raise GenerationError("the models changed (a dtype, device, shape, attribute or hook) since this Engine compiled "
-                                  "its steps, which take them as fixed; build a new Engine for them")
+        if self._guard is not None:
+            self._guard.check()
         self.profile, s = profile, sampling or Sampling()
         self.seed = None if s.greedy else (secrets.randbits(63) if seed is None else seed)
         self.key = None if s.greedy else self.noise_key.fill_(noise.seed_key(self.seed))    # None: greedy steps
@@ -414,7 +396,7 @@ class Engine(Steps):
         if self.proposer is not None:
             self.proposer.reset(self.capacity, self.masks)
             if self._graphs and getattr(self.proposer, "compilable", False):
-                mark_static_(self.proposer.cache)    # (re)allocated by reset when another Engine resized it
+                compiling.mark_static_(self.proposer.cache)    # (re)allocated by reset when another Engine resized it
         pos = torch.arange(T0, device=device)
         self.rope_delta.fill_(0 if images is None else images.rope_delta)
         # The prompt goes through SDPA with a dense mask whatever the cached steps use: prefill runs eager, and

@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     block_size = args.block_size if args.block_size is not None else (proposer.max_block_size if proposer else 1)
     stops = ckpt.stop_token_ids(target.path, target.cfg)
     if as_chat:    # a turn ends at <|im_end|> even when the checkpoint's configs name only <|endoftext|>
-        stops += [i for i in map(tokenizer.token_to_id, chat.CHAT_STOPS) if i is not None and i not in stops]
+        stops = chat.with_chat_stops(tokenizer, stops)
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer,
                                    round_up=args.compile)
@@ -482,7 +482,7 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
     else:
         ids = line["prompt_ids"]
     if as_chat:
-        stops = stops + [i for i in map(tokenizer.token_to_id, chat.CHAT_STOPS) if i is not None and i not in stops]
+        stops = chat.with_chat_stops(tokenizer, stops)
     sampling = dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p),
                                line.get("top_k", args.top_k))
     seed = line.get("seed", None if args.seed is None else args.seed + index)
@@ -516,7 +516,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block)
     engine = batching.Batch(target, drafts, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy)
-    compile_seconds = warm_up(engine, reqs, block) if args.compile else 0.0
+    compile_seconds = warm_up(engine, reqs) if args.compile else 0.0
     t0 = time.perf_counter()
     results = engine.run(reqs)
     wall = time.perf_counter() - t0
@@ -540,18 +540,11 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     return 0
 
 
-def warm_up(engine, reqs: list, block: int) -> float:
-    """--compile with --prompts-file: compile every step kind on the first requests, cut short, before the timed
-    run (a sampled one too when any request samples: the steps then draw) -> seconds."""
+def warm_up(engine, reqs: list) -> float:
+    """--compile with --prompts-file: Batch.warm_up before the timed run, said and timed -> seconds."""
     say(f"compiling the batch's step functions ({engine.slots} slots, a {engine.capacity}-position cache)...")
     t0 = time.perf_counter()
-    warm = [batching.Request(r.prompt_ids, min(r.max_new_tokens, 3 * block), r.stop_ids, r.sampling, 0)
-            for r in reqs[:engine.slots]]
-    if any(not r.sampling.greedy for r in reqs) and all(r.sampling.greedy for r in warm):
-        warm[0] = batching.Request(warm[0].prompt_ids, warm[0].max_new_tokens, (), dflash.Sampling(1.0), 0)
-    policy, engine.policy = engine.policy, (batching.Alternate() if engine.policy is not None else None)
-    engine.run(warm)
-    engine.policy = policy
+    engine.warm_up(reqs)
     seconds = time.perf_counter() - t0
     say(f"compiled in {seconds:.1f} s")
     return seconds

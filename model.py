@@ -894,6 +894,16 @@ class DFlashDrafter(nn.Module):
             x = layer.draft(x, rope, lc, by_kind[kind])
         return self.norm(x)
 
+    def draft_block(self, last, start, n: int, embed: nn.Embedding, cache: DraftCache, masks):
+        """One draft per row: the block [last, MASK x n] of row b at positions start[b] .. start[b]+n (last, start
+        [B]) through the target's embedding (times input_embedding_scale) and `draft` -> hidden [B,n,H] of the
+        block rows 1..n, the ones that propose."""
+        mask_ids = torch.full((last.shape[0], n), self.cfg.mask_token_id, dtype=torch.long, device=last.device)
+        emb = embed(torch.cat([last[:, None], mask_ids], 1))
+        if self.cfg.input_embedding_scale != 1.0:
+            emb = emb * self.cfg.input_embedding_scale
+        return self.draft(emb, start, cache, masks)[:, 1:]
+
     def propose(self, hidden, anchor, lm_head: nn.Linear, rows=None, temperature: float = 1.0):
         """Block rows 1..n: hidden [n,H]; anchor [1] the block's first token -> tokens [n] and the draft
         distribution q [n,V] (None: a greedy pick, i.e. a one-hot q). DFlash: argmax of the logits; DFlash2: the

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+import compiling
 import cppwrapper
 import dflash
 from helpers import HAS_EMBEDDED_PAIR, embedded_pair
@@ -66,7 +67,7 @@ def test_compiled_sampling_equals_eager_and_follows_new_settings():
 
 def test_mark_static_covers_every_cache_tensor():
     """Every tensor a compiled step may write in place (all of TargetCache's and DraftCache's) is marked, so
-    CUDA graphs can replay those steps (dflash.mark_static_; the replay itself is tests/test_gpu.py's)."""
+    CUDA graphs can replay those steps (compiling.mark_static_; the replay itself is tests/test_gpu.py's)."""
     import torch
     from helpers import tiny_draft_config, tiny_target_config
     import model as M
@@ -75,7 +76,7 @@ def test_mark_static_covers_every_cache_tensor():
               M.DraftCache(tiny_draft_config(tcfg), 32, torch.float32, "cpu")]
     seen = 0
     for cache in caches:
-        dflash.mark_static_(cache)
+        compiling.mark_static_(cache)
         for layer in cache.layers:
             for name, t in vars(layer).items():
                 if isinstance(t, torch.Tensor):

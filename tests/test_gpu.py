@@ -52,7 +52,7 @@ def test_dflash_equals_ar_on_the_gpu():
 
 def test_compiled_steps_replay_as_cuda_graphs():
     """reduce-overhead on CUDA: every compiled step runs as a CUDA graph (inductor raises on any skip, e.g.
-    "mutated inputs" when a cache is not marked static: dflash.mark_static_), and the tokens are AR's."""
+    "mutated inputs" when a cache is not marked static: compiling.mark_static_), and the tokens are AR's."""
     import torch._inductor.config as inductor_config
     tcfg = tiny_target_config()
     target = random_target(tcfg, 4, torch.float32).cuda()
