@@ -153,6 +153,14 @@ class Pattern:
         pass
 
 
+def warm_up(engine, prompt: list, stops, policy) -> None:
+    """A throw-away run of a speculative engine; with a policy, every step kind (round, plain, look) runs in it,
+    so the timed run compiles nothing new. Then the engine gets `policy` (None: pure rounds)."""
+    engine.policy = Pattern([True, "look"]) if policy else None
+    engine.run(prompt, 3 * engine.block, stops)
+    engine.policy = policy
+
+
 def replay(policy, output_ids: list, drafts: list, plain_s: float, look_s: float, round_s: float) -> tuple:
     """A policy's decisions on a recorded generation, without noise: output_ids (the first from prefill included)
     and drafts[t], the proposals a draft after output_ids[t] makes (a generation with a look at every step records

@@ -38,7 +38,7 @@ timeout 390 python bench.py --preset "$PRESET" --random-weights --device "$DEVIC
     "${FLAGS[@]}" --attention "$ATTENTION" --max-new-tokens 64 --prompt-len "$PROMPT_LEN" \
     | tee "$OUTDIR/bench_gpu_$ATTENTION.log"
 tail -n 1 "$OUTDIR/bench_gpu_$ATTENTION.log" > "$OUTDIR/bench_gpu_$ATTENTION.json"
-python -c 'import bench, sys; sys.exit(bench.preset_summary(sys.argv[1]))' "$OUTDIR/bench_gpu_$ATTENTION.json"
+python -c 'import presets, sys; sys.exit(presets.preset_summary(sys.argv[1]))' "$OUTDIR/bench_gpu_$ATTENTION.json"
 # Many requests in flight (batching.py): the preset's decode step and DFlash round at N = 1, 8, 32 (CONCURRENCY),
 # AR tok/s measured, DFlash tok/s projected at tau 5.60; no bar, a table. Its own time limit: a miss loses only it.
 CONCURRENCY=${CONCURRENCY:-1,8,32}

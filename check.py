@@ -31,7 +31,9 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +63,18 @@ NEAR_TIE_STEPS = 2.0
 
 class CheckError(ValueError):
     """A trace or request that cannot be checked; the message says what is wrong."""
+
+
+def zlab_module(name: str = "model"):
+    """A module of the z-lab `dflash` package (an oracle: its model.py, its benchmark.py), loaded from its file under
+    another name, since this repository's dflash.py shadows the package."""
+    import importlib.metadata
+    import importlib.util
+    f = importlib.metadata.distribution("dflash").locate_file(f"dflash/{name}.py")
+    spec = importlib.util.spec_from_file_location(f"zlab_dflash_{name}", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def rounding_step(z: float, dtype) -> float:
@@ -553,6 +567,168 @@ def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch
 
 
 # ---- Command line ---------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------------------------
+# --parting: where greedy DFlash and greedy AR part in a low precision, and how near a tie the target was there
+# ---------------------------------------------------------------------------------------------------------------
+
+# `python bench.py --parting` runs parting_main. A parting is a near-tie when both runs' tokens lie within
+# NEAR_TIE_STEPS rounding steps of the run's dtype of the reference's best logit, as the checker judges.
+
+
+def first_difference(a: list, b: list) -> int | None:
+    """The first index where token lists a and b differ, or None where one is a prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@dataclass
+class Parting:
+    """The first output token where two greedy runs of one prompt part, judged by a reference: the same weights
+    in a higher precision, teacher-forced over the prompt + the tokens both runs agreed on."""
+    index: int            # output index of the first difference (0 = the token prefill chose)
+    dflash: int           # the DFlash run's token there
+    ar: int               # the AR run's token there
+    top: int              # the reference's argmax there (usually one of the two)
+    gap: float            # the reference's top logit minus the lower of the two tokens' logits (>= 0)
+    top_logit: float      # the reference's top logit there
+
+    @property
+    def prefers(self) -> str:
+        """Which run's token the reference chose: "dflash", "ar", or "neither" (a third token)."""
+        return "dflash" if self.top == self.dflash else "ar" if self.top == self.ar else "neither"
+
+    def steps(self, dtype) -> float:
+        """The gap in rounding steps of `dtype` at the top logit's magnitude."""
+        return self.gap / rounding_step(self.top_logit, dtype)
+
+
+def parting(ref: M.Qwen35, prompt: list, ar_out: list, dflash_out: list) -> Parting | None:
+    """Where `dflash_out` and `ar_out` (greedy outputs of `prompt`) first differ, judged by `ref` teacher-forced
+    over prompt + the agreed tokens (one forward). None when neither output leaves the other."""
+    i = first_difference(ar_out, dflash_out)
+    if i is None:
+        return None
+    z = teacher_forced_logits(ref, prompt + ar_out[:i])[-1]
+    top, a, d = int(z.argmax()), ar_out[i], dflash_out[i]
+    return Parting(i, d, a, top, float(z[top] - torch.minimum(z[a], z[d])), float(z[top]))
+
+
+def near_tie(p: Parting, dtype, steps: float = NEAR_TIE_STEPS) -> bool:
+    """Whether both runs' tokens lay within `steps` rounding steps of `dtype` of the reference's best logit: a
+    choice either run could legitimately make in that precision."""
+    return p.steps(dtype) <= steps
+
+
+def position_margins(ref: M.Qwen35, prompt: list, out: list) -> tuple:
+    """`ref` teacher-forced over prompt + out; at each output position -> (its top-2 logit margin [n], its top
+    logit [n], its top logit minus the logit of out's token [n]: 0 where out took its argmax)."""
+    z = teacher_forced_logits(ref, prompt + out[:-1])[len(prompt) - 1:]
+    top2 = z.topk(2, dim=-1).values
+    taken = z.gather(1, torch.tensor(out, device=z.device)[:, None])[:, 0]
+    return (top2[:, 0] - top2[:, 1]).cpu(), top2[:, 0].cpu(), (top2[:, 0] - taken).cpu()
+
+
+def quantiles(x: torch.Tensor, qs=(0.0, 0.01, 0.05, 0.25, 0.5)) -> list:
+    """The given quantiles of a 1-D tensor (0.0 = the minimum)."""
+    return [float(v) for v in torch.quantile(x.double(), torch.tensor(qs, dtype=torch.float64))]
+
+
+def parting_row(i: int, prompt: list, parts: dict, dtype) -> str:
+    """One table line: the prompt, and where its runs part with the references' gaps there (or that they do not)."""
+    p32 = parts["float32"]
+    if p32 is None:
+        return f"| {i} | {len(prompt)} | - | | | | | | | |"
+    step = rounding_step(p32.top_logit, dtype)
+    return (f"| {i} | {len(prompt)} | {p32.index} | {p32.dflash} / {p32.ar} | {p32.prefers} | {p32.gap:.5f} | "
+            f"{parts['float64'].gap:.5f} | {p32.top_logit:.3f} | {step:.5f} | {p32.steps(dtype):.2f} |")
+
+
+def parting_main(args, device) -> dict:
+    """--parting: greedy DFlash and greedy AR in --dtype on every prompt; where they part, the float32 and float64
+    teacher-forced gaps between the two tokens; the float32 margins at every AR position. A table, a summary, and
+    one JSON line last."""
+    t_start = time.perf_counter()
+    from generate import ATTENTION, DTYPES, pick_dtype
+    import prompts as P
+    dtype = pick_dtype(args.dtype, device)
+    target = ckpt.load_target(args.target, dtype, device)
+    proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target)
+    refs = {name: ckpt.load_target(args.target, DTYPES[name], device) for name in ("float32", "float64")}
+    block = args.block_size or proposer.max_block_size
+    prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
+    stops = ckpt.stop_token_ids(target.path, target.cfg)
+    capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
+    masks = ATTENTION[args.attention]
+    ar_engine = dflash.Engine(target, None, 1, capacity, masks=masks)
+    sp_engine = dflash.Engine(target, proposer, block, capacity, masks=masks)
+    print(f"greedy DFlash vs AR in {str(dtype).replace('torch.', '')}, {len(prompts)} prompts, {args.max_new_tokens} new "
+          f"tokens, block {block}; gaps from float32 / float64 teacher-forced re-runs, steps = rounding steps of the run's "
+          f"dtype at the top logit", flush=True)
+    print("| prompt | tokens | parts at | DFlash / AR token | float32 prefers | float32 gap | float64 gap | top logit | step | gap in steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    partings, margins, tops, ar_gaps, errors, compared = [], [], [], [], [], 0    # compared: token positions up to a parting
+    for i, p in enumerate(prompts):
+        ar = ar_engine.run(p, args.max_new_tokens, stops).output_ids
+        sp = sp_engine.run(p, args.max_new_tokens, stops).output_ids
+        parts = {name: parting(ref, p, ar, sp) for name, ref in refs.items()}
+        if parts["float32"] is not None:
+            partings.append((i, parts))
+        compared += len(ar) if parts["float32"] is None else parts["float32"].index + 1
+        m, t, g = position_margins(refs["float32"], p, ar)
+        margins.append(m), tops.append(t), ar_gaps.append(g)
+        errors.append(margin_errors(target, refs["float64"], p + ar[:-1], len(p) - 1)[0])
+        print(parting_row(i, p, parts, dtype), flush=True)
+    return parting_summary(args, dtype, block, prompts, partings, compared, torch.cat(margins), torch.cat(tops),
+                           torch.cat(ar_gaps), torch.cat(errors), time.perf_counter() - t_start)
+
+
+def parting_summary(args, dtype, block, prompts, partings, compared, margins, tops, ar_gaps, errors, seconds) -> dict:
+    """Print what the --parting table adds up to and the JSON line; -> that JSON object."""
+    steps = torch.tensor([rounding_step(float(t), dtype) for t in tops], dtype=torch.float64)
+    p32 = [parts["float32"] for _, parts in partings]
+    gaps = [p.gap for p in p32]
+    gap_steps = [p.steps(dtype) for p in p32]
+    f64_diff = max((abs(parts["float64"].gap - parts["float32"].gap) for _, parts in partings), default=0.0)
+    off = ar_gaps > 0                                  # AR positions where the run's token is not float32's argmax
+    bound = NEAR_TIE_STEPS * steps
+    n = len(prompts)
+    print(f"parted: {len(p32)}/{n} prompts ({len(p32) / n:.1%}), at output indices {[p.index for p in p32]} "
+          f"(of {args.max_new_tokens}); {len(p32)} partings in {compared} token positions compared")
+    if p32:
+        print(f"float32 gap at the partings: max {max(gaps):.5f} ({max(gap_steps):.2f} steps), median "
+              f"{statistics.median(gaps):.5f} ({statistics.median(gap_steps):.2f} steps); float32 prefers "
+              + ", ".join(f"{w} {sum(p.prefers == w for p in p32)}" for w in ("dflash", "ar", "neither"))
+              + f"; float64 gaps differ from float32's by at most {f64_diff:.2e}")
+    all_near = all(near_tie(p, dtype) for p in p32)
+    print(f"every parting a near-tie (gap <= {NEAR_TIE_STEPS:g} steps): {all_near}{'' if p32 else ' (none parted)'}")
+    print(f"context, all {len(margins)} AR positions: float32 top-2 margin quantiles (min, 1%, 5%, 25%, median) "
+          f"{[round(v, 4) for v in quantiles(margins)]}, in steps {[round(v, 2) for v in quantiles(margins / steps)]}; "
+          f"{int((margins <= bound).sum())} positions ({float((margins <= bound).double().mean()):.2%}) within "
+          f"{NEAR_TIE_STEPS:g} steps" + (f", {int((margins / steps <= max(gap_steps)).sum())} within the largest parting "
+          f"gap ({max(gap_steps):.2f} steps)" if p32 else ""))
+    print(f"the AR run's own token is not float32's argmax at {int(off.sum())} positions"
+          + (f" (gap max {float(ar_gaps.max()):.5f} = {float((ar_gaps / steps).max()):.2f} steps)" if off.any() else ""))
+    print(f"{str(dtype).replace('torch.', '')} teacher-forced vs float64: top-2 margin moved by max {float(errors.max()):.5f} "
+          f"({float((errors / steps).max()):.2f} steps), median {float(errors.median()):.5f} "
+          f"({float((errors / steps).median()):.2f} steps)")
+    out = {"mode": "parting", "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+           "prompts": n, "max_new_tokens": args.max_new_tokens, "block_size": block, "parted": len(p32),
+           "parting_rate": len(p32) / n, "positions_compared": compared, "near_tie_steps": NEAR_TIE_STEPS, "all_near_ties": all_near,
+           "partings": [{"prompt": i, "index": parts["float32"].index, "dflash_token": parts["float32"].dflash,
+                         "ar_token": parts["float32"].ar, "float32_prefers": parts["float32"].prefers,
+                         "float32_gap": parts["float32"].gap, "float64_gap": parts["float64"].gap,
+                         "top_logit": parts["float32"].top_logit, "step": rounding_step(parts["float32"].top_logit, dtype),
+                         "gap_steps": parts["float32"].steps(dtype)} for i, parts in partings],
+           "max_gap": max(gaps, default=None), "max_gap_steps": max(gap_steps, default=None),
+           "positions": len(margins), "margin_quantiles": quantiles(margins),
+           "margin_quantiles_steps": quantiles(margins / steps),
+           "positions_within_bound": int((margins <= bound).sum()),
+           "positions_within_max_gap": int((margins / steps <= max(gap_steps)).sum()) if p32 else None,
+           "ar_not_float32_argmax": int(off.sum()), "margin_error_max": float(errors.max()),
+           "margin_error_max_steps": float((errors / steps).max()), "seconds": seconds}
+    print(json.dumps(out))
+    return out
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

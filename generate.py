@@ -52,9 +52,41 @@ ATTENTION = {"sdpa": M.DenseMasks, "flex": flex.FlexMasks}
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]    # torch.compile's modes
 
 
+def shared_flags(p) -> None:
+    """The flags generate.py and bench.py share, declared once: the target, the dtype and device, the step settings."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="generate at most this many tokens, the first included (fewer when a stop token comes first)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core; on a busy machine 1 can be many times "
+                        "faster, since threads that wait for each other stall when another process holds a core)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="drafts see only the last W context positions (default: the context the drafter was trained on, "
+                        "where its config says: train_context_length, or a sliding drafter's sliding_window; past it "
+                        "acceptance collapses. 0 = the whole context)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="pure DFlash: a draft-verify round every step, even where plain decoding is measured faster "
+                        "(default: adaptive.py decodes plainly while speculation loses; the output is the same)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
+    p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
+    p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
+    p.add_argument("--onednn", action=argparse.BooleanOptionalAction, default=None,
+                   help="float32 on a CPU with a drafter: products of a few rows (verify, draft) through oneDNN on "
+                        "prepacked weights (onednn.py; faster on some CPUs, not on others). Default: both kinds of "
+                        "product are timed at load and oneDNN is used where it is at least 10%% faster")
+    p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
+                   help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
+                        "built once; use with --compile on CUDA, eager flex on CPU is slow)")
+    p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
+    shared_flags(p)
     p.add_argument("--draft", default=None, help="DFlash drafter folder or repo id, 'mtp' for the target's own MTP head (mtp.py), "
                                                "or 'none' for plain AR (default: the embedded drafter with the embedded target)")
     p.add_argument("--mtp-steps", type=int, default=None, help="with --draft mtp: chained MTP steps per draft, K = 1..15 (the "
@@ -68,19 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--messages", help="JSON file: a list of {role, content} messages before --prompt (chat, several turns)")
     p.add_argument("--tools", help="JSON file: a list of tool schemas the model may call (chat; Qwen3.5's template "
                                    "lists them in a system block)")
-    p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the prompt, repeatable (a multimodal Qwen3.5 checkpoint; needs Pillow). With --chat the "
                         "files fill the image items of --messages, then open the new user turn; otherwise each "
                         "<|image_pad|> in the prompt stands for the next image")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="generate at most this many tokens, the first included (fewer when a stop token comes first)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per draft-verify step (default: the drafter's block_size)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice, one per core; on a busy machine 1 can be many times "
-                        "faster, since threads that wait for each other stall when another process holds a core)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--cache-len", type=int, default=None, help="positions in the static caches (default: what the request needs; with --compile rounded up to a "
                         "power of two of at least 256, so that compiled steps are reused across nearby prompt lengths)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line instead of streaming text")
@@ -98,30 +121,12 @@ def parse_args(argv=None):
                         "the target's noise, the output equals --draft none's for the seed) or ratio (min(1, p/q): "
                         "accepts more, the output is distributed as the target's but is another text, and follows the "
                         "step pattern). Greedy drafters (DFlash, MTP) accept the same under both")
-    p.add_argument("--draft-window", type=int, default=None,
-                   help="drafts see only the last W context positions (default: the context the drafter was trained on, "
-                        "where its config says: train_context_length, or a sliding drafter's sliding_window; past it "
-                        "acceptance collapses. 0 = the whole context)")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="pure DFlash: a draft-verify round every step, even where plain decoding is measured faster "
-                        "(default: adaptive.py decodes plainly while speculation loses; the output is the same)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
-    p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
-    p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
-    p.add_argument("--onednn", action=argparse.BooleanOptionalAction, default=None,
-                   help="float32 on a CPU with a drafter: products of a few rows (verify, draft) through oneDNN on "
-                        "prepacked weights (onednn.py; faster on some CPUs, not on others). Default: both kinds of "
-                        "product are timed at load and oneDNN is used where it is at least 10%% faster")
     p.add_argument("--prompts-file", metavar="FILE.jsonl",
                    help="many requests, one JSON object per line: prompt, prompt_ids or messages, and optionally "
                         "max_new_tokens, temperature, top_p, top_k, seed (the flags' values otherwise); run as a batch "
                         "of --concurrency requests at a time. With --json: one line per request, in input order")
     p.add_argument("--concurrency", type=int, default=None,
                    help="with --prompts-file: requests in flight at once, the batch's slots (default 1)")
-    p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
-                   help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
-                        "built once; use with --compile on CUDA, eager flex on CPU is slow)")
     args = p.parse_args(argv)
     if args.draft is None:
         args.draft = DEFAULT_DRAFT if args.target == DEFAULT_TARGET else "none"
@@ -159,6 +164,13 @@ def use_onednn(flag: bool | None, rows: int, *modules) -> dict:
             onednn.swap_linears_(m)
     on = any(isinstance(m, onednn.PackedLinear) and m.packed is not None for x in modules for m in x.modules())
     return {"onednn": on, "onednn_measured": measured}
+
+
+def products_words(products: dict) -> str:
+    """use_onednn's record in words: which products the few-row steps ran, and what was measured at load."""
+    measured = products["onednn_measured"]
+    how = f"measured at load: oneDNN {measured:.2f}x the time of MKL" if measured else "forced or not applicable"
+    return f"few-row products: {'oneDNN' if products['onednn'] else 'MKL'} ({how})"
 
 
 def parse_ids(text: str) -> list:

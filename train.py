@@ -27,13 +27,9 @@ seeds, and stop at --minutes (or --steps).
 from __future__ import annotations
 
 import argparse
-import glob
-import hashlib
 import json
 import math
 import os
-import random
-import sysconfig
 import time
 
 import torch
@@ -41,6 +37,7 @@ import torch.nn.functional as F
 
 import checkpoint as ckpt
 import model as M
+from prompts import read_text, stdlib_files   # the held-out split is the benchmarks' prompts (prompts.py)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
@@ -48,52 +45,6 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 # ==================================================================================================
 # Data: the standard library's source
 # ==================================================================================================
-
-def stdlib_files(split: str) -> list:
-    """Sorted .py files of this Python's standard library; 1 in 20 (by a hash of the relative path) is held out."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        rel = os.path.relpath(f, root)
-        if "site-packages" in rel or rel.startswith(("test", "idlelib", "lib2to3", "turtledemo")):
-            continue
-        held = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
-        if held == (split == "heldout"):
-            files.append(f)
-    return files
-
-
-def read_text(f: str) -> str:
-    try:
-        with open(f, encoding="utf-8") as fh:
-            return fh.read()
-    except (UnicodeDecodeError, OSError):
-        return ""
-
-
-def heldout_prompts(tokenizer, n: int, min_len: int = 30, max_len: int = 60, seed: int = 0) -> list:
-    """n prompts of min_len..max_len tokens cut at line starts from held-out files (the bars' prompts): one
-    random 30-line window per file of 40+ lines, in a seeded shuffled order; when n exceeds the files (26 on
-    Python 3.11), further passes over the same files take further random windows. The first prompts do not
-    depend on n."""
-    rng = random.Random(seed)
-    files = stdlib_files("heldout")
-    rng.shuffle(files)
-    texts = [lines for lines in (read_text(f).splitlines(keepends=True) for f in files) if len(lines) >= 40]
-    if not texts:
-        raise ValueError("no held-out standard-library file has 40 lines or more")
-    prompts, tries = [], 0
-    while len(prompts) < n:
-        lines = texts[tries % len(texts)]
-        tries += 1
-        i = rng.randrange(len(lines) - 30)
-        ids = tokenizer.encode("".join(lines[i:i + 30])).ids
-        if len(ids) >= min_len:
-            prompts.append(ids[:rng.randint(min_len, max_len)])
-        elif tries > 100 * n:
-            raise ValueError(f"could not cut {n} prompts of {min_len}+ tokens from the held-out files")
-    return prompts
-
 
 def train_tokenizer(vocab_size: int, out: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -10,19 +10,9 @@ import random
 import torch
 
 import checkpoint as ckpt
+from check import zlab_module
 import kernels
 import model as M
-
-
-def zlab_module():
-    """The z-lab `dflash` package's model.py, loaded under another name: our dflash.py shadows the package."""
-    import importlib.metadata
-    import importlib.util
-    f = importlib.metadata.distribution("dflash").locate_file("dflash/model.py")
-    spec = importlib.util.spec_from_file_location("zlab_dflash_model", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def tiny_target_config(**kw) -> M.TargetConfig:

@@ -14,6 +14,7 @@ import adaptive
 import checkpoint as ckpt
 import dflash
 import generate
+import prompts
 from helpers import (OracleProposer, embedded_pair, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target,
                      tiny_target_config)
 from test_spec_equals_ar import scratch_mask
@@ -169,9 +170,8 @@ def test_generate_applies_the_default_window(capsys, flag, window):
 def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
     """The embedded pair on a prompt longer than its training context, default settings: the output is AR's and the
     trace's contract holds (plain steps appear as 1 with no drafts)."""
-    import bench
     target, drafter, _, _ = embedded_pair()
-    prompt = bench.long_prompts(ckpt.load_tokenizer(target.path), 1, 600)[0]
+    prompt = prompts.long_prompts(ckpt.load_tokenizer(target.path), 1, 600)[0]
     ids = ",".join(map(str, prompt))
     assert generate.main(["--prompt-ids", ids, "--max-new-tokens", "48", "--json", "--draft", "none"]) == 0
     ar = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -7,13 +7,15 @@ import torch
 
 import bench
 import checkpoint as ckpt
+import generate
+import presets
 import model as M
 
 
 def test_9b_preset_shapes_match_the_spec():
     """Built on the meta device (no memory): the parameter count of docs/qwen35.md#config (8,953,803,264 for the
     text model) and the drafter's target layers 1, 8, 15, 22, 29 at block 16."""
-    tcfg, dcfg = bench.preset_configs("qwen3.5-9b")
+    tcfg, dcfg = presets.preset_configs("qwen3.5-9b")
     with torch.device("meta"):
         target = M.Qwen35(tcfg)
     assert sum(p.numel() for p in target.parameters()) == 8_953_803_264
@@ -26,12 +28,12 @@ def test_35b_a3b_preset_shapes():
     """The mixture-of-experts preset on the meta device: the 34,660,610,688 text-model parameters of
     docs/qwen35.md#mixture-of-experts, 32,212,254,720 of them in the routed experts, of which a decode step reads
     top-8 of 256 per layer (the weight bytes the bandwidth figure counts); the drafter fits."""
-    tcfg, dcfg = bench.preset_configs("qwen3.5-35b-a3b")
+    tcfg, dcfg = presets.preset_configs("qwen3.5-35b-a3b")
     with torch.device("meta"):
         target = M.Qwen35(tcfg)
     experts = sum(p.numel() for m in target.modules() if isinstance(m, M.Experts) for p in m.parameters())
     assert sum(p.numel() for p in target.parameters()) == 34_660_610_688 and experts == 32_212_254_720
-    assert bench.weight_bytes_per_decode(target) == 4 * (34_660_610_688 - experts * 248 // 256 - 248320 * 2048 + 2048)
+    assert presets.weight_bytes_per_decode(target) == 4 * (34_660_610_688 - experts * 248 // 256 - 248320 * 2048 + 2048)
     assert dcfg.target_layer_ids == [1, 10, 19, 28, 37] and dcfg.num_hidden_layers == 8 and dcfg.block_size == 16
     ckpt.check_fits(dcfg, tcfg)
 
@@ -73,8 +75,8 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     lo, hi = last["speedup_quartiles"]
     assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
     assert sum(last["acceptance_histogram"]) > 0 and len(last["acceptance_histogram"]) == last["block_size"]
-    target = ckpt.load_target(bench.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
-    assert last["weight_bytes_per_decode"] == bench.weight_bytes_per_decode(target)
+    target = ckpt.load_target(generate.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
+    assert last["weight_bytes_per_decode"] == presets.weight_bytes_per_decode(target)
     expected = last["weight_bytes_per_decode"] / (last["decode_ms"] / 1000) / 1e9
     assert abs(last["achieved_gb_s"] - expected) < 1e-6 * expected
     assert last["peak_copy_gb_s"] is None and last["bandwidth_fraction"] is None      # CUDA only
@@ -88,9 +90,9 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
 
 def test_heldout_prompts_extend_without_changing_the_first():
     """More prompts than held-out files: further windows of the same files; the first ones do not move."""
-    import train
-    tok = ckpt.load_tokenizer(bench.DEFAULT_TARGET)
-    few, many = train.heldout_prompts(tok, 8), train.heldout_prompts(tok, 64)
+    import prompts
+    tok = ckpt.load_tokenizer(generate.DEFAULT_TARGET)
+    few, many = prompts.heldout_prompts(tok, 8), prompts.heldout_prompts(tok, 64)
     assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64
     assert all(30 <= len(p) <= 60 for p in many)
 
@@ -119,13 +121,13 @@ def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
          "bars": {"decode_bandwidth_ge_75pct": False, "verify_le_1.3x_decode": True}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(r))
-    assert bench.preset_summary(str(path)) == 1
+    assert presets.preset_summary(str(path)) == 1
     out = capsys.readouterr().out
     assert "56.0% of 4000 GB/s" in out and "FAIL  decode_bandwidth_ge_75pct" in out and "PASS  verify_le_1.3x_decode" in out
     r["bars"]["decode_bandwidth_ge_75pct"] = True
     r["cudagraph_skips"] = 2
     path.write_text(json.dumps(r))
-    assert bench.preset_summary(str(path)) == 0
+    assert presets.preset_summary(str(path)) == 0
     assert "2 compiled graphs NOT run as CUDA graphs" in capsys.readouterr().out
 
 

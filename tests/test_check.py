@@ -218,7 +218,7 @@ def test_zlab_loop_divergences_are_found_where_it_leaves_greedy(pair):
     checker reports each such run's first divergence at exactly that token, as a divergence (not a tie), some
     verify steps after a partial acceptance."""
     from transformers import AutoModelForCausalLM
-    import train
+    import prompts
     target = pair[0]
     zm = zlab_module()
     zm._cuda_time = lambda: 0.0                      # its timing helper synchronises CUDA unconditionally
@@ -227,7 +227,7 @@ def test_zlab_loop_divergences_are_found_where_it_leaves_greedy(pair):
                                              dtype=torch.float32).eval()
     tok = check.ckpt.load_tokenizer(target.path)
     found = 0
-    for p in train.heldout_prompts(tok, 3):
+    for p in prompts.heldout_prompts(tok, 3):
         ids = torch.tensor([p])
         out = zm.dflash_generate(zd, hf, ids, 40, None, return_stats=True)
         greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,

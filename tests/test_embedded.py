@@ -9,7 +9,7 @@ import torch
 
 import dflash
 import checkpoint as ckpt
-import train
+import prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
@@ -30,7 +30,7 @@ def test_embedded_pair_is_lossless_and_accepts(pair):
     engine_ar = dflash.Engine(target, None, 1, 256)
     engine_sp = dflash.Engine(target, proposer, 16, 256)
     taus = []
-    for p in train.heldout_prompts(tok, 4):
+    for p in prompts.heldout_prompts(tok, 4):
         assert 30 <= len(p) <= 60
         ar = engine_ar.run(p, 64)
         sp = engine_sp.run(p, 64)

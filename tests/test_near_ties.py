@@ -3,7 +3,7 @@
 A 16-token verify and a 1-token decode round differently, so where two logits lie within bfloat16's rounding of
 each other either run may take either token (docs/method.md#exactness-and-precision). At the first token where
 the two runs differ, the target re-run in float32 over the prompt + the tokens both agreed on must put both runs'
-tokens within bench.NEAR_TIE_STEPS rounding steps of bfloat16 (at the top logit's magnitude) of its best logit.
+tokens within check.NEAR_TIE_STEPS rounding steps of bfloat16 (at the top logit's magnitude) of its best logit.
 The measurement over 64 held-out prompts is `python bench.py --threads 1 --parting --dtype bfloat16`.
 """
 import math
@@ -13,15 +13,16 @@ import pytest
 import torch
 
 import bench
+import check
 import checkpoint as ckpt
 import dflash
-import train
+import prompts as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
 DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
 NEW = 128
-# Two prompts of the README's examples and two held-out prompts (train.heldout_prompts, bench.py's order) that
+# Two prompts of the README's examples and two held-out prompts (prompts.heldout_prompts, bench.py's order) that
 # part in bfloat16 with one CPU thread: measured here (AMD EPYC, AVX2, torch 2.13.0+cpu, the pass-9 drafter) at
 # output tokens 8 and 42, so the test sees partings to judge. Other CPUs or thread counts may part elsewhere; the property must hold
 # wherever they do.
@@ -32,7 +33,7 @@ HELDOUT = [15, 17]
 # for logits in [4, 8)). Two runs pick different tokens only where their roundings move the float32 top-2 margin m
 # across 0, so |m| is at most the larger of the two moves; over 8,192 positions of the held-out runs a bfloat16
 # forward moved m by at most 1.79 steps (median 0.29), while half the positions have margins above 21 steps.
-BOUND = bench.NEAR_TIE_STEPS
+BOUND = check.NEAR_TIE_STEPS
 assert BOUND == 2.0
 
 
@@ -44,7 +45,7 @@ def runs(one_thread):
     proposer = dflash.DrafterProposer(ckpt.load_drafter(DRAFT, target.cfg, torch.bfloat16), target)
     ref = ckpt.load_target(TARGET, torch.float32)
     tok = ckpt.load_tokenizer(TARGET)
-    heldout = train.heldout_prompts(tok, max(HELDOUT) + 1)
+    heldout = P.heldout_prompts(tok, max(HELDOUT) + 1)
     prompts = [tok.encode(t).ids for t in TEXTS] + [heldout[i] for i in HELDOUT]
     capacity = bench.bench_capacity(prompts, NEW, 16)
     ar_engine = dflash.Engine(target, None, 1, capacity)
@@ -57,12 +58,12 @@ def test_bfloat16_dflash_and_ar_part_only_at_near_ties(runs):
     ref, outs = runs
     seen = []
     for prompt, ar, sp in outs:
-        part = bench.parting(ref, prompt, ar, sp)
+        part = check.parting(ref, prompt, ar, sp)
         if part is None:
             assert ar == sp
             continue
         assert ar[:part.index] == sp[:part.index] and ar[part.index] != sp[part.index]
-        assert bench.near_tie(part, torch.bfloat16, BOUND), (
+        assert check.near_tie(part, torch.bfloat16, BOUND), (
             f"prompt {prompt[:8]}...: DFlash {part.dflash} and AR {part.ar} part at output token {part.index} with a "
             f"float32 gap of {part.gap:.5f} = {part.steps(torch.bfloat16):.2f} bfloat16 steps (bound {BOUND})")
         seen.append(part.index)
@@ -83,9 +84,9 @@ def test_a_clear_divergence_is_not_a_near_tie(runs):
         ids = torch.tensor([prompt + ar[:k]])
         worst = int(ref(ids, torch.arange(ids.shape[1]))[0][0, -1].argmin())
     fake = ar[:k] + [worst] + ar[k + 1:]
-    part = bench.parting(ref, prompt, ar, fake)
+    part = check.parting(ref, prompt, ar, fake)
     assert (part.index, part.dflash, part.ar) == (k, worst, ar[k]) and part.prefers != "dflash"
-    assert not bench.near_tie(part, torch.bfloat16, BOUND)
+    assert not check.near_tie(part, torch.bfloat16, BOUND)
 
 
 @pytest.mark.parametrize("z", [0.75, 1.0, 1.5, -3.0, 6.3125, 8.0, -9.5, 100.0, 3e-3])
@@ -93,7 +94,7 @@ def test_rounding_step_is_the_bfloat16_spacing(z):
     """rounding_step(z) == the distance from the bfloat16 number z to the next one away from zero."""
     x = torch.tensor(z, dtype=torch.bfloat16)          # 3e-3 is not a bfloat16 number: its rounding is used
     up = torch.nextafter(x, torch.tensor(math.copysign(math.inf, z), dtype=torch.bfloat16))
-    assert bench.rounding_step(float(x), torch.bfloat16) == abs(float(up) - float(x))
+    assert check.rounding_step(float(x), torch.bfloat16) == abs(float(up) - float(x))
 
 
 def test_near_tie_classifier():
@@ -102,11 +103,11 @@ def test_near_tie_classifier():
     step = 2.0 ** -5
     for prefers_dflash in (True, False):
         top = 1 if prefers_dflash else 2
-        at = lambda gap: bench.Parting(index=3, dflash=1, ar=2, top=top, gap=gap, top_logit=6.0)
-        assert bench.near_tie(at(0.0), torch.bfloat16, BOUND)
-        assert bench.near_tie(at(BOUND * step), torch.bfloat16, BOUND)
-        assert not bench.near_tie(at(BOUND * step * 1.01), torch.bfloat16, BOUND)
-        assert not bench.near_tie(at(0.5), torch.bfloat16, BOUND)          # 16 steps: a clear choice
+        at = lambda gap: check.Parting(index=3, dflash=1, ar=2, top=top, gap=gap, top_logit=6.0)
+        assert check.near_tie(at(0.0), torch.bfloat16, BOUND)
+        assert check.near_tie(at(BOUND * step), torch.bfloat16, BOUND)
+        assert not check.near_tie(at(BOUND * step * 1.01), torch.bfloat16, BOUND)
+        assert not check.near_tie(at(0.5), torch.bfloat16, BOUND)          # 16 steps: a clear choice
         assert at(0.0).prefers == ("dflash" if prefers_dflash else "ar")
-    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert bench.first_difference([1, 2, 3], [1, 4, 3]) == 1
+    assert check.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert check.first_difference([1, 2, 3], [1, 4, 3]) == 1

@@ -208,7 +208,7 @@ def test_shipped_pair_proposals_match_zlab():
     from transformers import Qwen3_5ForCausalLM
 
     import dflash
-    import train
+    import prompts
     tdir, ddir = EMBEDDED_TARGET, EMBEDDED_DRAFT
     ours_t = ckpt.load_target(tdir, torch.float32)
     ours_d = ckpt.load_drafter(ddir, ours_t.cfg, torch.float32)
@@ -220,7 +220,7 @@ def test_shipped_pair_proposals_match_zlab():
     B, mask_id = ours_d.cfg.block_size, ours_d.cfg.mask_token_id
     assert ref.block_size == B and ref.mask_token_id == mask_id
 
-    prompt = train.heldout_prompts(ckpt.load_tokenizer(tdir), 2)[1]
+    prompt = prompts.heldout_prompts(ckpt.load_tokenizer(tdir), 2)[1]
     T0, steps = len(prompt), [1, 3, 16, 2, 7, 5, 11, 4]
     ids = torch.tensor([prompt + dflash.run(ours_t, prompt, sum(steps) + B).output_ids])
     with torch.no_grad():
