@@ -629,9 +629,15 @@ def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     return {"reference_tokens_per_s": med, "speedup_vs_reference": ours / med}
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """main() with the errors a user can act on as one line on stderr and exit code 2."""
     try:
-        main()
+        main(argv)
     except (M.CheckpointError, dflash.GenerationError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

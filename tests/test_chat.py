@@ -355,3 +355,22 @@ def test_prompts_file_chat_lines_equal_single_runs(chat_ckpt, capsys, tmp_path):
     for got, want in zip(batch, singles):
         assert got["prompt_ids"] == want["prompt_ids"] and got["output_ids"] == want["output_ids"]
         assert got["chat"] and got["content"] == want["content"] and got["thinking"] is False
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_set_turns_render_as_the_zlab_script_renders_them(chat_ckpt, thinking):
+    """prompts.conversation (bench.py --dataset) == the z-lab benchmark's prompt: apply_chat_template(messages,
+    tokenize=False, add_generation_prompt=True, enable_thinking) encoded without added special tokens, for an
+    MT-Bench-like sample's first turn and its second, the reply (reasoning included, as decoded) fed back."""
+    import prompts
+    tpl, specials = chat.load_chat_template(chat_ckpt["path"])
+    hf = chat_ckpt["hf_tok"]
+    s = prompts.Sample(turns=["Compose a haiku about rain.", "Now rewrite it in French."])
+    reply = "The user wants a haiku.\n</think>\n\nSoft rain on the roof"
+    convs = [[{"role": "user", "content": s.turns[0]}],
+             [{"role": "user", "content": s.turns[0]}, {"role": "assistant", "content": reply},
+              {"role": "user", "content": s.turns[1]}]]
+    for k, msgs in enumerate(convs):
+        text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        want = hf.encode(text, add_special_tokens=False)
+        assert prompts.conversation(s, k, [reply][:k], chat_ckpt["tok"], tpl, specials, thinking) == want

@@ -121,3 +121,17 @@ def test_installing_claims_no_module_names():
     out = subprocess.run([sys.executable, "-c", probe], cwd="/", capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr
+
+
+def test_shipped_code_never_imports_the_tests():
+    """The flat files run without tests/ on the path: no `helpers` import, no sys.path entry for tests/."""
+    bad = []
+    for name, text in tracked_text_files():
+        if "/" in name or not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                   [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{name}:{node.lineno}: imports {m}" for m in mods if m.split(".")[0] in ("helpers", "tests", "conftest")]
+        bad += [f"{name}: puts tests/ on sys.path" for line in text.splitlines() if "sys.path" in line and "tests" in line]
+    assert not bad, "\n".join(bad)
