@@ -1,7 +1,10 @@
-"""Side-by-side benchmark: plain AR and DFlash on the same prompts and weights, in one process.
+"""The benchmarks' command line: plain AR and DFlash (or other proposers) on the same prompts and weights, in one
+process. One mode per flag, each a function (args, device) -> the JSON object it prints last (mode_of); the prompts
+come from prompts.py, the flags shared with generate.py from generate.shared_flags.
 
     python bench.py                                     # embedded tiny pair, 64 held-out Python prompts
     python bench.py --target DIR --draft DIR --prompt "..." --prompt "..." --max-new-tokens 256
+    python bench.py --dataset humaneval --limit 16 --methods dflash,mtp3 --out DIR   # the seeds' table (tables.py)
 
 Warm-up runs are excluded. Printed: per-prompt and median tok/s of both, their ratio (the speedup), mean
 acceptance length and its histogram, ms per decode / draft / verify step, the weight bandwidth of a decode
@@ -13,7 +16,7 @@ The last stdout line is one JSON object. Machines are noisy: compare ratios meas
     python bench.py --preset qwen3.5-35b-a3b --random-weights      # mixture of experts: a GPU (about 70 GB of bf16 weights)
     python bench.py --preset tiny-35b-a3b-shape --random-weights   # its layers, experts and routing at 1/32 width, CPU
 
-`--preset` builds the model shapes with random weights on the device (step times do not depend on the weight
+`--preset` (presets.py) builds the model shapes with random weights on the device (step times do not depend on the weight
 values, so no download is needed) and times AR decode, verify and draft steps; it reports the achieved weight
 bandwidth of a decode step against a measured device-to-device copy (CUDA), and the PROJECTED DFlash tok/s at
 a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on Qwen3.5-9B).
@@ -24,7 +27,7 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
     python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
     python bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
 
-`--parting` times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
+`--parting` (check.parting_main) times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
 where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
 and reports the gap between the two tokens' logits there, in rounding steps of --dtype (a parting is legitimate
 only at a near-tie: docs/method.md#exactness-and-precision), and the float32 top-2 margins at every AR position.
@@ -228,19 +231,28 @@ def bench_capacity(prompts: list, max_new_tokens: int, block: int) -> int:
     return max(len(p) for p in prompts) + max(max_new_tokens, 3 * block) + block
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
+    """The flags parsed, the mode they ask for run (side_by_side_main when none) -> the JSON object it printed last."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dataset and not args.methods:
         args.methods = "dflash" if not other_mode(args) else None     # --dataset alone: the table of the drafter
+    return mode_of(args)(args, device)
+
+
+def mode_of(args):
+    """The mode's function, each (args, device) -> dict: the first mode flag given, else AR vs DFlash side by side."""
     modes = ((args.preset, presets.preset_main), (args.parting, check.parting_main), (args.methods, tables.table_main),
              (args.replay, replay_main), (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
              (args.profile_decode, profile_decode_main), (args.concurrency, concurrency_main))
-    for chosen, mode_main in modes:         # the modes instead of AR vs DFlash, first given first
-        if chosen:
-            return mode_main(args, device)
+    return next((mode_main for chosen, mode_main in modes if chosen), side_by_side_main)
+
+
+def side_by_side_main(args, device) -> dict:
+    """AR and DFlash (adaptive unless --no-adaptive; compiled with --compile, then eager DFlash too) on each prompt
+    in turn: per-prompt and median tok/s, the speedup, acceptance, step times, bandwidth, identical outputs."""
     dtype = pick_dtype(args.dtype, device)
     peak = presets.peak_copy_gb_s() if torch.device(device).type == "cuda" else None     # before the model takes the memory
     target, drafter, window, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
@@ -315,7 +327,7 @@ def main(argv=None):
         print(f"compiled DFlash / eager DFlash (same prompts, same run): median per-prompt {compiled['compiled_over_eager']:.2f}x "
               f"(eager median {compiled['eager_dflash_tokens_per_s']:.1f} tok/s)")
     ref = reference_loop(args, target, drafter, prompts, stops, rows) if args.vs_reference else {}
-    print(json.dumps({**ref, **compiled,
+    out = {**ref, **compiled,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
         "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens, "block_size": block,
         "ar_tokens_per_s": ar_med, "dflash_tokens_per_s": sp_med, "speedup": statistics.median(speedups),
@@ -327,7 +339,9 @@ def main(argv=None):
         "compile_mode": mode, "attention": args.attention, **products, "cpp_wrapper": bool(mode and args.cpp_wrapper),
         "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "look_ms": look_ms, "prompt_len": args.prompt_len,
         "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "looks": sum(s.look is not None for r in sp_res for s in r.steps), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
-    }))
+    }
+    print(json.dumps(out))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def shared_flags(p) -> None:
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                    help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
-    p.add_argument("--no-think", action="store_true", help="chat: answer without a reasoning block (enable_thinking=False)")
+    p.add_argument("--no-think", action="store_true", help="chat (and bench.py --dataset's prompts): answer without a "
+                                                           "reasoning block (enable_thinking=False)")
 
 
 def parse_args(argv=None):

@@ -288,3 +288,14 @@ def test_table_runs_image_samples(tmp_path, capsys, monkeypatch):
     assert cell["prompts"] == cell["identical"] == 1 and cell["tau"] >= 1
     assert len(encoded) == 1 and len(encoded[0].ids) > 12          # the image's tokens in the prompt the engines ran
     capsys.readouterr()
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_dataset_chooses_the_prompts_of_another_mode(tmp_path, capsys):
+    """--dataset with --concurrency: the batch runs the sets' first turns (the concurrency table on a prompt set)."""
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(json.dumps({"turns": [t, "unused second turn"]}) for t in ("class Stack:", "def main():")))
+    res = bench.main(["--dataset", str(f), "--concurrency", "2", "--max-new-tokens", "12", "--threads", "1"])
+    (row,) = res["concurrency"]
+    assert row["n"] == 2 and row["requests"] == 6 and row["identical"]          # 2 prompts, repeated to 3N
+    capsys.readouterr()
