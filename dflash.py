@@ -257,7 +257,7 @@ class Steps:
         self._host = None                    # pinned host buffer of _upload (CUDA)
         self.decode_step, self.verify_step, self.commit, self.plain_step = self._decode, self._verify, self.cache.commit, self._plain
         self.pick_step = self._pick
-        self.draft_step = proposer.propose if proposer is not None else None
+        self.draft_step = getattr(proposer, "propose", None)     # (tree.py: propose_tree instead)
         self._next_ids = getattr(proposer, "wants_next_ids", False)
         self._guard = None                             # with compiled steps: compiling.ModelGuard
         if compile_mode is not None:

@@ -492,21 +492,29 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
 
+    def project(self, x):
+        """x [B,T,H] -> z [B,T,Hv,dv], beta and g [B,T,Hv] (state dtype), the pre-conv inputs [B,T,conv_dim]."""
+        sd = state_dtype(x.dtype)
+        beta = torch.sigmoid(self.in_proj_b(x)).to(sd)
+        g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
+        return self.in_proj_z(x).unflatten(-1, (self.hv, self.dv)), beta, g, self.in_proj_qkv(x)
+
+    def heads(self, u):
+        """Conv outputs u [B,T,conv_dim] -> q (scaled), k: L2-normed [B,T,Hk,dk] in the state dtype; v [B,T,Hv,dv]."""
+        sd, (q, k, v) = state_dtype(u.dtype), u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = (l2norm(t.unflatten(-1, (self.hk, self.dk)).to(sd)) for t in (q, k))
+        return q * self.dk ** -0.5, k, v.unflatten(-1, (self.hv, self.dv))
+
     def forward(self, x, cache: GDNCache | None, verify: bool = False):
         """x [B,T,H] -> [B,T,H]. Without a cache: from a zero state, nothing kept (training, reference). With one,
-        verify=False commits every token (the cache advances); verify=True keeps the block for the commit."""
+        verify=False commits every token (the cache advances); verify=True keeps the block for the commit.
+        (tree.py runs the same pieces, project, heads and finish, over a tree of tokens.)"""
         bsz, T, _ = x.shape
-        sd = state_dtype(x.dtype)
-        z = self.in_proj_z(x).view(bsz, T, self.hv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x)).to(sd)                                   # [B,T,Hv]
-        g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
+        z, beta, g, pre = self.project(x)
         conv_state = cache.conv if cache is not None else x.new_zeros(bsz, self.kernel - 1, self.conv_dim)
-        u, window = kernels.causal_conv1d(self.in_proj_qkv(x), self.conv_weight, conv_state)
-        q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.view(bsz, T, self.hk, self.dk).to(sd)) * self.dk ** -0.5
-        k = l2norm(k.view(bsz, T, self.hk, self.dk).to(sd))
-        v = v.reshape(bsz, T, self.hv, self.dv)
-        state = cache.rec if cache is not None else x.new_zeros(bsz, self.hv, self.dk, self.dv, dtype=sd)
+        u, window = kernels.causal_conv1d(pre, self.conv_weight, conv_state)
+        q, k, v = self.heads(u)
+        state = cache.rec if cache is not None else x.new_zeros(bsz, self.hv, self.dk, self.dv, dtype=g.dtype)
         if verify:
             rule = self.block_rule if T > 1 else kernels.recurrent_gated_delta_rule
             o, writes = rule(q, k, v, g, beta, state)[:2]
@@ -518,8 +526,11 @@ class GatedDeltaNet(nn.Module):
                 o, _, final = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
             if cache is not None:
                 cache.advance(final, window)
-        y = self.norm(o.to(x.dtype), z)
-        return self.out_proj(y.reshape(bsz, T, self.value_dim))
+        return self.finish(o, z, x.dtype)
+
+    def finish(self, o, z, dtype):
+        """The rule's output o [B,T,Hv,dv] gated by z, normed and projected -> [B,T,H] in `dtype`."""
+        return self.out_proj(self.norm(o.to(dtype), z).flatten(-2))
 
 
 class DecoderLayer(nn.Module):

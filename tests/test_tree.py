@@ -1,0 +1,179 @@
+"""Draft trees on the hybrid target (tree.py): every node's logits and GDN state equal its root-to-node path run
+alone as a chain; a committed path leaves the caches as a chain of its tokens would; a tree of one chain is the
+block verify; and TreeEngine's greedy output is AR's for random targets and trees, every accepted depth forced."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import dflash
+import model as M
+import tree as TR
+from helpers import random_target, tiny_target_config
+
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
+
+
+def random_tree(rng: random.Random, size: int, vocab: int, root: int) -> TR.Tree:
+    """`size` nodes after the root, each under a random earlier node, random tokens."""
+    parents = [-1] + [rng.randrange(i) for i in range(1, size + 1)]
+    return TR.Tree([root] + [rng.randrange(vocab) for _ in range(size)], parents)
+
+
+def clone(cache: M.TargetCache) -> M.TargetCache:
+    out = object.__new__(M.TargetCache)
+    out.capacity, out.masks = cache.capacity, cache.masks
+    out.layers = [type(lc)(*(t.clone() for t in vars(lc).values())) for lc in cache.layers]
+    return out
+
+
+def prefilled(target, prompt: list, capacity: int = 96, max_block: int = 40) -> M.TargetCache:
+    cache = M.TargetCache(target.cfg, capacity, torch.float64, "cpu", max_block=max_block)
+    with torch.inference_mode():
+        target(torch.tensor([prompt]), torch.arange(len(prompt)), cache)
+    return cache
+
+
+def chain(target, cache, tokens: list, start: int, verify: bool):
+    with torch.inference_mode():
+        return target(torch.tensor([tokens]), start + torch.arange(len(tokens)), cache, verify=verify)[0][0]
+
+
+def test_tree_structure_and_refusals():
+    t = TR.Tree([7, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 3, 2])
+    assert t.depth == [0, 1, 1, 2, 3, 2] and t.path(4) == [0, 1, 3, 4]
+    rows = t.conv_rows(4, "cpu")             # K = 4: 3 committed rows (0..2), then node j at row 3 + j
+    assert rows[0].tolist() == [0, 1, 2, 3] and rows[1].tolist() == [1, 2, 3, 4]
+    assert rows[4].tolist() == [3, 4, 6, 7] and rows[5].tolist() == [2, 3, 5, 8]
+    assert t.ancestors("cpu")[4].tolist() == [True, True, False, True, True, False]
+    for tokens, parents in (([1, 2], [-1, 1]), ([1, 2], [0, 0]), ([1], [-1, 0]), ([], [])):
+        with pytest.raises(M.GenerationError, match="draft tree"):
+            TR.Tree(tokens, parents)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), moe=st.booleans(), size=st.integers(1, 32), plen=st.integers(1, 30))
+def test_every_node_equals_its_path_run_alone(seed, moe, size, plen):
+    """float64: node i's logits == the last logits of its path verified as a chain; node i's GDN state and conv
+    window == those of the path run alone; committing any node's path == decoding the path's tokens."""
+    rng = random.Random(seed)
+    target = random_target(tiny_target_config(**(MOE if moe else {})), seed % 1000)
+    V = target.cfg.vocab_size
+    prompt = [rng.randrange(V) for _ in range(plen)]
+    cache = prefilled(target, prompt)
+    t = random_tree(rng, size, V, rng.randrange(V))
+    logits, kept = TR.verify_tree(target, t, plen, clone(cache))
+    for i in range(len(t)):
+        path = t.path(i)
+        toks = [t.tokens[j] for j in path]
+        alone = clone(cache)
+        torch.testing.assert_close(logits[i], chain(target, alone, toks, plen, verify=True)[-1], rtol=0, atol=1e-10)
+        ran = clone(cache)
+        chain(target, ran, toks, plen, verify=False)          # the path decoded: every token committed
+        for lc, st_, window in zip(ran.layers, kept.states, kept.windows):
+            if isinstance(lc, M.GDNCache):
+                torch.testing.assert_close(st_[i], lc.rec[0], rtol=0, atol=1e-12)
+                rows = t.conv_rows(lc.conv.shape[1] + 1, "cpu")[i, 1:]
+                torch.testing.assert_close(window[rows], lc.conv[0], rtol=0, atol=1e-12)
+    # commit one node's path: the caches equal the chain's, attention slots included
+    i = rng.randrange(len(t))
+    path = t.path(i)
+    work = clone(cache)
+    logits, kept = TR.verify_tree(target, t, plen, work)
+    TR.commit_path(work, kept, t, path, plen)
+    ref = clone(cache)
+    chain(target, ref, [t.tokens[j] for j in path], plen, verify=False)
+    end = plen + len(path)
+    for a, b in zip(work.layers, ref.layers):
+        if isinstance(a, M.GDNCache):
+            torch.testing.assert_close(a.rec, b.rec, rtol=0, atol=1e-12)
+            torch.testing.assert_close(a.conv, b.conv, rtol=0, atol=1e-12)
+        else:
+            torch.testing.assert_close(a.k[:, :, :end], b.k[:, :, :end], rtol=0, atol=1e-12)
+            torch.testing.assert_close(a.v[:, :, :end], b.v[:, :, :end], rtol=0, atol=1e-12)
+
+
+def test_a_chain_tree_is_the_block_verify():
+    target = random_target(tiny_target_config(), 3)
+    rng = random.Random(3)
+    prompt = [rng.randrange(61) for _ in range(20)]
+    cache = prefilled(target, prompt)
+    toks = [rng.randrange(61) for _ in range(16)]
+    logits, _ = TR.verify_tree(target, TR.Tree(toks, [-1] + list(range(15))), 20, clone(cache))
+    torch.testing.assert_close(logits, chain(target, clone(cache), toks, 20, verify=True), rtol=0, atol=1e-10)
+
+
+class OracleTree:
+    """Stand-in tree proposer: knows the AR continuation; each round builds a random tree in which the true
+    continuation runs down one branch to a planned depth (cycling through every depth 0..deepest), its next node
+    a wrong token, the other nodes random."""
+
+    feature_layers = ()
+
+    def __init__(self, prompt_len: int, continuation: list, vocab: int, seed: int, size: int):
+        self.T0, self.cont, self.V, self.rng, self.size = prompt_len, continuation, vocab, random.Random(seed), size
+        self.max_block_size, self.plan, self.depths = size + 1, [], []
+
+    def reset(self, capacity, masks):
+        self.plan = []
+
+    def prefill(self, feats, pos):
+        pass
+
+    def propose_tree(self, last: int, start: int, n: int) -> tuple:
+        n = self.rng.randint(1, n)
+        if not self.plan:
+            self.plan = list(range(n + 1))
+            self.rng.shuffle(self.plan)
+        depth = min(self.plan.pop(), n)
+        i = start - self.T0 + 1                          # index in the continuation of the token after `last`
+        true = (self.cont[i:i + depth] + [self.rng.randrange(self.V) for _ in range(depth)])[:depth]
+        # the true branch (each node under the previous one) interleaved with other nodes, in node order: the
+        # branch's nodes are not the first indices, so its commit moves attention slots
+        kinds = ["true"] * depth + ["other"] * (n - depth)
+        self.rng.shuffle(kinds)
+        tokens, parents, node, branch = [], [], 0, []
+        for kind in kinds:
+            if kind == "true":
+                tokens.append(true[len(branch)]), parents.append(node)
+                node = len(tokens)
+                branch.append(node)
+                continue
+            p = self.rng.randrange(len(tokens) + 1)      # anywhere, but never a true token under a branch node
+            tok = self.rng.randrange(self.V)
+            if p in [0] + branch:
+                d = ([0] + branch).index(p)              # the true token under p is the continuation's i + d
+                if i + d < len(self.cont) and tok == self.cont[i + d]:
+                    tok = (tok + 1) % self.V
+            tokens.append(tok), parents.append(p)
+        self.depths.append(depth)
+        return tokens, parents
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), moe=st.booleans(), size=st.integers(1, 24), plen=st.integers(1, 40),
+       new=st.integers(1, 40))
+def test_tree_rounds_equal_ar(seed, moe, size, plen, new):
+    """float64: TreeEngine's greedy output == plain AR decoding, whatever the trees and the accepted depths."""
+    rng = random.Random(seed)
+    target = random_target(tiny_target_config(**(MOE if moe else {})), seed % 1000)
+    V = target.cfg.vocab_size
+    prompt = [rng.randrange(V) for _ in range(plen)]
+    ar = dflash.run(target, prompt, new).output_ids
+    prop = OracleTree(plen, ar + [0] * 64, V, seed, size)        # (ar[0] is the token at position plen)
+    eng = TR.TreeEngine(target, prop, size, plen + new + size + 1)
+    res = eng.run(prompt, new)
+    assert res.output_ids == ar
+    steps = [s for s in res.steps if s.kind == "verify"]
+    assert [s.accepted for s in steps] == [min(d, len(s.tokens) - 1) if not s.stop else s.accepted
+                                           for d, s in zip(prop.depths, steps)]
+
+
+def test_tree_engine_refuses_sampling_and_bad_sizes():
+    target = random_target(tiny_target_config(), 1)
+    prop = OracleTree(3, [1] * 40, 61, 0, 4)
+    with pytest.raises(M.GenerationError, match="sampling with a draft tree"):
+        TR.TreeEngine(target, prop, 4, 64).run([1, 2, 3], 8, sampling=dflash.Sampling(0.8))
+    with pytest.raises(M.GenerationError, match="--tree-size must be >= 1"):
+        TR.TreeEngine(target, prop, 0, 64)

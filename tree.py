@@ -1,0 +1,202 @@
+"""Draft trees on the hybrid target: one verify forward over a tree of proposals, exact (docs/method.md#draft-trees).
+
+A tree of T nodes: node 0 is the last committed token (the root, not yet run through the target, as the first
+token of a chain's block), node i > 0 a proposal whose parent is parents[i] < i. Node i stands at position
+start + depth[i]. One forward gives every node's logits, hence the target's own token after each node's path
+(posterior[i]). The accepted path walks from the root, each time to the child that proposes the target's token
+there; the round commits the path's tokens and the target's token after its last node (the bonus), as a chain's
+round does.
+
+How each kind of layer reads a tree:
+- Gated attention: node i's query sees the committed context (slots < start) and the keys of its ancestors and
+  itself, which the call writes at slots start + j (node j): the tree mask. RoPE at start + depth[i]. After
+  acceptance the path's keys and values move to slots start, start + 1, ...: what a chain of the same tokens
+  would have written there. The other nodes' slots lie past the committed length: hidden, overwritten later.
+- GDN: a recurrent state per node, its parent's state advanced by the node's token (S_i = step(S_parent, x_i);
+  the root's parent state is the committed one), and the causal conv over the node's own ancestry (its K-1
+  nearest ancestors' pre-conv inputs, then the committed conv state). Each step is the AR decode step's maths,
+  token for token. The commit takes the last accepted node's state and the K-1 inputs ending there. A state per
+  node costs T x Hv x dk x dv per GDN layer for the round (a chain's rollback keeps only the writes).
+
+    Tree                 tokens, parents, depth, the ancestor-or-self mask, each node's conv rows
+    verify_tree(...)     -> logits [T,V], the per-node GDN states (TreeKept)
+    accept(tree, post)   -> the accepted path: node indices from the root
+    commit_path(...)     the caches as a chain of the path's tokens would leave them
+    TreeEngine           dflash.Engine whose rounds verify a proposer's trees (greedy)
+
+This is the exact reference, written for reading: the per-node GDN steps run one node at a time, in Python.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from dflash import Engine, GenerationError, Step
+from model import GDNCache, Qwen35, TargetCache
+
+
+class Tree:
+    """tokens [T] (tokens[0]: the root, the last committed token); parents [T] with parents[0] = -1 and
+    0 <= parents[i] < i for i > 0 (every node after its parent)."""
+
+    def __init__(self, tokens: list, parents: list):
+        if len(tokens) != len(parents) or not tokens or parents[0] != -1:
+            raise GenerationError("a draft tree needs one parent per token and the root (parent -1) first")
+        if any(not 0 <= p < i for i, p in enumerate(parents) if i > 0):
+            raise GenerationError(f"a draft tree's nodes must follow their parents: parents {parents}")
+        self.tokens, self.parents = list(tokens), list(parents)
+        self.depth = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            self.depth[i] = self.depth[parents[i]] + 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path(self, i: int) -> list:
+        """Node indices from the root to node i."""
+        out = [i]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+    def ancestors(self, device) -> torch.Tensor:
+        """[T,T] bool: row i marks node i and its ancestors."""
+        T = len(self)
+        m = torch.zeros(T, T, dtype=torch.bool)
+        for i in range(T):
+            m[i, self.path(i)] = True
+        return m.to(device)
+
+    def conv_rows(self, K: int, device) -> torch.Tensor:
+        """[T,K] rows of cat(conv state (K-1 rows), the nodes' pre-conv inputs) that node i's causal conv reads,
+        oldest first: its K-1 nearest ancestors (past the root, the committed conv state's rows), then itself."""
+        rows = []
+        for i in range(len(self)):
+            path = self.path(i)                                    # root .. i
+            take = [K - 1 + j for j in path[-K:]]
+            rows.append(list(range(K - 1 - (K - len(take)), K - 1)) + take)
+        return torch.tensor(rows, device=device)
+
+
+@dataclass
+class TreeKept:
+    """What a tree verify leaves for the commit, per GDN layer (None for attention layers)."""
+    states: list      # [T,Hv,dk,dv] per GDN layer: each node's recurrent state after its token
+    windows: list     # [K-1+T, conv_dim] per GDN layer: the committed conv state, then the nodes' pre-conv inputs
+
+
+def tree_gdn(mix, h, tree: Tree, rows: torch.Tensor, cache: GDNCache) -> tuple:
+    """A GDN layer (model.GatedDeltaNet) over the tree's nodes h [1,T,H] -> (output [1,T,H], the nodes' states
+    [T,Hv,dk,dv], the conv window [K-1+T, conv_dim])."""
+    z, beta, g, pre = mix.project(h)
+    window = torch.cat([cache.conv.to(pre.dtype), pre], 1)[0]                   # [K-1+T, C]
+    acc = kernels.state_dtype(pre.dtype)                                         # as causal_conv1d's short calls
+    taps = window[rows].transpose(1, 2)                                          # [T,C,K]
+    u = F.silu((taps.to(acc) * mix.conv_weight.to(acc)).sum(-1).to(pre.dtype))[None]
+    q, k, v = mix.heads(u)
+    outs, states = [], []
+    for i, p in enumerate(tree.parents):
+        s0 = cache.rec if p < 0 else states[p][None]
+        o, _, s = kernels.recurrent_gated_delta_rule(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1],
+                                                     beta[:, i:i + 1], s0)
+        outs.append(o)
+        states.append(s[0])
+    return mix.finish(torch.cat(outs, 1), z, h.dtype), torch.stack(states), window
+
+
+@torch.inference_mode()
+def verify_tree(target: Qwen35, tree: Tree, start: int, cache: TargetCache) -> tuple:
+    """The target over the tree's nodes at positions start + depth, the committed caches read, attention K/V written
+    at slots start + node -> (logits [T,V], TreeKept). GDN layers keep their committed state (commit_path moves it)."""
+    dev, T = target.embed_tokens.weight.device, len(tree)
+    if start + T > cache.capacity:
+        raise GenerationError(f"a {T}-node tree at position {start} does not fit the cache ({cache.capacity} positions)")
+    x = target.embed_tokens(torch.tensor([tree.tokens], device=dev))
+    cos, sin = target.rope(start + torch.tensor(tree.depth, device=dev), x.dtype)
+    slots = start + torch.arange(T, device=dev)
+    mask = torch.zeros(T, cache.capacity, dtype=torch.bool, device=dev)
+    mask[:, :start] = True
+    mask[:, start:start + T] = tree.ancestors(dev)
+    rows = tree.conv_rows(target.cfg.linear_conv_kernel_dim, dev)
+    states, windows = [], []
+    for layer, lc in zip(target.layers, cache.layers):
+        h = layer.input_layernorm(x)
+        if isinstance(lc, GDNCache):
+            out, s, w = tree_gdn(layer.linear_attn, h, tree, rows, lc)
+            states.append(s), windows.append(w)
+        else:
+            out = layer.self_attn(h, cos, sin, slots, mask, lc)
+            states.append(None), windows.append(None)
+        x = x + out
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return target.lm_head(target.norm(x))[0], TreeKept(states, windows)
+
+
+def accept(tree: Tree, posterior: list) -> list:
+    """The accepted path from the root: at each node, the first child whose token is the target's own there."""
+    children = [[] for _ in tree.tokens]
+    for i, p in enumerate(tree.parents[1:], 1):
+        children[p].append(i)
+    path = [0]
+    while True:
+        nxt = next((c for c in children[path[-1]] if tree.tokens[c] == posterior[path[-1]]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+
+
+@torch.inference_mode()
+def commit_path(cache: TargetCache, kept: TreeKept, tree: Tree, path: list, start: int) -> None:
+    """Keep the nodes of `path` (root first) as a chain at positions start, start + 1, ...: attention K/V moved
+    from slots start + node to start + depth; each GDN layer's state becomes the last node's, its conv state the
+    K-1 pre-conv inputs ending there."""
+    dev = cache.layers[0].k.device if hasattr(cache.layers[0], "k") else cache.layers[0].rec.device
+    src = start + torch.tensor(path, device=dev)
+    dst = start + torch.arange(len(path), device=dev)
+    last = path[-1]
+    for lc, states, window in zip(cache.layers, kept.states, kept.windows):
+        if isinstance(lc, GDNCache):
+            K1 = lc.conv.shape[1]
+            rows = tree.conv_rows(K1 + 1, dev)[last, 1:]
+            lc.rec.copy_(states[last][None])
+            lc.conv.copy_(window[rows][None])
+        else:
+            for t in (lc.k, lc.v):
+                t[:, :, dst] = t[:, :, src].clone()
+
+
+class TreeEngine(Engine):
+    """An Engine whose rounds verify trees: proposer.propose_tree(last, start, n) -> (tokens [n], parents [n]) of
+    the n <= max nodes after the root (parents index the whole tree, 0 being the root). Greedy only: sampling
+    with a tree would need the multi-draft rejection rule, which is not built."""
+
+    def __init__(self, target: Qwen35, proposer, tree_size: int, capacity: int, **kw):
+        if tree_size < 1:
+            raise GenerationError(f"--tree-size must be >= 1, got {tree_size}")
+        super().__init__(target, proposer, tree_size + 1, capacity, **kw)
+        self.tree_size = tree_size
+
+    def generate(self, prompt_ids, max_new_tokens, stop_ids=(), *, sampling=None, **kw):
+        if sampling is not None and not sampling.greedy:
+            raise GenerationError("sampling with a draft tree is not supported (greedy only); drop --temperature or the tree")
+        return super().generate(prompt_ids, max_new_tokens, stop_ids, sampling=sampling, **kw)
+
+    def round(self, seq) -> Step:
+        start, t0 = seq.start, time.perf_counter()
+        last = int(seq.last)
+        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size)
+        tree = Tree([last] + list(tokens), [-1] + list(parents))
+        t1 = time.perf_counter()
+        logits, kept = verify_tree(self.target, tree, start, self.cache)
+        posterior = logits.argmax(-1).tolist()
+        path = accept(tree, posterior)
+        new = seq.take([tree.tokens[i] for i in path[1:]] + [posterior[path[-1]]])
+        commit_path(self.cache, kept, tree, path[:len(new)], start)
+        seq.advance(len(new), new[-1])
+        drafts = [tree.tokens[i] for i in path[1:]]       # the accepted path, then the rejected first child, if any
+        drafts += [tree.tokens[c] for c, p in enumerate(tree.parents) if p == path[-1]][:1]
+        return Step("verify", start, new, drafts, len(path) - 1, seq.done, t1 - t0, time.perf_counter() - t1)
