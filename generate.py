@@ -122,6 +122,11 @@ def parse_args(argv=None):
                         "the target's noise, the output equals --draft none's for the seed) or ratio (min(1, p/q): "
                         "accepts more, the output is distributed as the target's but is another text, and follows the "
                         "step pattern). Greedy drafters (DFlash, MTP) accept the same under both")
+    p.add_argument("--tree-size", type=int, default=None, metavar="N",
+                   help="verify a tree of N proposals per round instead of the chain of one block: the most probable "
+                        "paths through the DFlash drafter's per-position top-k (tree.py; greedy, eager, text)")
+    p.add_argument("--tree-top-k", type=int, default=None, metavar="K",
+                   help="with --tree-size: candidates per block row (default 4)")
     p.add_argument("--prompts-file", metavar="FILE.jsonl",
                    help="many requests, one JSON object per line: prompt, prompt_ids or messages, and optionally "
                         "max_new_tokens, temperature, top_p, top_k, seed (the flags' values otherwise); run as a batch "
@@ -323,6 +328,7 @@ def main(argv=None) -> int:
         raise dflash.GenerationError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
     dtype = pick_dtype(args.dtype, device)
     batch_flags_check(args)
+    tree_flags_check(args, sampling)
 
     t0 = time.perf_counter()
     target, tokenizer, proposer, products = load(args, device, dtype)
@@ -340,15 +346,16 @@ def main(argv=None) -> int:
         images = vision.encode_images(tower, processor, prompt_ids, pictures)
         prompt_ids = images.ids
     block_size = args.block_size if args.block_size is not None else (proposer.max_block_size if proposer else 1)
+    if args.tree_size is not None:       # a tree's nodes after the root, plus the root: its verify's width
+        block_size = args.tree_size + 1
     stops = ckpt.stop_token_ids(target.path, target.cfg)
     if as_chat:    # a turn ends at <|im_end|> even when the checkpoint's configs name only <|endoftext|>
         stops = chat.with_chat_stops(tokenizer, stops)
     thinking = as_chat and not args.no_think
-    capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len, proposer,
-                                   round_up=args.compile)
-    policy = None if (proposer is None or args.no_adaptive) else adaptive.Adaptive()
-    engine = dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                           masks=ATTENTION[args.attention], compile_options=compile_options(args, device), policy=policy)
+    capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
+                                   None if args.tree_size else proposer, round_up=args.compile)
+    policy = None if (proposer is None or args.no_adaptive or args.tree_size) else adaptive.Adaptive()
+    engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
@@ -411,7 +418,7 @@ def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> 
         "adaptive": run["adaptive"], "draft_window": proposer.window if proposer else None, "device": run["device"],
         "dtype": str(run["dtype"]).replace("torch.", ""), **run["products"],
         "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-        "seed": None if sampling.greedy else seed,
+        "seed": None if sampling.greedy else seed, "tree_size": getattr(args, "tree_size", None),
     }
 
 
@@ -420,6 +427,35 @@ def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> 
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "messages": list, "max_new_tokens": int, "temperature": (int, float),
                 "top_p": (int, float), "top_k": int, "seed": int}      # what a line of --prompts-file may hold
 PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
+
+
+def tree_flags_check(args, sampling) -> None:
+    """The tree flags without a DFlash drafter, or with what a tree round does not do, refused before loading."""
+    if args.tree_size is None:
+        if args.tree_top_k is not None:
+            raise dflash.GenerationError("--tree-top-k applies to --tree-size; give one, or drop it")
+        return
+    refused = [(f, why) for f, on, why in (
+        ("--tree-size < 1", args.tree_size < 1, f"got {args.tree_size}"),
+        ("--tree-top-k < 1", args.tree_top_k is not None and args.tree_top_k < 1, f"got {args.tree_top_k}"),
+        (f"--draft {args.draft}", args.draft.lower() in ("none", "mtp"), "trees grow from a DFlash drafter's block"),
+        ("--temperature", not sampling.greedy, "sampling with a tree needs the multi-draft rule, which is not built"),
+        ("--compile", args.compile, "the tree verify is the eager reference"),
+        ("--image", args.image, "tree rounds serve text prompts"),
+        ("--attention flex", args.attention == "flex", "tree masks are boolean (sdpa)"),
+        ("--prompts-file", args.prompts_file is not None, "a batch verifies chains")) if on]
+    if refused:
+        flag, why = refused[0]
+        raise dflash.GenerationError(f"{flag} does not go with --tree-size: {why}")
+
+
+def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
+    """The generation's engine: dflash.Engine, or with --tree-size a tree.TreeEngine over the drafter's trees."""
+    if args.tree_size is not None:
+        import tree
+        return tree.TreeEngine(target, tree.DFlashTree(proposer, args.tree_top_k or 4), args.tree_size, capacity)
+    return dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
+                         masks=ATTENTION[args.attention], compile_options=compile_options(args, device), policy=policy)
 
 
 def batch_flags_check(args) -> None:

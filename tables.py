@@ -47,8 +47,9 @@ def cpu_model() -> str:
 
 
 def method_proposers(args, target, dtype, device) -> dict:
-    """--methods names -> {name: (proposer, block size)}: dflash (--draft, its block size and default window) and
-    mtpK (the target checkpoint's MTP head, K chained steps, block K + 1)."""
+    """--methods names -> {name: (proposer, block size)}: dflash (--draft, its block size and default window),
+    dflash-treeN (trees of N proposals from the same drafter's blocks, tree.DFlashTree; verify width N + 1) and mtpK
+    (the target checkpoint's MTP head, K chained steps, block K + 1)."""
     import mtp
     out, head = {}, None
     for name in args.methods.split(","):
@@ -56,11 +57,17 @@ def method_proposers(args, target, dtype, device) -> dict:
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
             window = ckpt.draft_window(drafter.cfg, args.draft_window)
             out[name] = (dflash.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
+        elif name.startswith("dflash-tree") and name[11:].isdigit() and int(name[11:]) >= 1:
+            import tree
+            drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+            inner = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
+            out[name] = (tree.DFlashTree(inner), int(name[11:]) + 1)
         elif name.startswith("mtp") and name[3:].isdigit() and 1 <= int(name[3:]) <= 15:
             head = head or mtp.load_mtp(target.path, target, dtype)
             out[name] = (mtp.MTPProposer(head, target, int(name[3:])), int(name[3:]) + 1)
         else:
-            raise dflash.GenerationError(f"--methods: unknown method '{name}'; use dflash or mtpK (K = 1..15), comma-separated")
+            raise dflash.GenerationError(f"--methods: unknown method '{name}'; use dflash, dflash-treeN (a tree of N "
+                                         "proposals from the drafter's blocks) or mtpK (K = 1..15), comma-separated")
     return out
 
 
@@ -144,6 +151,11 @@ class Runner:
         self.engines = {"ar": dflash.Engine(self.target, None, 1, self.capacity, **self.kw)}
         self.engines["ar"].run(warm_prompt, 8, self.stops)
         for name, (proposer, block) in self.methods.items():
+            if hasattr(proposer, "propose_tree"):        # pure tree rounds, eager (the tree verify is the reference)
+                import tree
+                eng = self.engines[name] = tree.TreeEngine(self.target, proposer, block - 1, self.capacity)
+                eng.run(warm_prompt, 8, self.stops)
+                continue
             eng = self.engines[name] = dflash.Engine(self.target, proposer, block, self.capacity, **self.kw)
             adaptive.warm_up(eng, warm_prompt, self.stops, None if self.args.no_adaptive else adaptive.Adaptive())
 
@@ -277,7 +289,8 @@ def markdown(out: dict) -> str:
     lines = ["| method | " + " | ".join(sets) + " | Avg. |", "|---" * (len(sets) + 2) + "|"]
     for name, m in out["methods"].items():
         cells = [f"{m['sets'][s]['tau']:.2f} / {m['sets'][s]['speedup']:.2f}x" for s in sets]
-        lines.append(f"| {name} (block {m['block_size']}) | " + " | ".join(cells) + f" | {m['tau']:.2f} / {m['speedup']:.2f}x |")
+        label = f"{name} (top-4 tree)" if name.startswith("dflash-tree") else f"{name} (block {m['block_size']})"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {m['tau']:.2f} / {m['speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

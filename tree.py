@@ -23,6 +23,7 @@ How each kind of layer reads a tree:
     accept(tree, post)   -> the accepted path: node indices from the root
     commit_path(...)     the caches as a chain of the path's tokens would leave them
     TreeEngine           dflash.Engine whose rounds verify a proposer's trees (greedy)
+    DFlashTree           a DFlash drafter's block as a tree: the most probable paths through its per-position top-k
 
 This is the exact reference, written for reading: the per-node GDN steps run one node at a time, in Python.
 """
@@ -109,9 +110,10 @@ def tree_gdn(mix, h, tree: Tree, rows: torch.Tensor, cache: GDNCache) -> tuple:
 
 
 @torch.inference_mode()
-def verify_tree(target: Qwen35, tree: Tree, start: int, cache: TargetCache) -> tuple:
+def verify_tree(target: Qwen35, tree: Tree, start: int, cache: TargetCache, feature_layers=()) -> tuple:
     """The target over the tree's nodes at positions start + depth, the committed caches read, attention K/V written
-    at slots start + node -> (logits [T,V], TreeKept). GDN layers keep their committed state (commit_path moves it)."""
+    at slots start + node -> (logits [T,V], TreeKept, the nodes' features [1,T,F] for a drafter as Qwen35.forward
+    gives them, or None). GDN layers keep their committed state (commit_path moves it)."""
     dev, T = target.embed_tokens.weight.device, len(tree)
     if start + T > cache.capacity:
         raise GenerationError(f"a {T}-node tree at position {start} does not fit the cache ({cache.capacity} positions)")
@@ -122,8 +124,8 @@ def verify_tree(target: Qwen35, tree: Tree, start: int, cache: TargetCache) -> t
     mask[:, :start] = True
     mask[:, start:start + T] = tree.ancestors(dev)
     rows = tree.conv_rows(target.cfg.linear_conv_kernel_dim, dev)
-    states, windows = [], []
-    for layer, lc in zip(target.layers, cache.layers):
+    states, windows, outputs, last = [], [], {}, len(target.layers) - 1
+    for i, (layer, lc) in enumerate(zip(target.layers, cache.layers)):
         h = layer.input_layernorm(x)
         if isinstance(lc, GDNCache):
             out, s, w = tree_gdn(layer.linear_attn, h, tree, rows, lc)
@@ -133,7 +135,10 @@ def verify_tree(target: Qwen35, tree: Tree, start: int, cache: TargetCache) -> t
             states.append(None), windows.append(None)
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return target.lm_head(target.norm(x))[0], TreeKept(states, windows)
+        if i in feature_layers:                 # layer i's output; the last layer's after the final norm
+            outputs[i] = target.norm(x) if i == last else x
+    feats = torch.cat([outputs[i] for i in feature_layers], -1) if feature_layers else None
+    return target.lm_head(target.norm(x))[0], TreeKept(states, windows), feats
 
 
 def accept(tree: Tree, posterior: list) -> list:
@@ -170,9 +175,10 @@ def commit_path(cache: TargetCache, kept: TreeKept, tree: Tree, path: list, star
 
 
 class TreeEngine(Engine):
-    """An Engine whose rounds verify trees: proposer.propose_tree(last, start, n) -> (tokens [n], parents [n]) of
-    the n <= max nodes after the root (parents index the whole tree, 0 being the root). Greedy only: sampling
-    with a tree would need the multi-draft rejection rule, which is not built."""
+    """An Engine whose rounds verify trees: proposer.propose_tree(last, start, n, feats, feat_pos) -> (tokens, parents)
+    of at most n nodes after the root (parents index the whole tree, 0 being the root; feats [1,B,F] at feat_pos
+    [B]: the target features its context has not taken yet, as DrafterProposer.propose gets them). Greedy only:
+    sampling with a tree would need the multi-draft rejection rule, which is not built. Eager."""
 
     def __init__(self, target: Qwen35, proposer, tree_size: int, capacity: int, **kw):
         if tree_size < 1:
@@ -188,15 +194,62 @@ class TreeEngine(Engine):
     def round(self, seq) -> Step:
         start, t0 = seq.start, time.perf_counter()
         last = int(seq.last)
-        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size)
+        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size, seq.feats, seq.feat_pos)
         tree = Tree([last] + list(tokens), [-1] + list(parents))
         t1 = time.perf_counter()
-        logits, kept = verify_tree(self.target, tree, start, self.cache)
+        logits, kept, feats = verify_tree(self.target, tree, start, self.cache, self.feature_layers)
         posterior = logits.argmax(-1).tolist()
         path = accept(tree, posterior)
         new = seq.take([tree.tokens[i] for i in path[1:]] + [posterior[path[-1]]])
         commit_path(self.cache, kept, tree, path[:len(new)], start)
         seq.advance(len(new), new[-1])
+        if feats is not None:   # the committed nodes' features for the next draft, at positions start, start + 1, ...;
+            kept_rows = feats[:, path[:len(new)]]           # the placeholder rows after them are hidden from it
+            seq.feats = torch.cat([kept_rows, kept_rows.new_zeros(1, self.block - len(new), kept_rows.shape[2])], 1)
+            seq.feat_pos = start + self.offsets
         drafts = [tree.tokens[i] for i in path[1:]]       # the accepted path, then the rejected first child, if any
         drafts += [tree.tokens[c] for c, p in enumerate(tree.parents) if p == path[-1]][:1]
         return Step("verify", start, new, drafts, len(path) - 1, seq.done, t1 - t0, time.perf_counter() - t1)
+
+
+class DFlashTree:
+    """A tree from one DFlash block (docs/method.md#draft-trees). The block's rows are drafted in one pass from the
+    same context, so row d's distribution p_d does not depend on the tokens chosen before it: a path t_1 .. t_d
+    scores p_1(t_1) ... p_d(t_d). The tree holds the `n` best-scoring paths' nodes (best first, from the top_k
+    tokens of each row), which is prefix-closed since a prefix scores at least its path. Each node's first child
+    is its row's most probable token, so the first branch is a prefix of the chain's greedy block (all of it with
+    top_k 1)."""
+
+    def __init__(self, inner, top_k: int = 4):
+        """inner: a dflash.DrafterProposer (its context cache and masks are used as they are)."""
+        if top_k < 1:
+            raise GenerationError(f"--tree-top-k must be >= 1, got {top_k}")
+        self.inner, self.top_k = inner, top_k
+        self.window, self.feature_layers = inner.window, inner.feature_layers
+        self.max_block_size = 1 << 10                 # any tree size (the tree's depth is the block's)
+
+    def reset(self, capacity: int, masks) -> None:
+        self.inner.reset(capacity, masks)
+
+    def prefill(self, feats, pos) -> None:
+        self.inner.prefill(feats, pos)
+
+    @torch.inference_mode()
+    def propose_tree(self, last: int, start: int, n: int, feats, feat_pos) -> tuple:
+        p, d = self.inner, self.inner.drafter
+        dev = d.fc.weight.device
+        d.append_context(feats, feat_pos, p.cache)
+        rows = d.cfg.block_size - 1
+        hidden = d.draft_block(torch.tensor([last], device=dev), torch.tensor([start], device=dev), rows,
+                               p.target.embed_tokens, p.cache, p.masks)
+        logp = torch.log_softmax(d.draft_logits(hidden[0], p.target.lm_head).double(), -1)    # [rows, V]
+        top_lp, top_tok = (x.tolist() for x in logp.topk(min(self.top_k, logp.shape[-1]), -1))
+        tokens, parents = [], []
+        frontier = [(top_lp[0][j], 0, 0, j) for j in range(len(top_lp[0]))]   # (score, parent node, depth, rank)
+        while frontier and len(tokens) < n:
+            frontier.sort(key=lambda f: -f[0])
+            score, parent, depth, j = frontier.pop(0)
+            tokens.append(top_tok[depth][j]), parents.append(parent)
+            if depth + 1 < rows:
+                frontier += [(score + top_lp[depth + 1][c], len(tokens), depth + 1, c) for c in range(len(top_lp[0]))]
+        return tokens, parents

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import dflash
 import model as M
 import tree as TR
-from helpers import random_target, tiny_target_config
+from helpers import HAS_EMBEDDED_PAIR, random_target, tiny_target_config
 
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
 
@@ -63,7 +63,7 @@ def test_every_node_equals_its_path_run_alone(seed, moe, size, plen):
     prompt = [rng.randrange(V) for _ in range(plen)]
     cache = prefilled(target, prompt)
     t = random_tree(rng, size, V, rng.randrange(V))
-    logits, kept = TR.verify_tree(target, t, plen, clone(cache))
+    logits, kept, _ = TR.verify_tree(target, t, plen, clone(cache))
     for i in range(len(t)):
         path = t.path(i)
         toks = [t.tokens[j] for j in path]
@@ -80,7 +80,7 @@ def test_every_node_equals_its_path_run_alone(seed, moe, size, plen):
     i = rng.randrange(len(t))
     path = t.path(i)
     work = clone(cache)
-    logits, kept = TR.verify_tree(target, t, plen, work)
+    logits, kept, _ = TR.verify_tree(target, t, plen, work)
     TR.commit_path(work, kept, t, path, plen)
     ref = clone(cache)
     chain(target, ref, [t.tokens[j] for j in path], plen, verify=False)
@@ -100,7 +100,7 @@ def test_a_chain_tree_is_the_block_verify():
     prompt = [rng.randrange(61) for _ in range(20)]
     cache = prefilled(target, prompt)
     toks = [rng.randrange(61) for _ in range(16)]
-    logits, _ = TR.verify_tree(target, TR.Tree(toks, [-1] + list(range(15))), 20, clone(cache))
+    logits, _, _ = TR.verify_tree(target, TR.Tree(toks, [-1] + list(range(15))), 20, clone(cache))
     torch.testing.assert_close(logits, chain(target, clone(cache), toks, 20, verify=True), rtol=0, atol=1e-10)
 
 
@@ -121,7 +121,7 @@ class OracleTree:
     def prefill(self, feats, pos):
         pass
 
-    def propose_tree(self, last: int, start: int, n: int) -> tuple:
+    def propose_tree(self, last: int, start: int, n: int, feats=None, feat_pos=None) -> tuple:
         n = self.rng.randint(1, n)
         if not self.plan:
             self.plan = list(range(n + 1))
@@ -177,3 +177,71 @@ def test_tree_engine_refuses_sampling_and_bad_sizes():
         TR.TreeEngine(target, prop, 4, 64).run([1, 2, 3], 8, sampling=dflash.Sampling(0.8))
     with pytest.raises(M.GenerationError, match="--tree-size must be >= 1"):
         TR.TreeEngine(target, prop, 0, 64)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), moe=st.booleans(), size=st.integers(1, 40), top_k=st.integers(1, 5),
+       plen=st.integers(1, 30))
+def test_dflash_tree_rounds_equal_ar(seed, moe, size, top_k, plen):
+    """A random DFlash drafter's blocks as trees (DFlashTree), float64: the output is AR's."""
+    from helpers import random_drafter, tiny_draft_config
+    rng = random.Random(seed)
+    cfg = tiny_target_config(**(MOE if moe else {}))
+    target = random_target(cfg, seed % 1000)
+    drafter = random_drafter(tiny_draft_config(cfg, block_size=8), seed % 997)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(plen)]
+    ar = dflash.run(target, prompt, 24).output_ids
+    prop = TR.DFlashTree(dflash.DrafterProposer(drafter, target), top_k)
+    assert TR.TreeEngine(target, prop, size, plen + 24 + size + 1).run(prompt, 24).output_ids == ar
+
+
+@torch.inference_mode()
+def test_dflash_tree_holds_the_chain():
+    """The tree's first branch (each node's first child: its most probable token) is a prefix of the chain's
+    greedy block, and with one candidate per row the tree is the chain."""
+    from helpers import random_drafter, tiny_draft_config
+    cfg = tiny_target_config()
+    target, drafter = random_target(cfg, 5), random_drafter(tiny_draft_config(cfg, block_size=8), 6)
+    prompt = list(range(3, 20))
+    inner = dflash.DrafterProposer(drafter, target)
+    eng = dflash.Engine(target, inner, 8, 64)
+    logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), eng.cache, feature_layers=inner.feature_layers)
+    inner.reset(64, eng.masks)
+    inner.prefill(feats, torch.arange(len(prompt)))
+    last, start = int(logits[0, -1].argmax()), len(prompt)
+    pad, pad_pos = feats.new_zeros(1, 8, feats.shape[-1]), start + torch.arange(8)
+    chain = inner.propose(torch.tensor([last]), torch.tensor([start]), pad, pad_pos, 7)[0].tolist()
+    for k, n in ((1, 7), (3, 20)):
+        p = TR.DFlashTree(dflash.DrafterProposer(drafter, target), k)
+        p.reset(64, eng.masks)
+        p.prefill(feats, torch.arange(len(prompt)))
+        tokens, parents = p.propose_tree(last, start, n, pad, pad_pos)
+        t = TR.Tree([last] + tokens, [-1] + parents)
+        branch = [0]
+        while any(q == branch[-1] for q in t.parents):
+            branch.append(t.parents.index(branch[-1]))
+        assert [t.tokens[i] for i in branch[1:]] == chain[:len(branch) - 1] and len(branch) > 1
+        assert len(tokens) == n and (k > 1 or (parents == list(range(7)) and tokens == chain))
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_cli_tree_equals_ar_and_refusals(capsys):
+    """generate.py --tree-size on the embedded pair: AR's output, the tree size recorded; the tree flags refused in
+    one line where a tree round does not apply."""
+    import json
+    import generate
+    base = ["--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", "40", "--json", "--threads", "1"]
+    outs = {}
+    for name, extra in {"tree": ["--tree-size", "20", "--tree-top-k", "3"], "ar": ["--draft", "none"]}.items():
+        assert generate.main(base + extra) == 0
+        outs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert outs["tree"]["output_ids"] == outs["ar"]["output_ids"] and outs["tree"]["tree_size"] == 20
+    assert outs["tree"]["mean_acceptance_length"] > 1 and outs["tree"]["block_size"] == 21
+    for extra, words in [(["--tree-size", "4", "--draft", "none"], "--draft none does not go with --tree-size"),
+                         (["--tree-size", "4", "--temperature", "0.5"], "--temperature does not go with --tree-size"),
+                         (["--tree-size", "4", "--compile"], "--compile does not go with --tree-size"),
+                         (["--tree-size", "0"], "--tree-size < 1 does not go"),
+                         (["--tree-top-k", "2"], "--tree-top-k applies to --tree-size")]:
+        assert generate.cli(["--prompt-ids", "1,2"] + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0]
