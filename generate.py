@@ -30,6 +30,7 @@ import adaptive
 import batching
 import chat
 import dflash
+import eagle3
 import flex
 import checkpoint as ckpt
 import model as M
@@ -126,7 +127,10 @@ def parse_args(argv=None):
                    help="verify a tree of N proposals per round instead of the chain of one block: the most probable "
                         "paths through the DFlash drafter's per-position top-k (tree.py; greedy, eager, text)")
     p.add_argument("--tree-top-k", type=int, default=None, metavar="K",
-                   help="with --tree-size: candidates per block row (default 4)")
+                   help="with --tree-size: candidates per block row (default 4); an EAGLE-3 drafter: candidates per "
+                        "expanded node and nodes expanded per depth (default 4)")
+    p.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                   help="an EAGLE-3 drafter's tree depth (default 6); a DFlash tree is as deep as the block")
     p.add_argument("--prompts-file", metavar="FILE.jsonl",
                    help="many requests, one JSON object per line: prompt, prompt_ids or messages, and optionally "
                         "max_new_tokens, temperature, top_p, top_k, seed (the flags' values otherwise); run as a batch "
@@ -230,12 +234,21 @@ def load(args, device, dtype) -> tuple:
         if args.draft_window:       # refused before the head is read
             raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
         proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
+    elif args.draft.lower() != "none" and eagle3.is_eagle3(ckpt.read_config(ckpt.resolve_dir(args.draft))):
+        if args.draft_window:
+            raise dflash.GenerationError("--draft-window applies to DFlash drafters; an EAGLE-3 drafter reads the whole context")
+        drafter = eagle3.load_eagle3(args.draft, target, dtype, device)
+        proposer = eagle3.Eagle3Tree(drafter, target, args.tree_depth or 6, args.tree_top_k or 4)
+        args.tree_size = 16 if args.tree_size is None else args.tree_size      # EAGLE-3 drafts trees (the seeds' 16)
     elif args.draft.lower() != "none":
         drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
         window = ckpt.draft_window(drafter.cfg, args.draft_window)
         proposer = dflash.DrafterProposer(drafter, target, window)
+    if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
+        raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries
-    products = use_onednn(args.onednn, rows, target, getattr(proposer, "drafter", None))
+    dense = getattr(proposer, "drafter", None) if isinstance(proposer, dflash.DrafterProposer) else None
+    products = use_onednn(args.onednn, rows, target, dense)
     return target, tokenizer, proposer, products
 
 
@@ -333,6 +346,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     target, tokenizer, proposer, products = load(args, device, dtype)
     load_seconds = time.perf_counter() - t0
+    tree_flags_check(args, sampling, loaded=True)     # again: an EAGLE-3 drafter always drafts trees
     if args.prompts_file is not None:
         return run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype)
     template, specials = chat.load_chat_template(target.path)
@@ -429,16 +443,17 @@ REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "messages": list, "max_new_to
 PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
 
 
-def tree_flags_check(args, sampling) -> None:
-    """The tree flags without a DFlash drafter, or with what a tree round does not do, refused before loading."""
+def tree_flags_check(args, sampling, loaded: bool = False) -> None:
+    """The tree flags without a drafter that grows trees, or with what a tree round does not do: refused before
+    loading, and once more after (loaded: an EAGLE-3 drafter, known once read, has set tree_size)."""
     if args.tree_size is None:
-        if args.tree_top_k is not None:
-            raise dflash.GenerationError("--tree-top-k applies to --tree-size; give one, or drop it")
+        if args.tree_top_k is not None and (loaded or args.draft.lower() in ("none", "mtp")):
+            raise dflash.GenerationError("--tree-top-k applies to --tree-size or an EAGLE-3 drafter")
         return
     refused = [(f, why) for f, on, why in (
         ("--tree-size < 1", args.tree_size < 1, f"got {args.tree_size}"),
         ("--tree-top-k < 1", args.tree_top_k is not None and args.tree_top_k < 1, f"got {args.tree_top_k}"),
-        (f"--draft {args.draft}", args.draft.lower() in ("none", "mtp"), "trees grow from a DFlash drafter's block"),
+        (f"--draft {args.draft}", args.draft.lower() in ("none", "mtp"), "trees grow from a DFlash or EAGLE-3 drafter"),
         ("--temperature", not sampling.greedy, "sampling with a tree needs the multi-draft rule, which is not built"),
         ("--compile", args.compile, "the tree verify is the eager reference"),
         ("--image", args.image, "tree rounds serve text prompts"),
@@ -446,14 +461,15 @@ def tree_flags_check(args, sampling) -> None:
         ("--prompts-file", args.prompts_file is not None, "a batch verifies chains")) if on]
     if refused:
         flag, why = refused[0]
-        raise dflash.GenerationError(f"{flag} does not go with --tree-size: {why}")
+        raise dflash.GenerationError(f"{flag} does not go with a draft tree (--tree-size, or an EAGLE-3 drafter): {why}")
 
 
 def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
     """The generation's engine: dflash.Engine, or with --tree-size a tree.TreeEngine over the drafter's trees."""
     if args.tree_size is not None:
         import tree
-        return tree.TreeEngine(target, tree.DFlashTree(proposer, args.tree_top_k or 4), args.tree_size, capacity)
+        trees = proposer if hasattr(proposer, "propose_tree") else tree.DFlashTree(proposer, args.tree_top_k or 4)
+        return tree.TreeEngine(target, trees, args.tree_size, capacity)
     return dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
                          masks=ATTENTION[args.attention], compile_options=compile_options(args, device), policy=policy)
 

@@ -24,6 +24,7 @@ How each kind of layer reads a tree:
     commit_path(...)     the caches as a chain of the path's tokens would leave them
     TreeEngine           dflash.Engine whose rounds verify a proposer's trees (greedy)
     DFlashTree           a DFlash drafter's block as a tree: the most probable paths through its per-position top-k
+    (eagle3.Eagle3Tree   an EAGLE-3 drafter's dynamic trees)
 
 This is the exact reference, written for reading: the per-node GDN steps run one node at a time, in Python.
 """
@@ -177,7 +178,8 @@ def commit_path(cache: TargetCache, kept: TreeKept, tree: Tree, path: list, star
 class TreeEngine(Engine):
     """An Engine whose rounds verify trees: proposer.propose_tree(last, start, n, feats, feat_pos) -> (tokens, parents)
     of at most n nodes after the root (parents index the whole tree, 0 being the root; feats [1,B,F] at feat_pos
-    [B]: the target features its context has not taken yet, as DrafterProposer.propose gets them). Greedy only:
+    [B]: the target features its context has not taken yet, as DrafterProposer.propose gets them; with
+    wants_next_ids also next_ids=, the token after each of those rows). Greedy only:
     sampling with a tree would need the multi-draft rejection rule, which is not built. Eager."""
 
     def __init__(self, target: Qwen35, proposer, tree_size: int, capacity: int, **kw):
@@ -194,7 +196,8 @@ class TreeEngine(Engine):
     def round(self, seq) -> Step:
         start, t0 = seq.start, time.perf_counter()
         last = int(seq.last)
-        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size, seq.feats, seq.feat_pos)
+        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size, seq.feats, seq.feat_pos,
+                                                     **self._next_kw(seq))
         tree = Tree([last] + list(tokens), [-1] + list(parents))
         t1 = time.perf_counter()
         logits, kept, feats = verify_tree(self.target, tree, start, self.cache, self.feature_layers)
@@ -207,6 +210,8 @@ class TreeEngine(Engine):
             kept_rows = feats[:, path[:len(new)]]           # the placeholder rows after them are hidden from it
             seq.feats = torch.cat([kept_rows, kept_rows.new_zeros(1, self.block - len(new), kept_rows.shape[2])], 1)
             seq.feat_pos = start + self.offsets
+            if self._next_ids:                              # the token after each of those rows (eagle3.Eagle3Tree)
+                seq.feat_next = torch.tensor(new + [0] * (self.block - len(new)), device=seq.feat_pos.device)
         drafts = [tree.tokens[i] for i in path[1:]]       # the accepted path, then the rejected first child, if any
         drafts += [tree.tokens[c] for c, p in enumerate(tree.parents) if p == path[-1]][:1]
         return Step("verify", start, new, drafts, len(path) - 1, seq.done, t1 - t0, time.perf_counter() - t1)

@@ -237,11 +237,11 @@ def test_cli_tree_equals_ar_and_refusals(capsys):
         outs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert outs["tree"]["output_ids"] == outs["ar"]["output_ids"] and outs["tree"]["tree_size"] == 20
     assert outs["tree"]["mean_acceptance_length"] > 1 and outs["tree"]["block_size"] == 21
-    for extra, words in [(["--tree-size", "4", "--draft", "none"], "--draft none does not go with --tree-size"),
-                         (["--tree-size", "4", "--temperature", "0.5"], "--temperature does not go with --tree-size"),
-                         (["--tree-size", "4", "--compile"], "--compile does not go with --tree-size"),
+    for extra, words in [(["--tree-size", "4", "--draft", "none"], "--draft none does not go with a draft tree"),
+                         (["--tree-size", "4", "--temperature", "0.5"], "--temperature does not go with a draft tree"),
+                         (["--tree-size", "4", "--compile"], "--compile does not go with a draft tree"),
                          (["--tree-size", "0"], "--tree-size < 1 does not go"),
-                         (["--tree-top-k", "2"], "--tree-top-k applies to --tree-size")]:
+                         (["--tree-top-k", "2"], "--tree-top-k applies to --tree-size or an EAGLE-3 drafter")]:
         assert generate.cli(["--prompt-ids", "1,2"] + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0]
