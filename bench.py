@@ -91,6 +91,9 @@ def parse_args(argv=None):
                    help="the seeds' table instead of one drafter: AR and each of these proposers on the same prompts in one "
                         "run, e.g. dflash,mtp3,mtp7,mtp15 (mtpK: the target's MTP head, K chained steps); tau / speedup "
                         "per method and prompt set (tables.py)")
+    p.add_argument("--eagle3-draft", default=None, metavar="DIR",
+                   help="the EAGLE-3 checkpoint of --methods eagle3 / eagle3-chainK (default: the embedded head, "
+                        "checkpoints/tiny-qwen35-eagle3, with the embedded target)")
     p.add_argument("--dataset", default=None, metavar="NAMES",
                    help="the seeds' prompt sets instead of held-out prompts, comma-separated: gsm8k, math500, humaneval, "
                         "mbpp, mt-bench, alpaca (prompts.py: as the z-lab benchmark builds them; humaneval offline from the "
@@ -150,6 +153,10 @@ def parse_args(argv=None):
             p.error("--dataset takes set names or files, comma-separated")
         refuse_flags(p, "--dataset chooses the prompts", {"--prompt": args.prompt, "--prompts": args.prompts,
                                                           "--preset": args.preset, "--prompt-len": args.prompt_len})
+    if args.eagle3_draft is None:
+        args.eagle3_draft = generate.DEFAULT_EAGLE3 if args.target == generate.DEFAULT_TARGET else None
+    if args.methods and "eagle3" in args.methods and args.eagle3_draft is None:
+        p.error("--methods eagle3 needs --eagle3-draft DIR (an EAGLE-3 checkpoint for --target)")
     if args.limit and not (args.methods or args.dataset):
         p.error("--limit takes the first samples of --dataset sets (or --methods' prompts); give one of them")
     if args.out and (other_mode(args) or not (args.methods or args.dataset)):

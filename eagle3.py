@@ -132,7 +132,7 @@ class Eagle3Drafter(nn.Module):
     def feature_layers(self, n_target_layers: int) -> tuple:
         """The target layers whose OUTPUTS it reads (Qwen35.forward's feature_layers): aux id i -> layer i - 1."""
         aux = self.cfg.aux_layer_ids or (2, n_target_layers // 2, n_target_layers - 3)
-        if not all(1 <= i <= n_target_layers for i in aux):
+        if not all(1 <= i < n_target_layers for i in aux):       # (layer L has no input to tap: there is none)
             raise CheckpointError(f"EAGLE-3 tap layers {list(aux)} do not fit a {n_target_layers}-layer target")
         return tuple(i - 1 for i in aux)
 

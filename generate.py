@@ -40,6 +40,7 @@ from sampling import DRAFT_RULES
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
 DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
+DEFAULT_EAGLE3 = os.path.join(HERE, "checkpoints", "tiny-qwen35-eagle3")     # the embedded EAGLE-3 head (train.py eagle3)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 

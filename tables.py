@@ -48,10 +48,11 @@ def cpu_model() -> str:
 
 def method_proposers(args, target, dtype, device) -> dict:
     """--methods names -> {name: (proposer, block size)}: dflash (--draft, its block size and default window),
-    dflash-treeN (trees of N proposals from the same drafter's blocks, tree.DFlashTree; verify width N + 1) and mtpK
-    (the target checkpoint's MTP head, K chained steps, block K + 1)."""
+    dflash-treeN (trees of N proposals from the same drafter's blocks, tree.DFlashTree; verify width N + 1), mtpK
+    (the target checkpoint's MTP head, K chained steps, block K + 1), eagle3 (--eagle3-draft's dynamic trees of 16
+    nodes, 6 deep, top 4: the seeds' baseline) and eagle3-chainK (the same head, one candidate per node, K deep)."""
     import mtp
-    out, head = {}, None
+    out, head, eagle_head = {}, None, None
     for name in args.methods.split(","):
         if name == "dflash":
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
@@ -62,12 +63,18 @@ def method_proposers(args, target, dtype, device) -> dict:
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
             inner = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
             out[name] = (tree.DFlashTree(inner), int(name[11:]) + 1)
+        elif name == "eagle3" or (name.startswith("eagle3-chain") and name[12:].isdigit() and int(name[12:]) >= 1):
+            import eagle3
+            drafter = eagle_head = eagle_head or eagle3.load_eagle3(args.eagle3_draft, target, dtype, device)
+            k = int(name[12:]) if name != "eagle3" else None       # a chain of k: one candidate per node, k deep
+            out[name] = (eagle3.Eagle3Tree(drafter, target, k or 6, 1 if k else 4), (k or 16) + 1)
         elif name.startswith("mtp") and name[3:].isdigit() and 1 <= int(name[3:]) <= 15:
             head = head or mtp.load_mtp(target.path, target, dtype)
             out[name] = (mtp.MTPProposer(head, target, int(name[3:])), int(name[3:]) + 1)
         else:
             raise dflash.GenerationError(f"--methods: unknown method '{name}'; use dflash, dflash-treeN (a tree of N "
-                                         "proposals from the drafter's blocks) or mtpK (K = 1..15), comma-separated")
+                                         "proposals from the drafter's blocks), mtpK (K = 1..15), eagle3 (trees of 16 from "
+                                         "--eagle3-draft) or eagle3-chainK, comma-separated")
     return out
 
 
@@ -238,7 +245,9 @@ def table_main(args, device) -> dict:
     text = Text(target, tok, not args.no_think, dtype, device)
     methods = method_proposers(args, target, dtype, device)
     widest = max(b for _, b in methods.values())
-    drafters = [getattr(p, "drafter", None) for p, _ in methods.values()]     # (the MTP head keeps nn.Linear, as in generate.py)
+    # DFlash drafters (also inside a DFlashTree) take the products generate.py chooses; the MTP and EAGLE-3 heads keep nn.Linear
+    drafters = [getattr(getattr(p, "inner", p), "drafter", None) if isinstance(getattr(p, "inner", p), dflash.DrafterProposer)
+                else None for p, _ in methods.values()]
     products = use_onednn(args.onednn, widest, target, *drafters)             # chosen at the widest block
     print(f"{products_words(products)}; {torch.get_num_threads()} threads; {cpu_model()}", flush=True)
     if not sets:                                              # --methods alone: bench.py's own prompts, one column
@@ -289,7 +298,8 @@ def markdown(out: dict) -> str:
     lines = ["| method | " + " | ".join(sets) + " | Avg. |", "|---" * (len(sets) + 2) + "|"]
     for name, m in out["methods"].items():
         cells = [f"{m['sets'][s]['tau']:.2f} / {m['sets'][s]['speedup']:.2f}x" for s in sets]
-        label = f"{name} (top-4 tree)" if name.startswith("dflash-tree") else f"{name} (block {m['block_size']})"
+        label = (f"{name} (top-4 tree)" if name.startswith("dflash-tree") else f"{name} (tree of 16)" if name == "eagle3"
+                 else f"{name} (block {m['block_size']})")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {m['tau']:.2f} / {m['speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 

@@ -3,6 +3,7 @@
     python train.py target --out checkpoints/tiny-qwen35 --minutes 25
     python train.py draft  --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-dflash --minutes 25
     python train.py mtp    --target checkpoints/tiny-qwen35 --out /tmp/mtp-run --minutes 20   (writes mtp.* into --target)
+    python train.py eagle3 --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-eagle3 --minutes 12
 
 `target`: a byte-level BPE tokenizer (`tokenizers`) and a small hybrid model (Gated DeltaNet + gated attention)
 trained on the Python standard library's own source, which every machine with Python has; files are split
@@ -567,10 +568,84 @@ def train_mtp(args):
     print(json.dumps(summary), flush=True)
 
 
+def eagle3_hidden(drafter, target, seqs, steps: int) -> torch.Tensor:
+    """EAGLE-3's training-time test, teacher-forced: seqs [N, S]. Step 1 row i is the context entry at position i,
+    (token i+1, fc(the target's tapped features at i)), and predicts token i+2; step k row i pairs token i+k with
+    step k-1's output at row i, at position i+k-1, and sees step-1 rows j <= i and its own row of steps 2..k
+    (mtp_training_mask): what the k-th node of a chain drafted after row i sees at inference (eagle3.Eagle3Tree).
+    -> the drafter's outputs [N, steps, R, H] for rows i < R = S - steps - 1."""
+    N, S = seqs.shape
+    mid = drafter.midlayer
+    with torch.no_grad():
+        _, feats = target(seqs, torch.arange(S), feature_layers=drafter.feature_layers(target.cfg.num_hidden_layers))
+        emb_all = target.embed_tokens(seqs)
+    R = S - steps - 1
+    mask = mtp_training_mask(R, steps)
+    h, embs, hids, pos = drafter.fc(feats[:, :R]), [], [], []
+    for k in range(1, steps + 1):
+        embs.append(emb_all[:, k:k + R])
+        hids.append(h)
+        pos.append(torch.arange(R) + k - 1)
+        p = torch.cat(pos)
+        x, residual = mid.inputs(torch.cat(embs, 1), torch.cat(hids, 1))
+        cos, sin = drafter.rope(p, x.dtype)
+        keys, values = mid.kv(x, cos, sin)
+        outs = mid(x, residual, cos, sin, keys, values, mask[:k * R, :k * R])
+        h = outs[:, (k - 1) * R:]
+    return outs.view(N, steps, R, -1)
+
+
+def train_eagle3(args):
+    """Train an EAGLE-3 head (full draft vocabulary) for the frozen target at --target; saved to --out in the
+    published layout (eagle3.save_eagle3)."""
+    import eagle3
+    torch.manual_seed(args.seed)
+    target = ckpt.load_target(args.target, torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
+    seqs = build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
+    c = target.cfg
+    cfg = eagle3.Eagle3Config(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                              c.rms_norm_eps, c.rope_theta, c.vocab_size, c.vocab_size, c.hidden_size,
+                              tuple(args.aux_layers))
+    drafter = eagle3.Eagle3Drafter(cfg)
+    init_weights_(drafter, args.seed)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed)
+    budget, step, t0, ema = Budget(args.minutes, args.steps), 0, time.time(), None
+    drafter.train()
+    while not budget.done(step):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
+        batch = seqs[torch.randint(0, len(seqs), (args.batch,), generator=gen)]
+        outs = eagle3_hidden(drafter, target, batch, args.train_steps)
+        R = outs.shape[2]
+        logits = drafter.lm_head(drafter.norm(outs))
+        labels = torch.stack([batch[:, k + 1:k + 1 + R] for k in range(1, args.train_steps + 1)], 1)
+        loss = F.cross_entropy(logits.flatten(0, 2), labels.flatten())
+        optimizer_step(drafter, opt, loss)
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % args.log_every == 0:
+            with torch.no_grad():
+                acc = (logits.argmax(-1) == labels).int().cumprod(1).sum(1).float().mean() + 1
+            print(f"step {step}  loss {loss.item():.3f}  ema {ema:.3f}  train acceptance ({args.train_steps} steps, a chain) "
+                  f"{float(acc):.2f}  lr {opt.param_groups[0]['lr']:.2e}  {(time.time() - t0) / 60:.1f} min", flush=True)
+    drafter.eval()
+    eagle3.save_eagle3(drafter, args.out)
+    summary = {"job": "eagle3", "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
+               "params": sum(p.numel() for p in drafter.parameters())}
+    with open(os.path.join(args.out, "training.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    print(json.dumps(summary), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="job", required=True)
-    for job in ("target", "draft", "mtp"):
+    for job in ("target", "draft", "mtp", "eagle3"):
         s = sub.add_parser(job)
         s.add_argument("--out", required=True)
         s.add_argument("--minutes", type=float, default=20.0)
@@ -620,9 +695,20 @@ def main(argv=None):
     m.add_argument("--resp-len", type=int, default=160)
     m.add_argument("--batch", type=int, default=8)
     m.add_argument("--lr", type=float, default=2e-3)
+    e = sub.choices["eagle3"]
+    e.add_argument("--target", required=True)
+    e.add_argument("--aux-layers", type=lambda x: [int(i) for i in x.split(",")], default=[1, 3, 5],
+                   help="the target layers whose inputs it reads, counted as vLLM counts them (default 1,3,5: the "
+                        "embedded target's layers 0, 2 and 4 outputs)")
+    e.add_argument("--train-steps", type=int, default=5, help="chained draft steps trained together (training-time test)")
+    e.add_argument("--n-seq", type=int, default=512, help="sequences of the target's own greedy text to train on")
+    e.add_argument("--prompt-len", type=int, default=48)
+    e.add_argument("--resp-len", type=int, default=160)
+    e.add_argument("--batch", type=int, default=8)
+    e.add_argument("--lr", type=float, default=2e-3)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"target": train_target, "draft": train_draft, "mtp": train_mtp}[args.job](args)
+    {"target": train_target, "draft": train_draft, "mtp": train_mtp, "eagle3": train_eagle3}[args.job](args)
 
 
 if __name__ == "__main__":

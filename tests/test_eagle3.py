@@ -179,3 +179,26 @@ def test_first_chain_equals_the_unrolled_drafter():
     (tokens, parents), got = seen[0]
     assert (tokens, parents) == (want, list(range(5)))
     assert got == pytest.approx(scores, abs=1e-10)          # the hidden states themselves, through their log probs
+
+
+@torch.inference_mode()
+def test_training_unrolls_what_inference_drafts():
+    """train.eagle3_hidden (all chained steps teacher-forced in one masked forward per step) == the drafter's chain
+    at inference when the forced tokens are the chain's own: each step's output at the prompt's last row equals
+    the hidden state Eagle3Tree computed for that node (through their log probabilities)."""
+    import train
+    cfg = tiny_target_config()
+    target = random_target(cfg, 13)
+    d = random_eagle(cfg, 14)
+    prompt = [7, 3, 9, 1, 4, 4, 2, 8]
+    prop = E.Eagle3Tree(d, target, 4, 1)
+    seen = []
+    orig = prop.propose_tree
+    prop.propose_tree = lambda *a, **k: seen.append((orig(*a, **k), list(prop.scores))) or seen[-1][0]
+    res = TR.TreeEngine(target, prop, 4, 64).run(prompt, 2)
+    (tokens, _), scores = seen[0]
+    seq = torch.tensor([prompt + [res.output_ids[0]] + tokens + [0]])          # (one more row: steps + 1 labels)
+    outs = train.eagle3_hidden(d, target, seq, 4)                              # [1, steps, R, H]
+    P = len(prompt)
+    lp = [float(d.logprobs(outs[0, k, P - 1]).max()) for k in range(4)]
+    assert [sum(lp[:k + 1]) for k in range(4)] == pytest.approx(scores, abs=1e-10)
