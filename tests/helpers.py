@@ -219,3 +219,29 @@ def edit_json(path, fn):
     fn(d)
     with open(path, "w") as fh:
         json.dump(d, fh)
+
+
+def speculators_eagle3_layer():
+    """The `speculators` package's (vLLM's checkpoint format) EAGLE-3 decoder layer for Llama-style drafters,
+    LlamaDecoderEagle3FirstLayer, loaded from its file alone: the package's own __init__ pulls in its training stack
+    (openai, datasets), and the file needs only transformers and its `base_components` registry, stubbed here."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+    import types
+    f = importlib.metadata.distribution("speculators").locate_file("speculators/models/eagle3/model_definitions.py")
+    stub = types.ModuleType("speculators.models")
+    stub.base_components = types.SimpleNamespace(override_components=lambda *a, **k: None, ModelComponents=object)
+    saved = {k: sys.modules.get(k) for k in ("speculators", "speculators.models")}
+    sys.modules["speculators"], sys.modules["speculators.models"] = types.ModuleType("speculators"), stub
+    try:
+        spec = importlib.util.spec_from_file_location("speculators_eagle3_model_definitions", f)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return mod.LlamaDecoderEagle3FirstLayer

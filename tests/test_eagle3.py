@@ -1,6 +1,7 @@
 """EAGLE-3 drafters (eagle3.py): the published layout read and written, its errors in one line, the dynamic tree's
 shape, and tree rounds equal to AR on random hybrid targets whatever the drafter proposes."""
 import json
+import os
 import random
 
 import pytest
@@ -202,3 +203,74 @@ def test_training_unrolls_what_inference_drafts():
     P = len(prompt)
     lp = [float(d.logprobs(outs[0, k, P - 1]).max()) for k in range(4)]
     assert [sum(lp[:k + 1]) for k in range(4)] == pytest.approx(scores, abs=1e-10)
+
+
+EMBEDDED_EAGLE3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny-qwen35-eagle3")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED_EAGLE3, "model.safetensors")), reason="embedded EAGLE-3 head absent")
+def test_embedded_head_drafts_and_bench_compares(capsys):
+    """The trained head for the embedded target: its trees are accepted (more than one token per round), every
+    output is AR's, and bench.py's table has its rows beside DFlash's."""
+    import bench
+    res = bench.main(["--methods", "dflash,eagle3,eagle3-chain4", "--heldout", "4", "--max-new-tokens", "32",
+                      "--no-adaptive", "--threads", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    for name in ("eagle3", "eagle3-chain4"):
+        cell = res["methods"][name]["sets"]["heldout"]
+        assert cell["identical"] == cell["prompts"] == 4 and cell["tau"] > 1.5
+    assert res["methods"]["eagle3"]["block_size"] == 17 and res["methods"]["eagle3-chain4"]["block_size"] == 5
+    assert any(x.startswith("| eagle3 (tree of 16) | ") for x in lines)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@torch.inference_mode()
+def test_drafts_equal_the_speculators_layer_unrolled(norm_first):
+    """The oracle: vLLM's EAGLE-3 format as the `speculators` package implements it (LlamaDecoderEagle3FirstLayer,
+    transformers' Llama attention, RoPE and norms) with our drafter's weights, unrolled as a chain from the same
+    target features: its outputs equal our midlayer's over the same entries (to float32 rounding: transformers'
+    Llama norms compute in float32 whatever the dtype), and its greedy chain is the first tree Eagle3Tree drafts
+    with top_k 1, scores included."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from helpers import speculators_eagle3_layer
+    cfg = tiny_target_config()
+    target = random_target(cfg, 21)
+    d = random_eagle(cfg, 22, norm_before_residual=norm_first)
+    c = d.cfg
+    lc = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                     num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                     rope_theta=c.rope_theta, attention_bias=False, vocab_size=c.vocab_size, max_position_embeddings=512)
+    lc._attn_implementation = "eager"
+    theirs = speculators_eagle3_layer()(lc, 0, norm_before_residual=norm_first).to(torch.float64).eval()
+    missing = theirs.load_state_dict(d.midlayer.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    rotary = LlamaRotaryEmbedding(lc)
+    prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6]
+    prop = E.Eagle3Tree(d, target, 5, 1)
+    seen = []
+    orig = prop.propose_tree
+    prop.propose_tree = lambda *a, **k: seen.append((orig(*a, **k), list(prop.scores))) or seen[-1][0]
+    TR.TreeEngine(target, prop, 5, 64).run(prompt, 2)
+    logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), feature_layers=prop.feature_layers)
+    emb = target.embed_tokens(torch.tensor([prompt[1:] + [int(logits[0, -1].argmax())]]))
+    hid = d.fc(feats)
+    want, scores, total = [], [], 0.0
+    for _ in range(5):
+        T = emb.shape[1]
+        pos = torch.arange(T)[None]
+        causal = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        h = theirs(torch.cat([emb, hid], -1), attention_mask=causal, position_ids=pos,
+                   position_embeddings=rotary(hid, pos))
+        ours = d.midlayer(*d.midlayer.inputs(emb, hid), *d.rope(torch.arange(T), hid.dtype),
+                          *d.midlayer.kv(d.midlayer.inputs(emb, hid)[0], *d.rope(torch.arange(T), hid.dtype)),
+                          torch.ones(T, T, dtype=torch.bool).tril())
+        torch.testing.assert_close(ours, h, rtol=0, atol=1e-5)     # transformers' Llama norms compute in float32
+        lp = d.logprobs(h[0, -1])
+        nxt = int(d.to_target(lp.argmax()))
+        total += float(lp.max())
+        want.append(nxt), scores.append(total)
+        emb = torch.cat([emb, target.embed_tokens(torch.tensor([[nxt]]))], 1)
+        hid = torch.cat([hid, h[:, -1:]], 1)
+    (tokens, parents), got = seen[0]
+    assert (tokens, parents) == (want, list(range(5))) and got == pytest.approx(scores, abs=1e-4)
