@@ -11,6 +11,7 @@ import dflash
 import model as M
 import tree as TR
 from helpers import HAS_EMBEDDED_PAIR, random_target, tiny_target_config
+from test_spec_equals_ar import first_divergence_is_near_tie
 
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
 
@@ -152,18 +153,22 @@ class OracleTree:
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10**6), moe=st.booleans(), size=st.integers(1, 24), plen=st.integers(1, 40),
-       new=st.integers(1, 40))
-def test_tree_rounds_equal_ar(seed, moe, size, plen, new):
-    """float64: TreeEngine's greedy output == plain AR decoding, whatever the trees and the accepted depths."""
+@given(seed=st.integers(0, 10**6), moe=st.booleans(), size=st.integers(1, 32), plen=st.integers(1, 40),
+       new=st.integers(1, 40), dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_tree_rounds_equal_ar(seed, moe, size, plen, new, dtype):
+    """TreeEngine's greedy output == plain AR decoding, whatever the trees and the accepted depths: exactly in
+    float64; in float32 any parting must be at a near-tie of the target (as the chain's test judges it)."""
     rng = random.Random(seed)
-    target = random_target(tiny_target_config(**(MOE if moe else {})), seed % 1000)
+    target = random_target(tiny_target_config(**(MOE if moe else {})), seed % 1000, dtype)
     V = target.cfg.vocab_size
     prompt = [rng.randrange(V) for _ in range(plen)]
     ar = dflash.run(target, prompt, new).output_ids
     prop = OracleTree(plen, ar + [0] * 64, V, seed, size)        # (ar[0] is the token at position plen)
     eng = TR.TreeEngine(target, prop, size, plen + new + size + 1)
     res = eng.run(prompt, new)
+    if dtype == torch.float32 and res.output_ids != ar:
+        assert first_divergence_is_near_tie(target, prompt, ar, res.output_ids, 1e-4)
+        return
     assert res.output_ids == ar
     steps = [s for s in res.steps if s.kind == "verify"]
     assert [s.accepted for s in steps] == [min(d, len(s.tokens) - 1) if not s.stop else s.accepted
