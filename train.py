@@ -514,12 +514,10 @@ def mtp_hidden(head, target, seqs, steps: int) -> torch.Tensor:
     return outs.view(N, steps, R, -1)
 
 
-def mtp_loss(head, target, seqs, steps: int) -> tuple:
-    """seqs [N, S] of the target's own greedy text -> (mean cross-entropy over the steps, the tokens per round K =
-    steps chained steps would give, teacher-forced)."""
-    outs = mtp_hidden(head, target, seqs, steps)
-    R = outs.shape[2]
-    logits = target.lm_head(outs)
+def chain_loss(logits, seqs, steps: int) -> tuple:
+    """logits [N, steps, R, V] of chained steps (step k row i predicts token i+k+1 of seqs [N, S]) -> (mean
+    cross-entropy, the tokens per round `steps` chained steps would give, teacher-forced)."""
+    R = logits.shape[2]
     labels = torch.stack([seqs[:, k + 1:k + 1 + R] for k in range(1, steps + 1)], 1)
     loss = F.cross_entropy(logits.flatten(0, 2), labels.flatten())
     with torch.no_grad():
@@ -527,22 +525,25 @@ def mtp_loss(head, target, seqs, steps: int) -> tuple:
     return loss, float(acc)
 
 
-def train_mtp(args):
-    """Train an MTP head for the target at --target (frozen) and write it into that checkpoint as mtp.*."""
-    import mtp
+def mtp_loss(head, target, seqs, steps: int) -> tuple:
+    """seqs [N, S] of the target's own greedy text -> chain_loss of the head's chained steps."""
+    return chain_loss(target.lm_head(mtp_hidden(head, target, seqs, steps)), seqs, steps)
+
+
+def frozen_target_text(args) -> tuple:
+    """The frozen target at --target and --n-seq sequences of its own greedy text: what a chained head trains on."""
     torch.manual_seed(args.seed)
     target = ckpt.load_target(args.target, torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
-    seqs = build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
-    head = mtp.MTPHead(target.cfg)
-    init_weights_(head, args.seed)
-    with torch.no_grad():
-        for n, p in head.named_parameters():
-            if "norm" in n:
-                p.zero_()                                    # zero-centred norms: 0 is the identity
+    return target, build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
+
+
+def train_chained(head, batch_loss, seqs, args, job: str) -> dict:
+    """The loop shared by the MTP and EAGLE-3 heads: AdamW on batch_loss(batch) -> (loss, acceptance) until the
+    budget ends -> the run's summary."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     budget, step, t0, ema = Budget(args.minutes, args.steps), 0, time.time(), None
@@ -550,8 +551,7 @@ def train_mtp(args):
     while not budget.done(step):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
-        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
-        loss, acc = mtp_loss(head, target, seqs[idx], args.train_steps)
+        loss, acc = batch_loss(seqs[torch.randint(0, len(seqs), (args.batch,), generator=gen)])
         optimizer_step(head, opt, loss)
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
@@ -559,13 +559,30 @@ def train_mtp(args):
             print(f"step {step}  loss {loss.item():.3f}  ema {ema:.3f}  train acceptance ({args.train_steps} steps) {acc:.2f}  "
                   f"lr {opt.param_groups[0]['lr']:.2e}  {(time.time() - t0) / 60:.1f} min", flush=True)
     head.eval()
-    mtp.save_mtp(head, args.target)
-    summary = {"job": "mtp", "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
-               "params": sum(p.numel() for p in head.parameters())}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "training.json"), "w") as fh:
+    return {"job": job, "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
+            "params": sum(p.numel() for p in head.parameters())}
+
+
+def write_summary(out: str, summary: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "training.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
     print(json.dumps(summary), flush=True)
+
+
+def train_mtp(args):
+    """Train an MTP head for the target at --target (frozen) and write it into that checkpoint as mtp.*."""
+    import mtp
+    target, seqs = frozen_target_text(args)
+    head = mtp.MTPHead(target.cfg)
+    init_weights_(head, args.seed)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.zero_()                                    # zero-centred norms: 0 is the identity
+    summary = train_chained(head, lambda batch: mtp_loss(head, target, batch, args.train_steps), seqs, args, "mtp")
+    mtp.save_mtp(head, args.target)
+    write_summary(args.out, summary)
 
 
 def eagle3_hidden(drafter, target, seqs, steps: int) -> torch.Tensor:
@@ -599,47 +616,20 @@ def train_eagle3(args):
     """Train an EAGLE-3 head (full draft vocabulary) for the frozen target at --target; saved to --out in the
     published layout (eagle3.save_eagle3)."""
     import eagle3
-    torch.manual_seed(args.seed)
-    target = ckpt.load_target(args.target, torch.float32)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
-    seqs = build_draft_data(target, tok, args.n_seq, args.prompt_len, args.resp_len, args.seed)
+    target, seqs = frozen_target_text(args)
     c = target.cfg
     cfg = eagle3.Eagle3Config(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                               c.rms_norm_eps, c.rope_theta, c.vocab_size, c.vocab_size, c.hidden_size,
                               tuple(args.aux_layers))
     drafter = eagle3.Eagle3Drafter(cfg)
     init_weights_(drafter, args.seed)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed)
-    budget, step, t0, ema = Budget(args.minutes, args.steps), 0, time.time(), None
-    drafter.train()
-    while not budget.done(step):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, budget.progress(step), args.lr, 50)
-        batch = seqs[torch.randint(0, len(seqs), (args.batch,), generator=gen)]
+
+    def batch_loss(batch):
         outs = eagle3_hidden(drafter, target, batch, args.train_steps)
-        R = outs.shape[2]
-        logits = drafter.lm_head(drafter.norm(outs))
-        labels = torch.stack([batch[:, k + 1:k + 1 + R] for k in range(1, args.train_steps + 1)], 1)
-        loss = F.cross_entropy(logits.flatten(0, 2), labels.flatten())
-        optimizer_step(drafter, opt, loss)
-        step += 1
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % args.log_every == 0:
-            with torch.no_grad():
-                acc = (logits.argmax(-1) == labels).int().cumprod(1).sum(1).float().mean() + 1
-            print(f"step {step}  loss {loss.item():.3f}  ema {ema:.3f}  train acceptance ({args.train_steps} steps, a chain) "
-                  f"{float(acc):.2f}  lr {opt.param_groups[0]['lr']:.2e}  {(time.time() - t0) / 60:.1f} min", flush=True)
-    drafter.eval()
+        return chain_loss(drafter.lm_head(drafter.norm(outs)), batch, args.train_steps)
+    summary = train_chained(drafter, batch_loss, seqs, args, "eagle3")
     eagle3.save_eagle3(drafter, args.out)
-    summary = {"job": "eagle3", "steps": step, "minutes": (time.time() - t0) / 60, "final_loss_ema": ema,
-               "params": sum(p.numel() for p in drafter.parameters())}
-    with open(os.path.join(args.out, "training.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
-    print(json.dumps(summary), flush=True)
+    write_summary(args.out, summary)
 
 
 def main(argv=None):

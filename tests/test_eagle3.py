@@ -274,3 +274,21 @@ def test_drafts_equal_the_speculators_layer_unrolled(norm_first):
         hid = torch.cat([hid, h[:, -1:]], 1)
     (tokens, parents), got = seen[0]
     assert (tokens, parents) == (want, list(range(5))) and got == pytest.approx(scores, abs=1e-4)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(EMBEDDED_EAGLE3), "tiny-qwen35", "tokenizer.json")),
+                    reason="embedded target absent")
+def test_train_py_eagle3_writes_a_head_that_loads_and_drafts(tmp_path):
+    """`train.py eagle3` end to end (a few steps on the embedded target): the head it writes loads in the published
+    layout, reads the layers asked for, and its trees give AR's output."""
+    import train
+    tdir = os.path.join(os.path.dirname(EMBEDDED_EAGLE3), "tiny-qwen35")
+    train.main(["eagle3", "--target", tdir, "--out", str(tmp_path), "--steps", "3", "--n-seq", "4", "--prompt-len", "16",
+                "--resp-len", "16", "--batch", "2", "--threads", "1", "--aux-layers", "1,2,4"])
+    target = E.ckpt.load_target(tdir, torch.float32)
+    head = E.load_eagle3(str(tmp_path), target)
+    assert json.loads((tmp_path / "training.json").read_text())["steps"] == 3
+    prop = E.Eagle3Tree(head, target, 3, 2)
+    assert prop.feature_layers == (0, 1, 3)
+    prompt = list(range(10, 30))
+    assert TR.TreeEngine(target, prop, 6, 64).run(prompt, 16).output_ids == dflash.run(target, prompt, 16).output_ids
