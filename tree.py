@@ -160,7 +160,7 @@ def commit_path(cache: TargetCache, kept: TreeKept, tree: Tree, path: list, star
     """Keep the nodes of `path` (root first) as a chain at positions start, start + 1, ...: attention K/V moved
     from slots start + node to start + depth; each GDN layer's state becomes the last node's, its conv state the
     K-1 pre-conv inputs ending there."""
-    dev = cache.layers[0].k.device if hasattr(cache.layers[0], "k") else cache.layers[0].rec.device
+    dev = next(iter(vars(cache.layers[0]).values())).device
     src = start + torch.tensor(path, device=dev)
     dst = start + torch.arange(len(path), device=dev)
     last = path[-1]

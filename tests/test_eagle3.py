@@ -108,10 +108,9 @@ def test_eagle3_tree_rounds_equal_ar(seed, moe, size, depth, top_k, plen, own):
     assert TR.TreeEngine(target, prop, size, plen + 30 + size + 1).run(prompt, 30).output_ids == ar
 
 
-def test_a_drafter_that_copies_the_target_is_accepted():
-    """An EAGLE-3 drafter whose lm_head always proposes the token the target will choose next cannot be built from
-    random weights; instead, a drafter whose draft vocabulary holds one token proposes only that token, and the
-    rounds accept exactly where the target repeats it (here: never more than the target's own repeats)."""
+def test_a_one_token_draft_vocabulary():
+    """A drafter whose draft vocabulary holds one token (d2t maps it into the target's) proposes only that token,
+    mapped; the output is AR's and every accepted proposal is that token."""
     cfg = tiny_target_config()
     target = random_target(cfg, 7)
     d = random_eagle(cfg, 8, draft_vocab=1)
