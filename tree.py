@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from dflash import Engine, GenerationError, Step
@@ -80,7 +79,7 @@ class Tree:
         for i in range(len(self)):
             path = self.path(i)                                    # root .. i
             take = [K - 1 + j for j in path[-K:]]
-            rows.append(list(range(K - 1 - (K - len(take)), K - 1)) + take)
+            rows.append(list(range(len(take) - 1, K - 1)) + take)      # the conv state's newest K - len(take) rows
         return torch.tensor(rows, device=device)
 
 
@@ -89,6 +88,7 @@ class TreeKept:
     """What a tree verify leaves for the commit, per GDN layer (None for attention layers)."""
     states: list      # [T,Hv,dk,dv] per GDN layer: each node's recurrent state after its token
     windows: list     # [K-1+T, conv_dim] per GDN layer: the committed conv state, then the nodes' pre-conv inputs
+    rows: torch.Tensor  # [T,K] Tree.conv_rows: each node's conv window, as rows of `windows`
 
 
 def tree_gdn(mix, h, tree: Tree, rows: torch.Tensor, cache: GDNCache) -> tuple:
@@ -96,10 +96,9 @@ def tree_gdn(mix, h, tree: Tree, rows: torch.Tensor, cache: GDNCache) -> tuple:
     [T,Hv,dk,dv], the conv window [K-1+T, conv_dim])."""
     z, beta, g, pre = mix.project(h)
     window = torch.cat([cache.conv.to(pre.dtype), pre], 1)[0]                   # [K-1+T, C]
-    acc = kernels.state_dtype(pre.dtype)                                         # as causal_conv1d's short calls
-    taps = window[rows].transpose(1, 2)                                          # [T,C,K]
-    u = F.silu((taps.to(acc) * mix.conv_weight.to(acc)).sum(-1).to(pre.dtype))[None]
-    q, k, v = mix.heads(u)
+    # each node a one-token conv call whose conv state is its K-1 nearest ancestors' inputs: the decode step's kernel
+    u, _ = kernels.causal_conv1d(pre[0][:, None], mix.conv_weight, window[rows[:, :-1]])     # [T,1,C]
+    q, k, v = mix.heads(u.transpose(0, 1))
     outs, states = [], []
     for i, p in enumerate(tree.parents):
         s0 = cache.rec if p < 0 else states[p][None]
@@ -139,7 +138,7 @@ def verify_tree(target: Qwen35, tree: Tree, start: int, cache: TargetCache, feat
         if i in feature_layers:                 # layer i's output; the last layer's after the final norm
             outputs[i] = target.norm(x) if i == last else x
     feats = torch.cat([outputs[i] for i in feature_layers], -1) if feature_layers else None
-    return target.lm_head(target.norm(x))[0], TreeKept(states, windows), feats
+    return target.lm_head(target.norm(x))[0], TreeKept(states, windows, rows), feats
 
 
 def accept(tree: Tree, posterior: list) -> list:
@@ -156,20 +155,18 @@ def accept(tree: Tree, posterior: list) -> list:
 
 
 @torch.inference_mode()
-def commit_path(cache: TargetCache, kept: TreeKept, tree: Tree, path: list, start: int) -> None:
+def commit_path(cache: TargetCache, kept: TreeKept, path: list, start: int) -> None:
     """Keep the nodes of `path` (root first) as a chain at positions start, start + 1, ...: attention K/V moved
     from slots start + node to start + depth; each GDN layer's state becomes the last node's, its conv state the
     K-1 pre-conv inputs ending there."""
-    dev = next(iter(vars(cache.layers[0]).values())).device
+    dev = kept.rows.device
     src = start + torch.tensor(path, device=dev)
     dst = start + torch.arange(len(path), device=dev)
     last = path[-1]
     for lc, states, window in zip(cache.layers, kept.states, kept.windows):
         if isinstance(lc, GDNCache):
-            K1 = lc.conv.shape[1]
-            rows = tree.conv_rows(K1 + 1, dev)[last, 1:]
             lc.rec.copy_(states[last][None])
-            lc.conv.copy_(window[rows][None])
+            lc.conv.copy_(window[kept.rows[last, 1:]][None])
         else:
             for t in (lc.k, lc.v):
                 t[:, :, dst] = t[:, :, src].clone()
@@ -204,7 +201,7 @@ class TreeEngine(Engine):
         posterior = logits.argmax(-1).tolist()
         path = accept(tree, posterior)
         new = seq.take([tree.tokens[i] for i in path[1:]] + [posterior[path[-1]]])
-        commit_path(self.cache, kept, tree, path[:len(new)], start)
+        commit_path(self.cache, kept, path[:len(new)], start)
         seq.advance(len(new), new[-1])
         if feats is not None:   # the committed nodes' features for the next draft, at positions start, start + 1, ...;
             kept_rows = feats[:, path[:len(new)]]           # the placeholder rows after them are hidden from it

@@ -82,7 +82,7 @@ def test_every_node_equals_its_path_run_alone(seed, moe, size, plen):
     path = t.path(i)
     work = clone(cache)
     logits, kept, _ = TR.verify_tree(target, t, plen, work)
-    TR.commit_path(work, kept, t, path, plen)
+    TR.commit_path(work, kept, path, plen)
     ref = clone(cache)
     chain(target, ref, [t.tokens[j] for j in path], plen, verify=False)
     end = plen + len(path)
