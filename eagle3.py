@@ -199,6 +199,18 @@ def save_eagle3(model: Eagle3Drafter, out: str, dtype=torch.bfloat16) -> None:
     save_file({**tensors, "d2t": model.d2t.clone(), "t2d": t2d}, os.path.join(out, "model.safetensors"))
 
 
+@dataclass
+class _Node:
+    """A drafted node: its path's log probability, depth (1 under the root), parent node (-1: the root), target
+    token, and once expanded its output hidden [1,H] and the scratch cache slot of its entry."""
+    score: float
+    depth: int
+    parent: int
+    token: int
+    hidden: torch.Tensor | None = None
+    slot: int | None = None
+
+
 class Eagle3Tree:
     """EAGLE-3 drafting dynamic trees for tree.TreeEngine: tree_size nodes at most, depth at most tree_depth, top_k
     candidates per expanded node and top_k nodes expanded per depth (EAGLE-2's tree). Its context cache holds
@@ -225,69 +237,69 @@ class Eagle3Tree:
         table = self.drafter.embed_tokens or self.target.embed_tokens
         return table(ids)
 
-    def _write(self, x, pos, slots) -> None:
-        cos, sin = self.drafter.rope(pos, x.dtype)
+    def _write(self, x, cos, sin, slots) -> None:
         k, v = self.drafter.midlayer.kv(x, cos, sin)
         self.k[:, :, slots], self.v[:, :, slots] = k, v
 
+    def _append(self, feats, pos, next_ids) -> None:
+        """Committed entries into the context: the target's features [1,T,F] at positions pos [T], and the token
+        after each (next_ids [T]). Only their keys and values are needed: no query reads from them."""
+        x, _ = self.drafter.midlayer.inputs(self.embed(next_ids[None]), self.drafter.fc(feats))
+        self._write(x, *self.drafter.rope(pos, x.dtype), pos)
+
     def prefill(self, feats, pos, next_ids=None) -> None:
         """The prompt's features [1,T,F] at positions pos [T], and the token after each (next_ids [T])."""
-        x, _ = self.drafter.midlayer.inputs(self.embed(next_ids[None]), self.drafter.fc(feats))
-        self._write(x, pos, pos)
+        self._append(feats, pos, next_ids)
 
     def _run(self, emb, hid, pos, slots, mask):
         """Entries (emb, hid [1,T,H]) at positions pos [T], written at `slots`, attending by mask [T, all slots]
         -> output hidden [1,T,H]."""
         mid = self.drafter.midlayer
         x, residual = mid.inputs(emb, hid)
-        self._write(x, pos, slots)
         cos, sin = self.drafter.rope(pos, x.dtype)
+        self._write(x, cos, sin, slots)
         return mid(x, residual, cos, sin, self.k, self.v, mask)
+
+    def _children(self, nodes: list, frontier: list, lp, parent: int, score: float, depth: int) -> None:
+        """The top_k tokens of the log probabilities lp [Vd] as nodes under `parent` (-1: the root), into the frontier."""
+        for s, t in zip(*lp.topk(min(self.top_k, lp.numel()))):
+            nodes.append(_Node(score + float(s), depth, parent, int(self.drafter.to_target(t))))
+            frontier.append(len(nodes) - 1)
 
     @torch.inference_mode()
     def propose_tree(self, last: int, start: int, n: int, feats, feat_pos, next_ids=None) -> tuple:
         dev, d = self.k.device, self.drafter
-        S = self.k.shape[2]
-        valid = feat_pos < start                                   # rows at >= start are placeholders
-        rows = valid.nonzero()[:, 0]
+        rows = (feat_pos < start).nonzero()[:, 0]                  # rows at >= start are placeholders
         if rows.numel() > 1:                                       # the committed entries before the last one
-            x, _ = d.midlayer.inputs(self.embed(next_ids[rows[:-1]][None]), d.fc(feats[:, rows[:-1]]))
-            self._write(x, feat_pos[rows[:-1]], feat_pos[rows[:-1]])
+            self._append(feats[:, rows[:-1]], feat_pos[rows[:-1]], next_ids[rows[:-1]])
         r = rows[-1:]                                              # the last committed entry, at start - 1
-        ctx = torch.arange(S, device=dev) < start
+        ctx = torch.arange(self.k.shape[2], device=dev) < start
         root_h = self._run(self.embed(next_ids[r][None]), d.fc(feats[:, r]), feat_pos[r], feat_pos[r], ctx[None])
-        # nodes: (score, depth, parent node or -1, target token, output hidden or None, scratch slot or None)
-        lp = d.logprobs(root_h[0, -1])
         nodes, frontier = [], []
-        for s, t in zip(*lp.topk(min(self.top_k, lp.numel()))):
-            nodes.append([float(s), 1, -1, int(d.to_target(t)), None, None])
-            frontier.append(len(nodes) - 1)
+        self._children(nodes, frontier, d.logprobs(root_h[0, -1]), -1, 0.0, 1)
         slot = self.capacity
         for depth in range(1, self.depth):
-            expand = sorted(frontier, key=lambda i: -nodes[i][0])[:self.top_k]
+            expand = sorted(frontier, key=lambda i: -nodes[i].score)[:self.top_k]
             if not expand:
                 break
             slots = torch.arange(slot, slot + len(expand), device=dev)
             for i, sl in zip(expand, slots.tolist()):
-                nodes[i][5] = sl
+                nodes[i].slot = sl
             mask = ctx[None].repeat(len(expand), 1)
             for row, i in enumerate(expand):                       # each node sees its ancestors' entries and its own
                 j = i
                 while j >= 0:
-                    mask[row, nodes[j][5]] = True
-                    j = nodes[j][2]
-            parents_h = torch.cat([root_h[0, -1:] if nodes[i][2] < 0 else nodes[nodes[i][2]][4] for i in expand])
-            toks = torch.tensor([nodes[i][3] for i in expand], device=dev)
+                    mask[row, nodes[j].slot] = True
+                    j = nodes[j].parent
+            parents_h = torch.cat([root_h[0, -1:] if nodes[i].parent < 0 else nodes[nodes[i].parent].hidden for i in expand])
+            toks = torch.tensor([nodes[i].token for i in expand], device=dev)
             pos = torch.full((len(expand),), start + depth - 1, device=dev)
             h = self._run(self.embed(toks[None]), parents_h[None], pos, slots, mask)[0]
             slot += len(expand)
             frontier = []
             for row, i in enumerate(expand):
-                nodes[i][4] = h[row:row + 1]
-                lp = d.logprobs(h[row])
-                for s, t in zip(*lp.topk(min(self.top_k, lp.numel()))):
-                    nodes.append([nodes[i][0] + float(s), depth + 1, i, int(d.to_target(t)), None, None])
-                    frontier.append(len(nodes) - 1)
+                nodes[i].hidden = h[row:row + 1]
+                self._children(nodes, frontier, d.logprobs(h[row]), i, nodes[i].score, depth + 1)
         tokens, parents, self.scores = self._select(nodes, n)   # scores: each node's path log probability
         return tokens, parents
 
@@ -295,12 +307,13 @@ class Eagle3Tree:
     def _select(nodes: list, n: int) -> tuple:
         """The n best nodes, each after its parent (by depth), as (tokens, parents with 0 the root, scores)."""
         chosen, keep = set(), []
-        for i in sorted(range(len(nodes)), key=lambda i: -nodes[i][0]):
+        for i in sorted(range(len(nodes)), key=lambda i: -nodes[i].score):
             if len(keep) == n:
                 break
-            if nodes[i][2] < 0 or nodes[i][2] in chosen:
+            if nodes[i].parent < 0 or nodes[i].parent in chosen:
                 chosen.add(i)
                 keep.append(i)
-        keep.sort(key=lambda i: (nodes[i][1], i))
+        keep.sort(key=lambda i: (nodes[i].depth, i))
         index = {i: k + 1 for k, i in enumerate(keep)}
-        return [nodes[i][3] for i in keep], [index.get(nodes[i][2], 0) for i in keep], [nodes[i][0] for i in keep]
+        return ([nodes[i].token for i in keep], [index.get(nodes[i].parent, 0) for i in keep],
+                [nodes[i].score for i in keep])

@@ -33,6 +33,18 @@ def random_eagle(target_cfg, seed=0, draft_vocab=40, own_embedding=False, dtype=
     return d.to(dtype).eval()
 
 
+def recorded(prop: E.Eagle3Tree) -> list:
+    """Wrap prop.propose_tree so that each call's ((tokens, parents), the nodes' scores) is appended to the list
+    returned."""
+    seen, orig = [], prop.propose_tree
+
+    def propose_tree(*a, **k):
+        seen.append((orig(*a, **k), list(prop.scores)))
+        return seen[-1][0]
+    prop.propose_tree = propose_tree
+    return seen
+
+
 def test_published_layout_round_trip(tmp_path):
     cfg = tiny_target_config()
     target = random_target(cfg, 1)
@@ -83,11 +95,9 @@ def test_the_tree_shape(tmp_path):
     for top_k, depth, size in ((1, 5, 16), (3, 4, 10), (4, 6, 40)):
         prop = E.Eagle3Tree(random_eagle(cfg, 5), target, depth, top_k)
         eng = TR.TreeEngine(target, prop, size, 96)
-        seen = []
-        orig = prop.propose_tree
-        prop.propose_tree = lambda *a, **k: seen.append(orig(*a, **k)) or seen[-1]
+        seen = recorded(prop)
         eng.run(prompt, 12)
-        for tokens, parents in seen:
+        for (tokens, parents), _ in seen:
             t = TR.Tree([0] + tokens, [-1] + parents)            # (Tree checks the order)
             assert len(tokens) <= size and max(t.depth) <= depth
             if top_k == 1:
@@ -154,9 +164,7 @@ def test_first_chain_equals_the_unrolled_drafter():
     d = random_eagle(cfg, 12)
     prop = E.Eagle3Tree(d, target, 5, 1)
     prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 10, 11]
-    seen = []
-    orig = prop.propose_tree
-    prop.propose_tree = lambda *a, **k: seen.append((orig(*a, **k), list(prop.scores))) or seen[-1][0]
+    seen = recorded(prop)
     TR.TreeEngine(target, prop, 5, 64).run(prompt, 2)
     logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), feature_layers=prop.feature_layers)
     first = int(logits[0, -1].argmax())
@@ -192,9 +200,7 @@ def test_training_unrolls_what_inference_drafts():
     d = random_eagle(cfg, 14)
     prompt = [7, 3, 9, 1, 4, 4, 2, 8]
     prop = E.Eagle3Tree(d, target, 4, 1)
-    seen = []
-    orig = prop.propose_tree
-    prop.propose_tree = lambda *a, **k: seen.append((orig(*a, **k), list(prop.scores))) or seen[-1][0]
+    seen = recorded(prop)
     res = TR.TreeEngine(target, prop, 4, 64).run(prompt, 2)
     (tokens, _), scores = seen[0]
     seq = torch.tensor([prompt + [res.output_ids[0]] + tokens + [0]])          # (one more row: steps + 1 labels)
@@ -247,9 +253,7 @@ def test_drafts_equal_the_speculators_layer_unrolled(norm_first):
     rotary = LlamaRotaryEmbedding(lc)
     prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6]
     prop = E.Eagle3Tree(d, target, 5, 1)
-    seen = []
-    orig = prop.propose_tree
-    prop.propose_tree = lambda *a, **k: seen.append((orig(*a, **k), list(prop.scores))) or seen[-1][0]
+    seen = recorded(prop)
     TR.TreeEngine(target, prop, 5, 64).run(prompt, 2)
     logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), feature_layers=prop.feature_layers)
     emb = target.embed_tokens(torch.tensor([prompt[1:] + [int(logits[0, -1].argmax())]]))
