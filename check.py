@@ -566,8 +566,6 @@ def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch
     return moved / torch.tensor([rounding_step(float(v), dtype) for v in top], dtype=torch.float64)
 
 
-# ---- Command line ---------------------------------------------------------------------------------------------
-
 # ---------------------------------------------------------------------------------------------------------------
 # --parting: where greedy DFlash and greedy AR part in a low precision, and how near a tie the target was there
 # ---------------------------------------------------------------------------------------------------------------
@@ -729,6 +727,8 @@ def parting_summary(args, dtype, block, prompts, partings, compared, margins, to
     print(json.dumps(out))
     return out
 
+
+# ---- Command line ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -235,16 +235,17 @@ def load(args, device, dtype) -> tuple:
         if args.draft_window:       # refused before the head is read
             raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
         proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
-    elif args.draft.lower() != "none" and eagle3.is_eagle3(ckpt.read_config(ckpt.resolve_dir(args.draft))):
-        if args.draft_window:
-            raise dflash.GenerationError("--draft-window applies to DFlash drafters; an EAGLE-3 drafter reads the whole context")
-        drafter = eagle3.load_eagle3(args.draft, target, dtype, device)
-        proposer = eagle3.Eagle3Tree(drafter, target, args.tree_depth or 6, args.tree_top_k or 4)
-        args.tree_size = 16 if args.tree_size is None else args.tree_size      # EAGLE-3 drafts trees (the seeds' 16)
     elif args.draft.lower() != "none":
-        drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-        window = ckpt.draft_window(drafter.cfg, args.draft_window)
-        proposer = dflash.DrafterProposer(drafter, target, window)
+        draft_dir = ckpt.resolve_dir(args.draft)       # once: a Hub id is fetched for the check and the load alike
+        if eagle3.is_eagle3(ckpt.read_config(draft_dir)):
+            if args.draft_window:
+                raise dflash.GenerationError("--draft-window applies to DFlash drafters; an EAGLE-3 drafter reads the whole context")
+            proposer = eagle3.Eagle3Tree(eagle3.load_eagle3(draft_dir, target, dtype, device), target, args.tree_depth or 6,
+                                         args.tree_top_k or 4)
+            args.tree_size = 16 if args.tree_size is None else args.tree_size      # EAGLE-3 drafts trees (the seeds' 16)
+        else:
+            drafter = ckpt.load_drafter(draft_dir, target.cfg, dtype, device)
+            proposer = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries

@@ -148,6 +148,7 @@ class Runner:
 
     def __init__(self, args, target, methods: dict, stops: list, masks, options: dict):
         self.args, self.target, self.methods, self.stops = args, target, methods, stops
+        self.widest = max([b for _, b in methods.values()] + [1])          # the widest verify among the methods
         self.kw = dict(compile_mode=args.compile_mode if args.compile else None, masks=masks, compile_options=options)
         self.capacity, self.engines = 0, {}
 
@@ -168,8 +169,7 @@ class Runner:
 
     def run(self, name: str, ids: list, images=None):
         """The median run of --repeat (by decode seconds) of one engine on one prompt -> dflash.Result."""
-        widest = max([b for _, b in self.methods.values()] + [1])
-        self.fit(len(ids) + self.args.max_new_tokens + widest, ids)
+        self.fit(len(ids) + self.args.max_new_tokens + self.widest, ids)
         runs = [self.engines[name].run(ids, self.args.max_new_tokens, self.stops, profile=True, images=images)
                 for _ in range(self.args.repeat)]
         return sorted(runs, key=lambda r: r.decode_seconds)[len(runs) // 2]
