@@ -53,6 +53,7 @@ import model as M
 import presets
 import prompts as P
 import tables
+import tp
 from generate import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_onednn
 
 
@@ -222,9 +223,11 @@ def load_pair(args, dtype, device) -> tuple:
     target = ckpt.load_target(args.target, dtype, device)
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     block = args.block_size or drafter.cfg.block_size
-    products = use_onednn(args.onednn, block, target, drafter)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = dflash.DrafterProposer(drafter, target, window)
+    if getattr(args, "parallel", None) is not None:     # under torchrun: this rank's part, before oneDNN packs weights
+        args.parallel.shard(target, proposer)
+    products = use_onednn(args.onednn, block, target, drafter)
     tok = ckpt.load_tokenizer(target.path)
     prompts, stops = P.from_args(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
     if args.dataset and chat.load_chat_template(target.path)[0] is not None:
@@ -246,6 +249,10 @@ def main(argv=None) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dataset and not args.methods:
         args.methods = "dflash" if not other_mode(args) else None     # --dataset alone: the table of the drafter
+    args.parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
+    if args.parallel is not None and mode_of(args) is not side_by_side_main:
+        raise dflash.GenerationError("under torchrun bench.py runs its default mode (AR and DFlash side by side); "
+                                     "drop the other mode's flag")
     return mode_of(args)(args, device)
 
 
@@ -267,6 +274,9 @@ def side_by_side_main(args, device) -> dict:
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     mode = args.compile_mode if args.compile else None
     ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
+    parallel = args.parallel
+    if parallel is not None:           # every rank's policy decides from rank 0's step times (tp.Synced)
+        sp_engine.policy = parallel.synced(sp_engine.policy)
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s; {generate.products_words(products)}",
           flush=True)
 
@@ -334,7 +344,12 @@ def side_by_side_main(args, device) -> dict:
         print(f"compiled DFlash / eager DFlash (same prompts, same run): median per-prompt {compiled['compiled_over_eager']:.2f}x "
               f"(eager median {compiled['eager_dflash_tokens_per_s']:.1f} tok/s)")
     ref = reference_loop(args, target, drafter, prompts, stops, rows) if args.vs_reference else {}
-    out = {**ref, **compiled,
+    comm = tp_fields(target, drafter, block, dtype, parallel)
+    if parallel is not None:
+        print(f"tensor parallel {parallel.world}: all-reduced per decode step {comm['allreduce_bytes_per_decode']:,} "
+              f"bytes, per round (verify of {block}{' + draft' if parallel.shard_drafter else ''}) "
+              f"{comm['allreduce_bytes_per_round']:,} bytes")
+    out = {**ref, **compiled, **comm,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
         "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens, "block_size": block,
         "ar_tokens_per_s": ar_med, "dflash_tokens_per_s": sp_med, "speedup": statistics.median(speedups),
@@ -354,6 +369,17 @@ def side_by_side_main(args, device) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # --replay: the adaptive policy without the timing noise
 # ---------------------------------------------------------------------------------------------------------------
+
+def tp_fields(target, drafter, block: int, dtype, parallel) -> dict:
+    """The JSON's tensor-parallel record: the degree, and the payload all-reduced per decode step and per round
+    (tp.allreduce_bytes; 0 in one process)."""
+    if parallel is None:
+        return {**generate.parallel_fields(None), "allreduce_bytes_per_decode": 0, "allreduce_bytes_per_round": 0}
+    size = torch.tensor([], dtype=dtype).element_size()
+    draft = (drafter.cfg.num_hidden_layers, block) if parallel.shard_drafter else (0, 0)
+    return {**generate.parallel_fields(parallel), "allreduce_bytes_per_decode": tp.allreduce_bytes(target.cfg, 1, size),
+            "allreduce_bytes_per_round": tp.allreduce_bytes(target.cfg, block, size, *draft)}
+
 
 def policy_settings(text: str) -> dict:
     """"first_wait=16,confidence=0.5" -> keyword arguments of adaptive.Adaptive (numbers of its defaults' types),
@@ -657,6 +683,8 @@ def cli(argv=None) -> int:
     except (M.CheckpointError, dflash.GenerationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        tp.close()
     return 0
 
 

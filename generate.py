@@ -17,6 +17,7 @@ Many requests at once (batching.py: continuous batching, each request's output i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -34,6 +35,7 @@ import eagle3
 import flex
 import checkpoint as ckpt
 import model as M
+import tp
 import vision
 from sampling import DRAFT_RULES
 
@@ -85,6 +87,13 @@ def shared_flags(p) -> None:
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
     p.add_argument("--no-think", action="store_true", help="chat (and bench.py --dataset's prompts): answer without a "
                                                            "reasoning block (enable_thinking=False)")
+    g = p.add_argument_group("tensor parallelism (under torchrun --nproc-per-node N: tp.py)")
+    g.add_argument("--tp-backend", choices=sorted(tp.SERVES), default=None,
+                   help="torch.distributed backend (default: nccl on cuda, gloo on cpu)")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="mixture of experts: each rank holds whole experts (default: every expert's channels split)")
+    g.add_argument("--tp-drafter", choices=["replicated", "sharded"], default="replicated",
+                   help="the DFlash drafter whole on every rank (default) or cut by head like the target")
 
 
 def parse_args(argv=None):
@@ -220,9 +229,9 @@ class TextStream:
         self.out.flush()
 
 
-def load(args, device, dtype) -> tuple:
+def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     """The target, its tokenizer and the proposer (None: plain AR) named by the flags, with the products chosen
-    for them (use_onednn's record)."""
+    for them (use_onednn's record); under torchrun cut to this rank's part (parallel.shard)."""
     target = ckpt.load_target(args.target, dtype, device)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
@@ -248,6 +257,8 @@ def load(args, device, dtype) -> tuple:
             proposer = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
+    if parallel is not None:               # before oneDNN packs any weight: the cut reads plain linears
+        parallel.shard(target, proposer)
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries
     dense = getattr(proposer, "drafter", None) if isinstance(proposer, dflash.DrafterProposer) else None
     products = use_onednn(args.onednn, rows, target, dense)
@@ -344,13 +355,14 @@ def main(argv=None) -> int:
     dtype = pick_dtype(args.dtype, device)
     batch_flags_check(args)
     tree_flags_check(args, sampling)
+    parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
 
     t0 = time.perf_counter()
-    target, tokenizer, proposer, products = load(args, device, dtype)
+    target, tokenizer, proposer, products = load(args, device, dtype, parallel)
     load_seconds = time.perf_counter() - t0
     tree_flags_check(args, sampling, loaded=True)     # again: an EAGLE-3 drafter always drafts trees
     if args.prompts_file is not None:
-        return run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype)
+        return run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel)
     template, specials = chat.load_chat_template(target.path)
     as_chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
     tools = chat.read_tools(args.tools) if as_chat and args.tools else None
@@ -371,6 +383,7 @@ def main(argv=None) -> int:
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size else proposer, round_up=args.compile)
     policy = None if (proposer is None or args.no_adaptive or args.tree_size) else adaptive.Adaptive()
+    policy = parallel.synced(policy) if parallel else policy     # every rank decides from rank 0's step times
     engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
@@ -384,6 +397,7 @@ def main(argv=None) -> int:
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")
     seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
+    seed = parallel.same(seed) if parallel else seed
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
     samples, label = [], ""
     try:
@@ -404,7 +418,8 @@ def main(argv=None) -> int:
     if args.json:
         res = samples[-1]
         run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block_size if proposer else 1,
-                   cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products)
+                   cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
+                   parallel=parallel)
         print(json.dumps({
             **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
             # the rule that decided: a drafter that drafts greedily is verified by the coupled rule under either flag
@@ -435,7 +450,16 @@ def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> 
         "dtype": str(run["dtype"]).replace("torch.", ""), **run["products"],
         "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
         "seed": None if sampling.greedy else seed, "tree_size": getattr(args, "tree_size", None),
+        **parallel_fields(run.get("parallel")),
     }
+
+
+def parallel_fields(parallel: tp.Parallel | None) -> dict:
+    """--json's record of tensor parallelism: the degree (1: one process) and how experts and drafter were cut."""
+    if parallel is None:
+        return {"tensor_parallel": 1}
+    return {"tensor_parallel": parallel.world, "expert_parallel": parallel.expert_parallel,
+            "tp_drafter": "sharded" if parallel.shard_drafter else "replicated"}
 
 
 # ---- many requests at once: --prompts-file, --concurrency (batching.py) ------------------------------
@@ -556,7 +580,7 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
     return batching.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed), as_chat
 
 
-def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype) -> int:
+def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel=None) -> int:
     """--prompts-file: every line's request through a batching.Batch of --concurrency slots; the outputs in input order
     (with --json one line per request: a single run's fields plus its index), then the run's throughput."""
     template, specials = chat.load_chat_template(target.path)
@@ -581,6 +605,10 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
             raise dflash.GenerationError(f"request {i}: {e}") from None
     drafts = batching.SlotDrafter(proposer.drafter, target, proposer.window) if proposer is not None else None
     policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block)
+    if parallel is not None:          # rank 0's step times and seeds on every rank (Parallel.synced, .same)
+        policy = parallel.synced(policy)
+        seeds = parallel.same([secrets.randbits(63) for _ in reqs])
+        reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
     engine = batching.Batch(target, drafts, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy)
     compile_seconds = warm_up(engine, reqs) if args.compile else 0.0
@@ -588,7 +616,8 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     results = engine.run(reqs)
     wall = time.perf_counter() - t0
     run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block if proposer else 1,
-               cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products)
+               cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
+               parallel=parallel)
     thinking = not args.no_think
     for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
         if args.json:
@@ -671,6 +700,8 @@ def cli(argv=None) -> int:
     except KeyboardInterrupt:    # during loading or compiling: nothing generated yet
         say("error: interrupted before generation started")
         return 130
+    finally:
+        tp.close()
     return 2
 
 

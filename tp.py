@@ -1,32 +1,57 @@
-"""Tensor parallelism for the Qwen3.5 target, first part: the shard maths (docs/qwen35.md#checkpoint-tensor-names
-names the tensors). Not yet wired to torch.distributed: each function cuts one layer of a built model into the
-part rank `rank` of `world` holds, and the tests check that the ranks' outputs summed (what an all-reduce does)
-equal the whole layer's.
+"""Tensor and expert parallelism for the Qwen3.5 target on torch.distributed (docs/method.md#past-one-device).
 
-The layout is the one vLLM (`qwen3_next.py`, `qwen3_5.py`) and SGLang (`models/qwen3_5.py`) use:
+`torchrun --nproc-per-node N generate.py ...` (and bench.py) runs N processes. Each loads the whole checkpoint,
+then `Parallel.shard` cuts the built model in place into the part its rank holds, as gpt-fast's `tp.py` does:
+model.py is unchanged, and the cut layers are model.py's own classes with fewer heads. The ranks' partial sums
+meet in all-reduces issued by `AllReduce` through torch's functional collectives (traceable by torch.compile),
+on the gloo backend on a CPU and NCCL on CUDA. No transport of our own.
+
+The layout is the one vLLM (`model_executor/models/qwen3_next.py`, `qwen3_5.py`) and SGLang
+(`srt/models/qwen3_5.py`) use:
 - Gated DeltaNet (`shard_gdn`): rank r holds key heads r*hk/w .. and the value heads that read them (value head h
   reads key head h // (hv/hk), so a contiguous split keeps each group whole). in_proj_qkv and the depthwise
   conv are split per segment (its q rows, its k rows, its v rows), in_proj_z / in_proj_b / in_proj_a, A_log and
   dt_bias by value head; the gated norm is per head (replicated weight, no communication); out_proj is split by
   its input columns (row-parallel): the ranks' outputs sum to the layer's. The recurrent and conv states, and the
-  rollback, are per head: each rank keeps its own heads' (TargetCache built from the shard's config).
+  rollback, are per head: each rank keeps its own heads' (the caches are built from `shard_config`).
 - Gated attention (`shard_attention`): query heads split, each head's query and gate rows together (q_proj
   interleaves them per head); KV heads split when the degree divides them, else replicated so that each rank
   holds the KV head its query heads read; q_norm / k_norm replicated; o_proj row-parallel.
 - MLP (`shard_mlp`): gate_proj / up_proj by output rows (column-parallel), down_proj by input columns
-  (row-parallel). The embedding and lm_head stay replicated in this first part.
+  (row-parallel).
+- Mixture of experts (`shard_moe`): the router is replicated (every rank routes every token alike); the shared
+  expert is cut as an MLP. The routed experts either tensor-parallel (default, as vLLM without
+  --enable-expert-parallel: every expert's intermediate channels split) or expert-parallel (`expert_parallel`:
+  rank r holds whole experts r*E/w .., a token's chosen experts that live elsewhere give zero here, and one
+  all-reduce adds them: the "masked local compute plus all-reduce" form, which needs no all-to-all).
+- The embedding and lm_head stay replicated: every rank computes the whole logits, so every rank chooses the same
+  token with no broadcast per step (the all-reduced hidden states are the same bits on every rank). At 9B shapes
+  that costs each rank the lm_head's 1.0 GB of bf16 reads per step, which vocab-parallel would cut by w.
+- Two all-reduces per layer: after the mixer and after the MLP ([B, T, H] each).
+- The drafter is replicated by default (it reads the all-reduced features, the same on every rank). `shard_drafter`
+  cuts its attention and MLP the same way (two all-reduces per drafter layer); docs/method.md measures both.
 
     shard_gdn(layer, rank, world)        -> GatedDeltaNet with 1/world of the heads
     shard_attention(layer, rank, world)  -> GatedAttention with 1/world of the query heads
     shard_mlp(mlp, rank, world)          -> MLP with 1/world of the intermediate size
+    shard_moe(moe, rank, world, ep)      -> SparseMoE with 1/world of every expert, or of the experts
+    shard_target(target, rank, world, reduce)   in place, with the all-reduces; target.cfg becomes the shard's
+    launch(device)                       -> Parallel (torchrun's environment read, the process group up) or None
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
+import sys
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
 
-from model import MLP, GatedAttention, GatedDeltaNet, GenerationError
+from model import MLP, DecoderLayer, DraftAttention, DFlashDrafter, Experts, GatedAttention, GatedDeltaNet, \
+    GenerationError, Qwen35, SparseMoE
 
 
 def _part(n: int, rank: int, world: int, what: str) -> slice:
@@ -41,10 +66,47 @@ def _rows(t: torch.Tensor, idx) -> torch.nn.Parameter:
     return torch.nn.Parameter(t.detach()[idx].clone(), requires_grad=False)
 
 
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device=weight.device)
     lin.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    if bias is not None:
+        lin.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
     return lin
+
+
+def _column(lin: nn.Linear, rows) -> nn.Linear:
+    """Column-parallel: this rank's output rows (and their bias)."""
+    return _linear(lin.weight[rows], None if lin.bias is None else lin.bias[rows])
+
+
+def _row(lin: nn.Linear, cols, rank: int) -> nn.Linear:
+    """Row-parallel: this rank's input columns; a bias is added once, on rank 0 (the ranks' outputs are summed)."""
+    bias = None if lin.bias is None else (lin.bias if rank == 0 else torch.zeros_like(lin.bias))
+    return _linear(lin.weight[:, cols], bias)
+
+
+def _heads(nh: int, nkv: int, rank: int, world: int) -> tuple:
+    """This rank's query heads and the KV heads they read: KV split when the degree divides them, else the one KV
+    head this rank's query heads share (replicated across the ranks that hold its group)."""
+    heads = _part(nh, rank, world, "attention heads")
+    if nkv % world == 0:
+        return heads, _part(nkv, rank, world, "KV heads")
+    if world % nkv:
+        raise GenerationError(f"tensor parallel degree {world} and the {nkv} KV heads: one must divide the other")
+    first = heads.start // (nh // nkv)
+    return heads, slice(first, first + 1)
+
+
+def _head_rows(n: int, width: int, part: slice) -> torch.Tensor:
+    """The rows of heads `part` in a projection of n heads of `width` rows each."""
+    return torch.arange(n * width).view(n, width)[part].flatten()
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    """A shallow copy whose submodules and parameters can be replaced without touching the original."""
+    out = copy.copy(module)
+    out._modules, out._parameters = dict(module._modules), dict(module._parameters)
+    return out
 
 
 @torch.no_grad()
@@ -55,8 +117,7 @@ def shard_gdn(layer: GatedDeltaNet, rank: int, world: int) -> GatedDeltaNet:
     qk_rows = torch.arange(hk * dk).view(hk, dk)[keys].flatten()
     v_rows = torch.arange(hv * dv).view(hv, dv)[vals].flatten()
     conv_rows = torch.cat([qk_rows, hk * dk + qk_rows, 2 * hk * dk + v_rows])       # its q, its k, its v channels
-    out = copy.copy(layer)                       # a shallow copy: submodules replaced below, the original kept
-    out._modules, out._parameters = dict(layer._modules), dict(layer._parameters)
+    out = _copy(layer)
     out.hk, out.hv = hk // world, hv // world
     out.key_dim, out.value_dim = out.hk * dk, out.hv * dv
     out.conv_dim = 2 * out.key_dim + out.value_dim
@@ -72,34 +133,273 @@ def shard_gdn(layer: GatedDeltaNet, rank: int, world: int) -> GatedDeltaNet:
 
 @torch.no_grad()
 def shard_attention(layer: GatedAttention, rank: int, world: int) -> GatedAttention:
-    nh, nkv, hd = layer.nh, layer.nkv, layer.hd
-    heads = _part(nh, rank, world, "attention heads")
-    if nkv % world == 0:
-        kv = _part(nkv, rank, world, "KV heads")
-    else:                                        # replicated: the KV heads this rank's query heads read
-        if world % nkv:
-            raise GenerationError(f"tensor parallel degree {world} and the {nkv} KV heads: one must divide the other")
-        group = nh // nkv
-        first = heads.start // group
-        kv = slice(first, first + 1)
-    q_rows = torch.arange(nh * 2 * hd).view(nh, 2 * hd)[heads].flatten()            # each head's query and gate
-    kv_rows = torch.arange(nkv * hd).view(nkv, hd)[kv].flatten()
-    out = copy.copy(layer)
-    out._modules, out._parameters = dict(layer._modules), dict(layer._parameters)
+    heads, kv = _heads(layer.nh, layer.nkv, rank, world)
+    out = _copy(layer)
     out.nh, out.nkv = heads.stop - heads.start, kv.stop - kv.start
-    out.q_proj = _linear(layer.q_proj.weight[q_rows])
-    out.k_proj = _linear(layer.k_proj.weight[kv_rows])
-    out.v_proj = _linear(layer.v_proj.weight[kv_rows])
-    out.o_proj = _linear(layer.o_proj.weight[:, torch.arange(nh * hd).view(nh, hd)[heads].flatten()])
+    out.q_proj = _column(layer.q_proj, _head_rows(layer.nh, 2 * layer.hd, heads))      # each head's query and gate
+    kv_rows = _head_rows(layer.nkv, layer.hd, kv)
+    out.k_proj, out.v_proj = _column(layer.k_proj, kv_rows), _column(layer.v_proj, kv_rows)
+    out.o_proj = _row(layer.o_proj, _head_rows(layer.nh, layer.hd, heads), rank)
+    return out
+
+
+@torch.no_grad()
+def shard_draft_attention(layer: DraftAttention, rank: int, world: int) -> DraftAttention:
+    """The drafter's Qwen3 attention: as the target's, without the gate rows (and with biases where it has them)."""
+    heads, kv = _heads(layer.nh, layer.nkv, rank, world)
+    out = _copy(layer)
+    out.nh, out.nkv = heads.stop - heads.start, kv.stop - kv.start
+    out.q_proj = _column(layer.q_proj, _head_rows(layer.nh, layer.hd, heads))
+    kv_rows = _head_rows(layer.nkv, layer.hd, kv)
+    out.k_proj, out.v_proj = _column(layer.k_proj, kv_rows), _column(layer.v_proj, kv_rows)
+    out.o_proj = _row(layer.o_proj, _head_rows(layer.nh, layer.hd, heads), rank)
     return out
 
 
 @torch.no_grad()
 def shard_mlp(mlp: MLP, rank: int, world: int) -> MLP:
     inter = _part(mlp.gate_proj.weight.shape[0], rank, world, "MLP intermediate channels")
-    out = copy.copy(mlp)
-    out._modules = dict(mlp._modules)
-    out.gate_proj = _linear(mlp.gate_proj.weight[inter])
-    out.up_proj = _linear(mlp.up_proj.weight[inter])
-    out.down_proj = _linear(mlp.down_proj.weight[:, inter])
+    out = _copy(mlp)
+    out.gate_proj, out.up_proj = _column(mlp.gate_proj, inter), _column(mlp.up_proj, inter)
+    out.down_proj = _row(mlp.down_proj, inter, rank)
     return out
+
+
+class LocalExperts(Experts):
+    """Expert parallelism: whole experts `first` .. first + n - 1 of the E. A token's chosen experts that live on
+    another rank give zero here (that rank adds them in the all-reduce). Both of Experts' paths, idx [N, k] over
+    all E experts -> [N, k, H]."""
+
+    def __init__(self, experts: Experts, part: slice):
+        nn.Module.__init__(self)
+        self.first = part.start
+        self.gate_up_proj, self.down_proj = _rows(experts.gate_up_proj, part), _rows(experts.down_proj, part)
+
+    def _here(self, idx):
+        here = (idx >= self.first) & (idx < self.first + self.down_proj.shape[0])
+        return here, torch.where(here, idx - self.first, 0)
+
+    def gathered(self, h, idx):
+        """Static shapes (compiled steps): every chosen slot is computed, those of other ranks' experts masked out."""
+        here, local = self._here(idx)
+        return torch.where(here[..., None], super().gathered(h, local), 0)
+
+    def looped(self, h, idx):
+        """Only the slots whose expert lives here run (eager, long prompts)."""
+        here, local = self._here(idx)
+        y = h.new_zeros(*idx.shape, h.shape[-1])
+        rows, slots = here.nonzero(as_tuple=True)
+        if rows.numel():
+            y[rows, slots] = super().looped(h[rows], local[rows, slots, None])[:, 0]
+        return y
+
+
+@torch.no_grad()
+def shard_moe(moe: SparseMoE, rank: int, world: int, expert_parallel: bool = False) -> SparseMoE:
+    """Router replicated; shared expert as an MLP; routed experts cut per expert (tensor parallel: each expert's
+    intermediate channels) or by expert (expert_parallel: whole experts). Its output is this rank's partial sum."""
+    out = _copy(moe)
+    out.shared_expert = shard_mlp(moe.shared_expert, rank, world)   # sigmoid(gate(h)) * shared(h): linear in shared(h)
+    ex = moe.experts
+    if expert_parallel:
+        out.experts = LocalExperts(ex, _part(ex.down_proj.shape[0], rank, world, "routed experts"))
+    else:
+        inter = ex.down_proj.shape[2]
+        cut = _part(inter, rank, world, "expert intermediate channels")
+        gate_up = torch.cat([torch.arange(inter)[cut], inter + torch.arange(inter)[cut]])     # its gate rows, its up rows
+        out.experts = copy.copy(ex)
+        out.experts._parameters = {"gate_up_proj": _rows(ex.gate_up_proj, (slice(None), gate_up)),
+                                   "down_proj": _rows(ex.down_proj, (slice(None), slice(None), cut))}
+    return out
+
+
+# ---- the runtime: all-reduces, the sharded model in place, torchrun ------------------------------------------
+
+class Comm:
+    """What the all-reduces carried, counted on eager calls (a compiled step runs no Python): calls and bytes of
+    the summed tensors (the payload; a ring all-reduce sends 2 (w - 1) / w of it from each rank)."""
+
+    def __init__(self):
+        self.calls, self.bytes = 0, 0
+
+    def reset(self) -> None:
+        self.calls, self.bytes = 0, 0
+
+
+class AllReduce(nn.Module):
+    """A row-parallel piece (`inner`, whose output is this rank's partial sum) followed by the sum over the ranks."""
+
+    def __init__(self, inner: nn.Module, group, comm: Comm):
+        super().__init__()
+        self.inner, self.group, self.comm = inner, group, comm
+
+    def forward(self, *args):
+        y = self.inner(*args)
+        if not torch.compiler.is_compiling():
+            self.comm.calls += 1
+            self.comm.bytes += y.numel() * y.element_size()
+        return funcol.all_reduce(y, "sum", self.group)
+
+
+def shard_config(cfg, world: int):
+    """The config of one rank's part (its caches are built from it): the head counts divided by the degree (KV heads
+    at least one: replicated)."""
+    heads = dict(num_attention_heads=cfg.num_attention_heads // world,
+                 num_key_value_heads=max(1, cfg.num_key_value_heads // world))
+    if hasattr(cfg, "linear_num_key_heads"):
+        heads.update(linear_num_key_heads=cfg.linear_num_key_heads // world,
+                     linear_num_value_heads=cfg.linear_num_value_heads // world)
+    return dataclasses.replace(cfg, **heads)
+
+
+def shard_layer(layer: DecoderLayer, rank: int, world: int, wrap, expert_parallel: bool = False) -> None:
+    """One target (or MTP) decoder layer cut in place; wrap(module) adds the all-reduce after a row-parallel piece."""
+    if layer.layer_type == "linear_attention":
+        layer.linear_attn = shard_gdn(layer.linear_attn, rank, world)
+        layer.linear_attn.out_proj = wrap(layer.linear_attn.out_proj)
+    else:
+        layer.self_attn = shard_attention(layer.self_attn, rank, world)
+        layer.self_attn.o_proj = wrap(layer.self_attn.o_proj)
+    moe = isinstance(layer.mlp, SparseMoE)
+    layer.mlp = wrap(shard_moe(layer.mlp, rank, world, expert_parallel) if moe else shard_mlp(layer.mlp, rank, world))
+
+
+def shard_target(target: Qwen35, rank: int, world: int, wrap, expert_parallel: bool = False) -> None:
+    """Every layer of the target cut in place (checked whole first: a degree that does not divide a count is refused
+    before anything changes); target.cfg becomes the shard's, which the caches are built from."""
+    for layer in [copy.deepcopy(target.layers[i]) for i in _kinds(target)]:          # a dry run on one of each kind
+        shard_layer(layer, rank, world, lambda m: m, expert_parallel)
+    for layer in target.layers:
+        shard_layer(layer, rank, world, wrap, expert_parallel)
+    target.cfg = shard_config(target.cfg, world)
+
+
+def _kinds(target: Qwen35) -> list:
+    """One layer index of each layer type."""
+    return list({l.layer_type: i for i, l in enumerate(target.layers)}.values())
+
+
+def shard_drafter(drafter: DFlashDrafter, rank: int, world: int, wrap) -> None:
+    """The DFlash drafter cut like the target: attention by head, MLP column / row, all-reduced; fc, the norms and
+    DFlash2's convolutions and selector replicated. drafter.cfg becomes the shard's (its context cache)."""
+    shard_draft_attention(drafter.layers[0].self_attn, rank, world)                  # refusals before any change
+    shard_mlp(drafter.layers[0].mlp, rank, world)
+    for layer in drafter.layers:
+        layer.self_attn = shard_draft_attention(layer.self_attn, rank, world)
+        layer.self_attn.o_proj = wrap(layer.self_attn.o_proj)
+        layer.mlp = wrap(shard_mlp(layer.mlp, rank, world))
+    drafter.cfg = shard_config(drafter.cfg, world)
+
+
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}         # the backend each device takes unless --tp-backend says otherwise
+SERVES = {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}}
+
+
+@dataclasses.dataclass
+class Parallel:
+    """This process's place in a tensor-parallel run: its rank of `world`, the process group, its device, and how
+    the MoE experts and the drafter are cut."""
+    rank: int
+    world: int
+    group: object
+    device: str
+    expert_parallel: bool = False
+    shard_drafter: bool = False
+    comm: Comm = dataclasses.field(default_factory=Comm)
+
+    def wrap(self, module: nn.Module) -> AllReduce:
+        return AllReduce(module, self.group, self.comm)
+
+    def shard(self, target: Qwen35, proposer) -> None:
+        """The loaded target cut in place, with the proposer: a DFlash drafter replicated or cut (shard_drafter), the
+        MTP head cut as the target's layers are (it is one of them, and its cache is built from the shard's config),
+        an EAGLE-3 head replicated."""
+        shard_target(target, self.rank, self.world, self.wrap, self.expert_parallel)
+        if hasattr(proposer, "head") and hasattr(proposer.head, "layers"):          # mtp.MTPProposer
+            for layer in proposer.head.layers:
+                shard_layer(layer, self.rank, self.world, self.wrap, self.expert_parallel)
+        drafter = getattr(proposer, "drafter", None)
+        if self.shard_drafter:
+            if not isinstance(drafter, DFlashDrafter):
+                raise GenerationError("--tp-drafter sharded applies to DFlash drafters; this proposer is replicated")
+            shard_drafter(drafter, self.rank, self.world, self.wrap)
+
+    def same(self, value):
+        """Rank 0's value on every rank (once per run: a seed drawn at random)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group, device=torch.device(self.device))
+        return box[0]
+
+    def synced(self, policy):
+        return None if policy is None else Synced(policy, self)
+
+
+class Synced:
+    """An adaptive policy whose step times are rank 0's on every rank. The policies decide from measured times,
+    which differ between processes; ranks that decided differently would issue different collectives and hang.
+    So each observed step's times are broadcast from rank 0 (one small broadcast per step), and every rank's policy
+    sees the same inputs and takes the same decisions. Tokens need no broadcast: every rank computes the same."""
+
+    def __init__(self, policy, parallel: Parallel):
+        self.policy, self.parallel = policy, parallel
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def _rank0(self, *seconds) -> list:
+        t = torch.tensor(seconds, dtype=torch.float64, device=self.parallel.device)
+        dist.broadcast(t, src=0, group=self.parallel.group)
+        return t.tolist()
+
+    def observe(self, step) -> None:                  # adaptive.Adaptive (one sequence)
+        step.draft_seconds, step.verify_seconds = self._rank0(step.draft_seconds, step.verify_seconds)
+        self.policy.observe(step)
+
+    def observe_round(self, rows, seconds: float) -> None:          # batching.Policy (many requests)
+        self.policy.observe_round(rows, *self._rank0(seconds))
+
+    def observe_plain(self, rows, seconds: float) -> None:
+        self.policy.observe_plain(rows, *self._rank0(seconds))
+
+
+def launch(device: str | None, backend: str | None = None, expert_parallel: bool = False,
+           shard_drafter: bool = False) -> tuple:
+    """Under torchrun (WORLD_SIZE > 1): the process group up on the device's backend, this rank's device chosen (CUDA:
+    its LOCAL_RANK's GPU), stdout and stderr of ranks other than 0 silenced (every rank computes the same; rank 0
+    prints). -> (Parallel, device); (None, device) for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        if expert_parallel or shard_drafter or backend:
+            raise GenerationError("--expert-parallel, --tp-drafter and --tp-backend apply to runs of several processes: "
+                                  "launch with torchrun --nproc-per-node N")
+        return None, device
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = backend or BACKENDS[kind]
+    if kind not in SERVES[backend]:
+        raise GenerationError(f"the {backend} backend does not serve {kind} tensors; use --tp-backend "
+                              f"{BACKENDS[kind]} or --device {sorted(SERVES[backend])[0]}")
+    if kind == "cuda":
+        local, have = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= have:
+            raise GenerationError(f"{world} processes but torch sees {have} CUDA device(s) here; use --nproc-per-node "
+                                  f"{have} or fewer (or --device cpu)")
+        torch.cuda.set_device(local)
+        kind = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    return Parallel(rank, world, dist.group.WORLD, kind, expert_parallel, shard_drafter), kind
+
+
+def close() -> None:
+    """The process group down at the end of a torchrun process (nothing in a single one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def allreduce_bytes(cfg, tokens: int, itemsize: int, draft_layers: int = 0, draft_tokens: int = 0) -> int:
+    """The payload all-reduced by one call of the sharded target over `tokens` tokens: two [tokens, H] sums per layer
+    (mixer, MLP); plus, with a sharded drafter, two [draft_tokens, H] per drafter layer."""
+    return 2 * cfg.hidden_size * itemsize * (cfg.num_hidden_layers * tokens + draft_layers * draft_tokens)
