@@ -1,12 +1,19 @@
-"""tp.py's shard maths: each layer cut into `world` parts as the engines cut it, the parts' outputs summed (what an
-all-reduce does) == the whole layer's, in float64, through prefill, a verify block, its rollback and decode steps,
-with each part keeping its own heads' caches."""
+"""Tensor parallelism (tp.py).
+- The shard maths: each layer cut into `world` parts as the engines cut it, the parts' outputs summed (what an
+  all-reduce does) == the whole layer's, in float64, through prefill, a verify block, its rollback and decode steps,
+  with each part keeping its own heads' caches; MoE experts cut by channel or by expert, on both expert paths.
+- Several processes on gloo (torch.multiprocessing): dense and MoE targets with drafters, replicated and cut, at
+  degrees 2 and 4 == one process (logits within 1e-10 in float64, the same bits on every rank, greedy and sampled
+  outputs identical, every acceptance length), the bytes all-reduced, compiled steps, the policies' shared times.
+- The refusals. (The command lines under torchrun: test_torchrun.py.)"""
+import types
+
 import pytest
 import torch
 
 import model as M
 import tp
-from helpers import random_target, tiny_target_config
+from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
 
 
 
@@ -92,3 +99,261 @@ def test_an_indivisible_head_count_is_one_line():
         tp.shard_attention(attn, 0, 3)
     with pytest.raises(M.GenerationError, match="degree 5 does not divide the 48 MLP intermediate channels"):
         tp.shard_mlp(target.layers[0].mlp, 0, 5)
+
+
+def moe_config(**kw) -> M.TargetConfig:
+    return tiny_target_config(**{**dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=24, intermediate_size=0), **kw})
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_moe_equals_the_moe(world, expert_parallel):
+    """Both expert paths: 3 tokens x top-2 <= 8 experts (gathered: static shapes) and 9 tokens (looped)."""
+    target = random_target(moe_config(), 7)
+    moe = target.layers[0].mlp
+    parts = [tp.shard_moe(moe, r, world, expert_parallel) for r in range(world)]
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for T, path in ((3, "gathered"), (9, "looped")):
+            x = torch.randn(1, T, target.cfg.hidden_size, generator=g, dtype=torch.float64)
+            calls = []
+            for p in parts:
+                real = getattr(p.experts, path)
+                p.experts.__dict__[path] = lambda h, idx, _f=real: calls.append(1) or _f(h, idx)
+            got = summed(parts, lambda p, i: p(x))
+            assert len(calls) == world                               # the path the whole layer takes at this T
+            torch.testing.assert_close(got, moe(x), rtol=0, atol=1e-12)
+            for p in parts:
+                del p.experts.__dict__[path]
+    if expert_parallel:
+        assert all(p.experts.down_proj.shape[0] == 8 // world for p in parts)
+    else:
+        assert all(p.experts.down_proj.shape[2] == 16 // world for p in parts)
+
+
+def test_sharded_draft_attention_equals_the_layer():
+    """The drafter's attention (biases included: only rank 0 adds o_proj's) cut in 2: summed == whole."""
+    cfg = tiny_target_config()
+    drafter = random_drafter(tiny_draft_config(cfg, attention_bias=True), 8)
+    layer = drafter.layers[0].self_attn
+    parts = [tp.shard_draft_attention(layer, r, 2) for r in range(2)]
+    g = torch.Generator().manual_seed(3)
+    x, ctx = (torch.randn(1, T, cfg.hidden_size, generator=g, dtype=torch.float64) for T in (4, 6))
+    rope, rope_ctx = drafter.rope(torch.arange(6, 10), x.dtype), drafter.rope(torch.arange(6), x.dtype)
+    mask = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(summed(parts, lambda p, i: p(x, ctx, rope, rope_ctx, mask)),
+                                   layer(x, ctx, rope, rope_ctx, mask), rtol=0, atol=1e-12)
+
+
+def test_refusals_come_before_any_change():
+    """A degree that does not divide a count is one line naming it, and leaves the model as it was; so do flags that
+    need torchrun in one process, and a backend that does not serve the device."""
+    target = random_target(tiny_target_config(intermediate_size=50, **WIDE), 9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    par = tp.Parallel(0, 4, None, "cpu")
+    with pytest.raises(M.GenerationError, match="degree 4 does not divide the 50 MLP intermediate channels") as e:
+        par.shard(target, None)
+    assert "\n" not in str(e.value)
+    after = target.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(M.GenerationError, match="degree 3 does not divide the 8 routed experts"):
+        tp.Parallel(0, 3, None, "cpu", expert_parallel=True).shard(random_target(moe_config(
+            num_attention_heads=3, num_key_value_heads=3, linear_num_key_heads=3, linear_num_value_heads=3, head_dim=8,
+            moe_intermediate_size=9, shared_expert_intermediate_size=9)), None)
+    with pytest.raises(M.GenerationError, match="apply to runs of several processes"):
+        tp.launch("cpu", expert_parallel=True)
+    assert tp.launch("cpu") == (None, "cpu")
+
+
+def test_a_backend_that_does_not_serve_the_device(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(M.GenerationError, match="the nccl backend does not serve cpu tensors; use --tp-backend gloo"):
+        tp.launch("cpu", "nccl")
+
+
+def test_the_cli_refuses_tp_flags_in_one_process(capsys):
+    import generate
+    assert generate.cli(["--prompt-ids", "1,2", "--expert-parallel", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --expert-parallel, --tp-drafter and --tp-backend apply to runs of several processes")
+
+
+# ---- several processes on gloo: == one process ---------------------------------------------------------------
+
+PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 9]
+CASES = {   # name -> (target config kwargs, moe?, expert parallel, sharded drafter); each run at world 2 and 4
+    "dense": ({}, False, False, False),
+    "dense-sharded-drafter": ({}, False, False, True),
+    "moe": ({}, True, False, False),
+    "moe-expert-parallel": ({}, True, True, True),
+}
+AT = {2: list(CASES), 4: ["dense-sharded-drafter", "moe-expert-parallel"]}   # 4 processes on 2 cores are slow
+WIDE = dict(linear_num_key_heads=4, linear_num_value_heads=8)      # GDN heads that 4 ranks can share
+
+
+def build(name: str, world: int):
+    kw, moe, _, _ = CASES[name]
+    cfg = (moe_config if moe else tiny_target_config)(**{**WIDE, **kw})
+    target = random_target(cfg, 11)
+    return target, random_drafter(tiny_draft_config(cfg, block_size=8), 12)
+
+
+def sequence(target, comm=None) -> dict:
+    """The cached calls a generation makes, over f64: prefill 9, verify 6, keep 4, two decode steps; their logits, and
+    (with comm) the bytes all-reduced by each call."""
+    import dflash
+    cache = M.TargetCache(target.cfg, 64, torch.float64, "cpu", max_block=8)
+    logits, sent, start = [], [], 0
+    for ids, verify in ((PROMPT, False), ([7, 1, 2, 3, 4, 5], True), ([6], False), ([40], False)):
+        before = comm.bytes if comm else 0
+        with torch.no_grad():
+            lg, _ = target(torch.tensor([ids]), torch.arange(start, start + len(ids)), cache, verify=verify)
+        logits.append(lg)
+        sent.append((comm.bytes - before) if comm else 0)
+        if verify:
+            cache.commit(torch.tensor(4))
+            start += 4
+        else:
+            start += len(ids)
+    ar = dflash.run(target, PROMPT, 60)
+    from helpers import OracleProposer
+    oracle = dflash.run(target, PROMPT, 60, proposer=OracleProposer(len(PROMPT), ar.output_ids, target.cfg.vocab_size, 1, 8),
+                        block_size=8)
+    return dict(logits=logits, sent=sent, ar=ar.output_ids, oracle=oracle.output_ids, oracle_lengths=oracle.acceptance_lengths)
+
+
+def generations(target, drafter) -> dict:
+    import dflash
+    from sampling import Sampling
+    proposer = dflash.DrafterProposer(drafter, target)
+    s = Sampling(0.9)
+    return dict(dflash=dflash.run(target, PROMPT, 24, proposer=proposer, block_size=8).output_ids,
+                sampled_ar=dflash.run(target, PROMPT, 24, sampling=s, seed=5).output_ids,
+                sampled_dflash=dflash.run(target, PROMPT, 24, proposer=proposer, block_size=8, sampling=s,
+                                                  seed=5).output_ids)
+
+
+def mtp_pair():
+    import mtp
+    from helpers import randomize_
+    target, _ = build("dense", 2)
+    return target, mtp.MTPProposer(randomize_(mtp.MTPHead(target.cfg), 13).to(torch.float64).eval(), target, 3)
+
+
+def mtp_run(target, proposer) -> tuple:
+    import dflash
+    res = dflash.run(target, PROMPT, 24, proposer=proposer, block_size=4)
+    return res.output_ids, res.acceptance_lengths
+
+
+class Seen:
+    """A policy that records the times it observes."""
+
+    def __init__(self):
+        self.seen = []
+
+    def observe_round(self, rows, seconds):
+        self.seen.append(seconds)
+
+    observe_plain = observe_round
+
+    def observe(self, step):
+        self.seen.append((step.draft_seconds, step.verify_seconds))
+
+
+def rank_main(rank: int, world: int, store: str) -> None:
+    """One rank of the gloo runs: every case cut to this rank's part, its results saved for the parent."""
+    import torch.distributed as dist
+    import dflash
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}/rendezvous", rank=rank, world_size=world)
+    out = {}
+    for name in AT[world]:
+        _, _, expert_parallel, shard_drafter = CASES[name]
+        target, drafter = build(name, world)
+        par = tp.Parallel(rank, world, dist.group.WORLD, "cpu", expert_parallel, shard_drafter)
+        par.shard(target, dflash.DrafterProposer(drafter, target))
+        out[name] = {**sequence(target, par.comm), **generations(target, drafter), "cfg": target.cfg,
+                     "drafter_kv": drafter.cfg.num_key_value_heads}
+    par = tp.Parallel(rank, world, dist.group.WORLD, "cpu")          # what every rank's policy sees: rank 0's times
+    synced = par.synced(Seen())
+    synced.observe_round(None, rank + 1.0)
+    synced.observe_plain(None, rank + 2.0)
+    synced.observe(types.SimpleNamespace(draft_seconds=rank + 3.0, verify_seconds=rank + 4.0))
+    out["synced"], out["same"] = synced.policy.seen, par.same(rank + 10)
+    if world == 2:      # the MTP head, cut as the target's layers are (its cache from the shard's config)
+        target, proposer = mtp_pair()
+        tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, proposer)
+        out["mtp"] = mtp_run(target, proposer)
+    if world == 2:      # compile on each rank: the all-reduces traced into the compiled decode step
+        target, _ = build("dense", world)
+        tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, None)
+        engine = dflash.Engine(target, None, 1, 64, compile_mode="default")
+        out["compiled_ar"] = engine.run(PROMPT, 12).output_ids
+    torch.save(out, f"{store}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request, tmp_path_factory):
+    import torch.multiprocessing as mp
+    world = request.param
+    store = str(tmp_path_factory.mktemp(f"tp{world}"))
+    mp.spawn(rank_main, args=(world, store), nprocs=world, join=True)
+    return world, [torch.load(f"{store}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_equal_one_process(ranks, name):
+    """Logits within 1e-10 of the whole model's (f64), the same bits on every rank; greedy AR, DFlash (a random
+    drafter, replicated or cut, and an oracle forcing every acceptance length) and sampled outputs identical to one
+    process's, and DFlash == AR under TP."""
+    world, results = ranks
+    if name not in AT[world]:
+        pytest.skip(f"{name} runs at degree 2 (the shard maths at 4: the unit tests above)")
+    target, drafter = build(name, world)
+    want = {**sequence(target), **generations(target, drafter)}
+    for r, got in enumerate(results):
+        got = got[name]
+        assert got["cfg"].num_attention_heads == 4 // world and got["cfg"].linear_num_value_heads == 8 // world
+        assert got["drafter_kv"] == (max(1, 2 // world) if CASES[name][3] else 2)
+        for g, w in zip(got["logits"], want["logits"]):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+        for g, r0 in zip(got["logits"], results[0][name]["logits"]):
+            assert torch.equal(g, r0)                                  # every rank chooses from the same numbers
+        for key in ("ar", "oracle", "oracle_lengths", "dflash", "sampled_ar", "sampled_dflash"):
+            assert got[key] == want[key], (r, key)
+        assert got["dflash"] == got["ar"][:24] and got["oracle"] == got["ar"]
+        assert got["sampled_dflash"] == got["sampled_ar"]
+        assert sorted(set(got["oracle_lengths"])) == list(range(1, 9))         # every acceptance length, 0..7 + 1
+        H, L, size = target.cfg.hidden_size, target.cfg.num_hidden_layers, 8
+        assert got["sent"] == [tp.allreduce_bytes(target.cfg, T, size) for T in (9, 6, 1, 1)] == \
+               [2 * L * T * H * size for T in (9, 6, 1, 1)]
+
+
+def test_every_rank_sees_rank_0s_step_times_and_seed(ranks):
+    """tp.Synced: the adaptive policies of all ranks observe rank 0's times (else they could choose different steps
+    and issue different collectives); Parallel.same: rank 0's value (a seed drawn at random) everywhere."""
+    world, results = ranks
+    assert [r["synced"] for r in results] == [[1.0, 2.0, (3.0, 4.0)]] * world
+    assert [r["same"] for r in results] == [10] * world
+
+
+def test_the_mtp_head_under_tp(ranks):
+    world, results = ranks
+    if world != 2:
+        pytest.skip("the MTP head runs at degree 2")
+    want = mtp_run(*mtp_pair())
+    assert all(r["mtp"] == want for r in results)
+    assert want[0] == __import__("dflash").run(build("dense", 2)[0], PROMPT, 24).output_ids
+
+
+def test_compiled_steps_under_tp(ranks):
+    world, results = ranks
+    if world != 2:
+        pytest.skip("compiled at degree 2 only (a minute of compiling per degree on a CPU)")
+    target, _ = build("dense", world)
+    want = __import__("dflash").run(target, PROMPT, 12).output_ids
+    assert all(r["compiled_ar"] == want for r in results)
