@@ -26,6 +26,7 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
     python bench.py --draft-rules 0.3,0.5,0.8,1.0 --heldout 16      # sampled DFlash2 drafts: coupled vs ratio acceptance
     python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
     python bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
+    torchrun --nproc-per-node 2 bench.py --heldout 16               # tensor parallel (tp.py): the default mode only
 
 `--parting` (check.parting_main) times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
 where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,

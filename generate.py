@@ -13,6 +13,9 @@ JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timin
 
 Many requests at once (batching.py: continuous batching, each request's output its own run's):
     python generate.py --prompts-file requests.jsonl --concurrency 8 --json     # one JSON line per request, in order
+
+Past one device (tp.py: tensor and expert parallelism on torch.distributed; rank 0 prints):
+    torchrun --nproc-per-node 2 generate.py --target DIR --draft DIR --prompt-ids 1,2,3 --json
 """
 from __future__ import annotations
 

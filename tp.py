@@ -132,28 +132,25 @@ def shard_gdn(layer: GatedDeltaNet, rank: int, world: int) -> GatedDeltaNet:
 
 
 @torch.no_grad()
-def shard_attention(layer: GatedAttention, rank: int, world: int) -> GatedAttention:
+def _cut_heads(layer, rank: int, world: int, q_width: int):
+    """An attention layer (nh, nkv, hd, q/k/v/o_proj) cut by head; q_proj has q_width rows per head."""
     heads, kv = _heads(layer.nh, layer.nkv, rank, world)
     out = _copy(layer)
     out.nh, out.nkv = heads.stop - heads.start, kv.stop - kv.start
-    out.q_proj = _column(layer.q_proj, _head_rows(layer.nh, 2 * layer.hd, heads))      # each head's query and gate
+    out.q_proj = _column(layer.q_proj, _head_rows(layer.nh, q_width, heads))
     kv_rows = _head_rows(layer.nkv, layer.hd, kv)
     out.k_proj, out.v_proj = _column(layer.k_proj, kv_rows), _column(layer.v_proj, kv_rows)
     out.o_proj = _row(layer.o_proj, _head_rows(layer.nh, layer.hd, heads), rank)
     return out
 
 
-@torch.no_grad()
+def shard_attention(layer: GatedAttention, rank: int, world: int) -> GatedAttention:
+    return _cut_heads(layer, rank, world, 2 * layer.hd)          # q_proj: each head's query and gate rows together
+
+
 def shard_draft_attention(layer: DraftAttention, rank: int, world: int) -> DraftAttention:
     """The drafter's Qwen3 attention: as the target's, without the gate rows (and with biases where it has them)."""
-    heads, kv = _heads(layer.nh, layer.nkv, rank, world)
-    out = _copy(layer)
-    out.nh, out.nkv = heads.stop - heads.start, kv.stop - kv.start
-    out.q_proj = _column(layer.q_proj, _head_rows(layer.nh, layer.hd, heads))
-    kv_rows = _head_rows(layer.nkv, layer.hd, kv)
-    out.k_proj, out.v_proj = _column(layer.k_proj, kv_rows), _column(layer.v_proj, kv_rows)
-    out.o_proj = _row(layer.o_proj, _head_rows(layer.nh, layer.hd, heads), rank)
-    return out
+    return _cut_heads(layer, rank, world, layer.hd)
 
 
 @torch.no_grad()
