@@ -221,13 +221,14 @@ def load_pair(args, dtype, device) -> tuple:
     """The target and drafter of --target / --draft (their products chosen as generate.py does: --onednn), the draft
     window, the proposer, the block size, the prompts as ids, the stop ids and the products' record (use_onednn).
     -> (target, drafter, window, proposer, block, prompts, stops, products)."""
-    target = ckpt.load_target(args.target, dtype, device)
+    parallel = getattr(args, "parallel", None)
+    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     block = args.block_size or drafter.cfg.block_size
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = dflash.DrafterProposer(drafter, target, window)
-    if getattr(args, "parallel", None) is not None:     # under torchrun: this rank's part, before oneDNN packs weights
-        args.parallel.shard(target, proposer)
+    if parallel is not None:     # under torchrun: the drafter's part, before oneDNN packs weights
+        parallel.shard(target, proposer)
     products = use_onednn(args.onednn, block, target, drafter)
     tok = ckpt.load_tokenizer(target.path)
     prompts, stops = P.from_args(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
@@ -618,7 +619,8 @@ def draft_rules_main(args, device) -> dict:
     greedily (a one-hot q: both rules accept p(x)) and of its sampled drafts under the coupled and the ratio rule,
     and how many outputs equal plain sampled decoding's for the seed."""
     dtype = pick_dtype(args.dtype, device)
-    target = ckpt.load_target(args.target, dtype, device)
+    parallel = getattr(args, "parallel", None)
+    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     prompts, stops = P.from_args(args, ckpt.load_tokenizer(target.path), target.path), ckpt.stop_token_ids(target.path, target.cfg)

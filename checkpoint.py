@@ -424,6 +424,18 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
             p.data = t.to(state_dtype(dtype)) if name.endswith(keep_fp32) else t.to(dtype)
 
 
+def target_tensors(path: str, cfg: TargetConfig, keep=lambda name: True) -> dict:
+    """The target's tensors of a checkpoint under our parameter names (those `keep(name)` accepts: tp.py reads one
+    layer at a time), experts fused, a tied lm_head left out."""
+    tensors = {_target_key(n): t for n, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None
+                                                               and keep(_target_key(n))).items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    if cfg.num_experts:
+        fuse_experts(tensors, cfg.num_experts)
+    return tensors
+
+
 def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     path = resolve_dir(path)
     raw = read_config(path)
@@ -432,11 +444,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
         model = Qwen35(cfg)
     model.to_empty(device="cpu")
     model.tie_weights_()             # to_empty gives every module a new Parameter of its own: tie them again
-    tensors = {_target_key(name): t for name, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None).items()}
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    if cfg.num_experts:
-        fuse_experts(tensors, cfg.num_experts)
+    tensors = target_tensors(path, cfg)
     # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
     try:
         load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))

@@ -235,7 +235,8 @@ class TextStream:
 def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     """The target, its tokenizer and the proposer (None: plain AR) named by the flags, with the products chosen
     for them (use_onednn's record); under torchrun cut to this rank's part (parallel.shard)."""
-    target = ckpt.load_target(args.target, dtype, device)
+    # under torchrun each layer is cut as it is read: no process holds the whole checkpoint
+    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
     if args.draft_window is not None and args.draft_window < 0:
@@ -260,7 +261,7 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
             proposer = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
-    if parallel is not None:               # before oneDNN packs any weight: the cut reads plain linears
+    if parallel is not None:               # the proposer cut too (before oneDNN packs any weight); target.cfg the shard's
         parallel.shard(target, proposer)
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries
     dense = getattr(proposer, "drafter", None) if isinstance(proposer, dflash.DrafterProposer) else None

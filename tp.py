@@ -1,10 +1,11 @@
 """Tensor and expert parallelism for the Qwen3.5 target on torch.distributed (docs/method.md#past-one-device).
 
-`torchrun --nproc-per-node N generate.py ...` (and bench.py) runs N processes. Each loads the whole checkpoint,
-then `Parallel.shard` cuts the built model in place into the part its rank holds, as gpt-fast's `tp.py` does:
-model.py is unchanged, and the cut layers are model.py's own classes with fewer heads. The ranks' partial sums
-meet in all-reduces issued by `AllReduce` through torch's functional collectives (traceable by torch.compile),
-on the gloo backend on a CPU and NCCL on CUDA. No transport of our own.
+`torchrun --nproc-per-node N generate.py ...` (and bench.py) runs N processes. Each reads the checkpoint one layer
+at a time and cuts each layer into the part its rank holds before reading the next (`Parallel.load_target`), as
+gpt-fast's `tp.py` cuts a built model in place: model.py is unchanged, and the cut layers are model.py's own
+classes with fewer heads. The ranks' partial sums meet in all-reduces issued by `AllReduce` through torch's
+functional collectives (traceable by torch.compile), on the gloo backend on a CPU and NCCL on CUDA. No transport
+of our own.
 
 The layout is the one vLLM (`model_executor/models/qwen3_next.py`, `qwen3_5.py`) and SGLang
 (`srt/models/qwen3_5.py`) use:
@@ -37,6 +38,7 @@ The layout is the one vLLM (`model_executor/models/qwen3_next.py`, `qwen3_5.py`)
     shard_moe(moe, rank, world, ep)      -> SparseMoE with 1/world of every expert, or of the experts
     shard_target(target, rank, world, reduce)   in place, with the all-reduces; target.cfg becomes the shard's
     launch(device)                       -> Parallel (torchrun's environment read, the process group up) or None
+    Parallel.load_target(path, ...)      -> the target read layer by layer, each cut as it is read
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+import checkpoint as ckpt
 from model import MLP, DecoderLayer, DraftAttention, DFlashDrafter, Experts, GatedAttention, GatedDeltaNet, \
     GenerationError, Qwen35, SparseMoE
 
@@ -261,11 +264,17 @@ def shard_layer(layer: DecoderLayer, rank: int, world: int, wrap, expert_paralle
     layer.mlp = wrap(shard_moe(layer.mlp, rank, world, expert_parallel) if moe else shard_mlp(layer.mlp, rank, world))
 
 
-def shard_target(target: Qwen35, rank: int, world: int, wrap, expert_parallel: bool = False) -> None:
-    """Every layer of the target cut in place (checked whole first: a degree that does not divide a count is refused
-    before anything changes); target.cfg becomes the shard's, which the caches are built from."""
-    for layer in [copy.deepcopy(target.layers[i]) for i in _kinds(target)]:          # a dry run on one of each kind
+def check_degree(target: Qwen35, rank: int, world: int, expert_parallel: bool = False) -> None:
+    """A dry run on a copy of one layer of each kind: a degree that does not divide a count is refused before
+    anything changes (on meta tensors too: nothing is computed)."""
+    for layer in [copy.deepcopy(target.layers[i]) for i in _kinds(target)]:
         shard_layer(layer, rank, world, lambda m: m, expert_parallel)
+
+
+def shard_target(target: Qwen35, rank: int, world: int, wrap, expert_parallel: bool = False) -> None:
+    """Every layer of the target cut in place (checked whole first); target.cfg becomes the shard's, which the
+    caches are built from."""
+    check_degree(target, rank, world, expert_parallel)
     for layer in target.layers:
         shard_layer(layer, rank, world, wrap, expert_parallel)
     target.cfg = shard_config(target.cfg, world)
@@ -307,11 +316,45 @@ class Parallel:
     def wrap(self, module: nn.Module) -> AllReduce:
         return AllReduce(module, self.group, self.comm)
 
+    def load_target(self, path: str, dtype, device) -> Qwen35:
+        """The target read one layer at a time, each layer cut to this rank's part and moved to `device` before the
+        next is read: a process holds at most one whole layer (a 122B-A10B layer: about 5 GB of bf16), never the
+        whole checkpoint. target.cfg stays the whole model's until `shard` (the proposer is built from it)."""
+        path = ckpt.resolve_dir(path)
+        raw = ckpt.read_config(path)
+        cfg = ckpt.target_config(raw)
+        with torch.device("meta"):
+            model = Qwen35(cfg)
+        check_degree(model, self.rank, self.world, self.expert_parallel)
+        outer = nn.Module()          # the parts outside the layers, replicated
+        outer.embed_tokens, outer.norm = model.embed_tokens, model.norm
+        if not cfg.tie_word_embeddings:
+            outer.lm_head = model.lm_head
+        groups = [(outer, "", lambda k: not k.startswith("layers."))]
+        groups += [(layer, f"layers.{i}.", lambda k, p=f"layers.{i}.": k.startswith(p)) for i, layer in enumerate(model.layers)]
+        for module, prefix, keep in groups:
+            module.to_empty(device="cpu")
+            tensors = {k[len(prefix):]: t for k, t in ckpt.target_tensors(path, cfg, keep).items()}
+            ckpt.load_into(module, tensors, dtype, f"target {prefix.rstrip('.') or 'embedding and head'}",
+                           keep_fp32=("A_log", "dt_bias"))
+            if prefix:
+                shard_layer(module, self.rank, self.world, self.wrap, self.expert_parallel)
+            module.to(device)
+        for name, buf in model.named_buffers(recurse=False):
+            setattr(model, name, torch.empty_like(buf, device=device))
+        model.tie_weights_()
+        model.init_buffers_()
+        model.path, model.cut = path, True
+        return model.eval()
+
     def shard(self, target: Qwen35, proposer) -> None:
-        """The loaded target cut in place, with the proposer: a DFlash drafter replicated or cut (shard_drafter), the
-        MTP head cut as the target's layers are (it is one of them, and its cache is built from the shard's config),
-        an EAGLE-3 head replicated."""
-        shard_target(target, self.rank, self.world, self.wrap, self.expert_parallel)
+        """The target cut in place (unless `load_target` cut it as it read it), with the proposer: a DFlash drafter
+        replicated or cut (shard_drafter), the MTP head cut as the target's layers are (it is one of them, and its
+        cache is built from the shard's config), an EAGLE-3 head replicated. target.cfg becomes the shard's."""
+        if getattr(target, "cut", False):
+            target.cfg = shard_config(target.cfg, self.world)
+        else:
+            shard_target(target, self.rank, self.world, self.wrap, self.expert_parallel)
         if hasattr(proposer, "head") and hasattr(proposer.head, "layers"):          # mtp.MTPProposer
             for layer in proposer.head.layers:
                 shard_layer(layer, self.rank, self.world, self.wrap, self.expert_parallel)

@@ -357,3 +357,30 @@ def test_compiled_steps_under_tp(ranks):
     target, _ = build("dense", world)
     want = __import__("dflash").run(target, PROMPT, 12).output_ids
     assert all(r["compiled_ar"] == want for r in results)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-expert-parallel", "tied"])
+def test_reading_layer_by_layer_equals_cutting_the_loaded_model(kind, tmp_path, monkeypatch):
+    """Parallel.load_target (each layer read, cut and placed before the next is read) == ckpt.load_target then
+    Parallel.shard, tensor for tensor, on every rank; and no read holds two layers' tensors."""
+    import checkpoint as ckpt
+    cfg = moe_config(**WIDE) if kind.startswith("moe") else tiny_target_config(**WIDE, tie_word_embeddings=kind == "tied")
+    ckpt.save_target(random_target(cfg, 14, torch.float32), str(tmp_path), dtype=torch.float32)
+    reads = []
+    real = ckpt.read_safetensors
+    monkeypatch.setattr(ckpt, "read_safetensors", lambda *a, **kw: reads.append(real(*a, **kw)) or reads[-1])
+    for rank in range(2):
+        par = tp.Parallel(rank, 2, None, "cpu", expert_parallel=kind == "moe-expert-parallel")
+        reads.clear()
+        streamed = par.load_target(str(tmp_path), torch.float64, "cpu")
+        layers_per_read = [{n.split(".")[2] for n in r if n.startswith("model.layers.")} for r in reads]
+        assert max(len(l) for l in layers_per_read) == 1 and len(reads) == cfg.num_hidden_layers + 1
+        par.shard(streamed, None)
+        whole = ckpt.load_target(str(tmp_path), torch.float64, "cpu")
+        par.shard(whole, None)
+        a, b = streamed.state_dict(), whole.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert streamed.cfg == whole.cfg and streamed.cfg.num_attention_heads == 2
+        assert (streamed.lm_head.weight is streamed.embed_tokens.weight) == (kind == "tied")
+        pos = torch.arange(3)
+        torch.testing.assert_close(streamed.rope(pos, torch.float64), whole.rope(pos, torch.float64))
