@@ -248,6 +248,13 @@ def mtp_run(target, proposer) -> tuple:
     return res.output_ids, res.acceptance_lengths
 
 
+def tree_run(target, drafter) -> list:
+    import dflash
+    import tree
+    trees = tree.DFlashTree(dflash.DrafterProposer(drafter, target), 3)
+    return tree.TreeEngine(target, trees, 6, 64).run(PROMPT, 20).output_ids
+
+
 class Seen:
     """A policy that records the times it observes."""
 
@@ -287,6 +294,9 @@ def rank_main(rank: int, world: int, store: str) -> None:
         target, proposer = mtp_pair()
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, proposer)
         out["mtp"] = mtp_run(target, proposer)
+        target, drafter = build("dense", world)         # a tree verify: GDN per node on each rank's heads
+        tp.Parallel(rank, world, dist.group.WORLD, "cpu", shard_drafter=True).shard(target, dflash.DrafterProposer(drafter, target))
+        out["tree"] = tree_run(target, drafter)
     if world == 2:      # compile on each rank: the all-reduces traced into the compiled decode step
         target, _ = build("dense", world)
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, None)
@@ -348,6 +358,16 @@ def test_the_mtp_head_under_tp(ranks):
     want = mtp_run(*mtp_pair())
     assert all(r["mtp"] == want for r in results)
     assert want[0] == __import__("dflash").run(build("dense", 2)[0], PROMPT, 24).output_ids
+
+
+def test_a_tree_under_tp(ranks):
+    world, results = ranks
+    if world != 2:
+        pytest.skip("trees run at degree 2")
+    target, drafter = build("dense", 2)
+    want = tree_run(target, drafter)
+    assert all(r["tree"] == want for r in results)
+    assert want == __import__("dflash").run(target, PROMPT, 20).output_ids
 
 
 def test_compiled_steps_under_tp(ranks):
