@@ -207,9 +207,9 @@ def shard_moe(moe: SparseMoE, rank: int, world: int, expert_parallel: bool = Fal
         inter = ex.down_proj.shape[2]
         cut = _part(inter, rank, world, "expert intermediate channels")
         gate_up = torch.cat([torch.arange(inter)[cut], inter + torch.arange(inter)[cut]])     # its gate rows, its up rows
-        out.experts = copy.copy(ex)
-        out.experts._parameters = {"gate_up_proj": _rows(ex.gate_up_proj, (slice(None), gate_up)),
-                                   "down_proj": _rows(ex.down_proj, (slice(None), slice(None), cut))}
+        out.experts = _copy(ex)
+        out.experts.gate_up_proj = _rows(ex.gate_up_proj, (slice(None), gate_up))
+        out.experts.down_proj = _rows(ex.down_proj, (slice(None), slice(None), cut))
     return out
 
 
@@ -220,9 +220,6 @@ class Comm:
     the summed tensors (the payload; a ring all-reduce sends 2 (w - 1) / w of it from each rank)."""
 
     def __init__(self):
-        self.calls, self.bytes = 0, 0
-
-    def reset(self) -> None:
         self.calls, self.bytes = 0, 0
 
 
