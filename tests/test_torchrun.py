@@ -15,23 +15,29 @@ from helpers import HAS_EMBEDDED_PAIR, ROOT, random_drafter, random_target, tiny
 pytestmark = pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="the embedded pair is not checked out")
 
 
-def run(args: list, procs: int = 1) -> list:
-    """The command's stdout lines parsed as JSON (the non-JSON lines skipped); it must exit 0."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 \
-        else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+def run(args: list, procs: int = 1, capsys=None) -> list:
+    """The command's stdout lines parsed as JSON (the non-JSON lines skipped); it must exit 0. One process runs
+    in this one (generate.cli, output from capsys); several under torchrun."""
+    if procs == 1:
+        import generate
+        assert generate.cli(args[1:]) == 0
+        out = capsys.readouterr().out
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+        p = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = p.stdout
+    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
 SAME = ("output_ids", "seed")                          # what adaptive speculation's timing never changes
 ROUNDS = SAME + ("acceptance_lengths", "step_kinds", "draft_ids")     # and with --no-adaptive, every round
 
 
-def test_generate_on_the_embedded_pair():
-    flags = ["generate.py", "--prompt-ids", "1,2,3,4,5,6,7", "--max-new-tokens", "48", "--json", "--threads", "1"]
-    one, two = run(flags)[-1], run(flags, 2)
+def test_generate_on_the_embedded_pair(capsys):
+    flags = ["generate.py", "--prompt-ids", "1,2,3,4,5,6,7", "--max-new-tokens", "48", "--json"]
+    one, two = run(flags, 1, capsys)[-1], run(flags + ["--threads", "1"], 2)
     assert len(two) == 1, "only rank 0 prints"
     two = two[0]
     assert {k: two[k] for k in SAME} == {k: one[k] for k in SAME}
@@ -51,26 +57,25 @@ def moe_pair(tmp_path_factory):
     return str(root / "t"), str(root / "d")
 
 
-def test_generate_on_a_moe_target(moe_pair):
+def test_generate_on_a_moe_target(moe_pair, capsys):
     """Experts whole per rank and the drafter cut by head, sampled, pure rounds: every round as in one process."""
     target, draft = moe_pair
     flags = ["generate.py", "--target", target, "--draft", draft, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "24",
-             "--json", "--threads", "1", "--temperature", "0.8", "--seed", "4", "--dtype", "float64", "--no-adaptive"]
-    one = run(flags)[-1]
-    two = run(flags + ["--expert-parallel", "--tp-drafter", "sharded"], 2)[-1]
+             "--json", "--temperature", "0.8", "--seed", "4", "--dtype", "float64", "--no-adaptive"]
+    one = run(flags, 1, capsys)[-1]
+    two = run(flags + ["--expert-parallel", "--tp-drafter", "sharded", "--threads", "1"], 2)[-1]
     assert {k: two[k] for k in ROUNDS} == {k: one[k] for k in ROUNDS}
     assert (two["tensor_parallel"], two["expert_parallel"], two["tp_drafter"]) == (2, True, "sharded")
 
 
-def test_a_file_of_requests(tmp_path):
+def test_a_file_of_requests(tmp_path, capsys):
     """--prompts-file --concurrency 2: the batch's policy shares rank 0's times, and a request without a seed gets
     rank 0's random one (so both ranks draw the same tokens)."""
     reqs = tmp_path / "r.jsonl"
     reqs.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5, 6, 7], "temperature": 0.7, "seed": 3}\n'
                     '{"prompt_ids": [9, 10], "max_new_tokens": 10}\n')
-    flags = ["generate.py", "--prompts-file", str(reqs), "--concurrency", "2", "--max-new-tokens", "32", "--json",
-             "--threads", "1"]
-    one, two = run(flags), run(flags, 2)
+    flags = ["generate.py", "--prompts-file", str(reqs), "--concurrency", "2", "--max-new-tokens", "32", "--json"]
+    one, two = run(flags, 1, capsys), run(flags + ["--threads", "1"], 2)
     assert [r["index"] for r in two] == [0, 1, 2]
     assert [[r[k] for k in SAME] for r in two] == [[r[k] for k in SAME] for r in one]
     assert {r["tensor_parallel"] for r in two} == {2}
