@@ -619,8 +619,7 @@ def draft_rules_main(args, device) -> dict:
     greedily (a one-hot q: both rules accept p(x)) and of its sampled drafts under the coupled and the ratio rule,
     and how many outputs equal plain sampled decoding's for the seed."""
     dtype = pick_dtype(args.dtype, device)
-    parallel = getattr(args, "parallel", None)
-    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
+    target = ckpt.load_target(args.target, dtype, device)
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     prompts, stops = P.from_args(args, ckpt.load_tokenizer(target.path), target.path), ckpt.stop_token_ids(target.path, target.cfg)
