@@ -424,6 +424,10 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
             p.data = t.to(state_dtype(dtype)) if name.endswith(keep_fp32) else t.to(dtype)
 
 
+# Kept in float32 whatever the dtype: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
+TARGET_FP32 = ("A_log", "dt_bias")
+
+
 def target_tensors(path: str, cfg: TargetConfig, keep=lambda name: True) -> dict:
     """The target's tensors of a checkpoint under our parameter names (those `keep(name)` accepts: tp.py reads one
     layer at a time), experts fused, a tied lm_head left out."""
@@ -445,9 +449,8 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     model.to_empty(device="cpu")
     model.tie_weights_()             # to_empty gives every module a new Parameter of its own: tie them again
     tensors = target_tensors(path, cfg)
-    # A_log and dt_bias are kept in float32: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
     try:
-        load_into(model, tensors, dtype, "target", keep_fp32=("A_log", "dt_bias"))
+        load_into(model, tensors, dtype, "target", keep_fp32=TARGET_FP32)
     except CheckpointError as e:
         if "layer_types" in raw.get("text_config", raw):
             raise

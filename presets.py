@@ -17,6 +17,7 @@ import time
 import torch
 
 import batching
+import checkpoint as ckpt
 import dflash
 import model as M
 import tables
@@ -97,7 +98,7 @@ def random_models(name: str, device, dtype) -> tuple:
             target = M.Qwen35(tcfg)
             drafter = M.DFlashDrafter(dcfg)
             for n, p in target.named_parameters():
-                if n.endswith(("A_log", "dt_bias")):
+                if n.endswith(ckpt.TARGET_FP32):          # float32, as the checkpoint loader keeps them
                     p.data = p.data.float()
     finally:
         torch.set_default_dtype(old)

@@ -216,11 +216,11 @@ def shard_moe(moe: SparseMoE, rank: int, world: int, expert_parallel: bool = Fal
 # ---- the runtime: all-reduces, the sharded model in place, torchrun ------------------------------------------
 
 class Comm:
-    """What the all-reduces carried, counted on eager calls (a compiled step runs no Python): calls and bytes of
-    the summed tensors (the payload; a ring all-reduce sends 2 (w - 1) / w of it from each rank)."""
+    """What the all-reduces carried, counted on eager calls (a compiled step runs no Python): bytes of the summed
+    tensors (the payload; a ring all-reduce sends 2 (w - 1) / w of it from each rank)."""
 
     def __init__(self):
-        self.calls, self.bytes = 0, 0
+        self.bytes = 0
 
 
 class AllReduce(nn.Module):
@@ -233,7 +233,6 @@ class AllReduce(nn.Module):
     def forward(self, *args):
         y = self.inner(*args)
         if not torch.compiler.is_compiling():
-            self.comm.calls += 1
             self.comm.bytes += y.numel() * y.element_size()
         return funcol.all_reduce(y, "sum", self.group)
 
@@ -333,7 +332,7 @@ class Parallel:
             module.to_empty(device="cpu")
             tensors = {k[len(prefix):]: t for k, t in ckpt.target_tensors(path, cfg, keep).items()}
             ckpt.load_into(module, tensors, dtype, f"target {prefix.rstrip('.') or 'embedding and head'}",
-                           keep_fp32=("A_log", "dt_bias"))
+                           keep_fp32=ckpt.TARGET_FP32)
             if prefix:
                 shard_layer(module, self.rank, self.world, self.wrap, self.expert_parallel)
             module.to(device)
