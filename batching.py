@@ -203,29 +203,43 @@ class SlotSteps:
         # The features the drafter's context has not taken yet: a round's verify features, or plain steps' columns
         # in plain_buf (plain_run of them; None: a round's), at positions feat_pos [N,B] (those at >= a row's
         # start are stale: hidden from its draft, rewritten later).
-        self.feats = self.feat_pos = self.plain_buf = self.plain_run = None
+        self.feats = self.feat_pos = self.plain_buf = self.round_buf = self.plain_run = None
         if proposer is not None:
             proposer.reset(slots, capacity)
             width = len(self.feature_layers) * target.cfg.hidden_size
             self.feats = torch.zeros(slots, self.block, width, dtype=dtype, device=dev)
             self.feat_pos = self.offsets.repeat(slots, 1)
             self.plain_buf = torch.zeros_like(self.feats)
+            self.round_buf = torch.zeros_like(self.feats)      # a round's verify features, padded to B columns
         self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
         self.draft_step, self.plain_step = (proposer.propose if proposer is not None else None), self._plain
-        self._graphs, self._guard = False, None         # with compiled steps: compiling.ModelGuard
+        self._graphs, self._guard, self._options = False, None, None     # with compiled steps: compiling.ModelGuard
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
+        self._by_block = {self.block: (self.draft_step, self.verify_step, self.commit)}
+
+    def round_steps(self, k: int) -> tuple:
+        """(draft_step, verify_step, commit) for a round that verifies k <= block tokens per row (a policy's shorter
+        block). Compiled steps are made per k, on first use (their shapes follow k; warm_up makes every k a
+        policy may choose), so changing k never recompiles one."""
+        if k not in self._by_block:
+            steps = (self.proposer.propose, self._verify, self.cache.commit)
+            if self._options is not None:
+                steps = tuple(compiling.compile_step(f, self._options) for f in steps)
+            self._by_block[k] = steps
+        return self._by_block[k]
 
     def _compile(self, mode: str, extra: dict) -> None:
         """As dflash.Engine._compile: the steps wrapped by compiling.compile_step, the models' state kept."""
-        options = compiling.inductor_options(mode, extra, self.device)
+        options = self._options = compiling.inductor_options(mode, extra, self.device)
         self._graphs = self.device.type == "cuda"
         if self._graphs:
             for c in (self.cache, getattr(self.proposer, "cache", None)):
                 if c is not None:
                     compiling.mark_static_(c)
-            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.plain_buf):
-                if t is not None:                  # (plain_buf: a batch with a drafter only)
+            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.plain_buf,
+                      self.round_buf):
+                if t is not None:                  # (plain_buf, round_buf: a batch with a drafter only)
                     torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)
         self.verify_step = compiling.compile_step(self._verify, options)
@@ -357,14 +371,16 @@ class Batch(SlotSteps):
                         results[row.index], rows[b] = row.result, None
 
     def warm_up(self, requests: list) -> None:
-        """A throw-away run that compiles every step kind before timed runs: the first N requests cut to 3 blocks
-        (one of them sampled when any request samples: the steps then draw), under Alternate when the Batch has a
-        policy (every kind a policy may take); the policy is kept as it was."""
-        warm = [Request(r.prompt_ids, min(r.max_new_tokens, 3 * self.block), r.stop_ids, r.sampling, 0)
+        """A throw-away run that compiles every step kind before timed runs: the first N requests cut to 3 blocks plus
+        one of each verify block the policy may choose (one of them sampled when any request samples: the steps then
+        draw), under Alternate when the Batch has a policy (every kind a policy may take); the policy is kept as it
+        was."""
+        blocks = getattr(self.policy, "blocks", (self.block,))
+        warm = [Request(r.prompt_ids, min(r.max_new_tokens, 3 * self.block + sum(blocks)), r.stop_ids, r.sampling, 0)
                 for r in requests[:self.slots]]
         if any(not r.sampling.greedy for r in requests) and all(r.sampling.greedy for r in warm):
             warm[0] = Request(warm[0].prompt_ids, warm[0].max_new_tokens, (), Sampling(1.0), 0)
-        policy, self.policy = self.policy, (Alternate() if self.policy is not None else None)
+        policy, self.policy = self.policy, (Alternate(blocks) if self.policy is not None else None)
         try:
             self.run(warm)
         finally:
@@ -375,14 +391,16 @@ class Batch(SlotSteps):
             on_step(row.index, row.result.steps[-1])
 
     def step(self, rows: list) -> None:
-        """One step of every live row: a round, or a plain step (AR, or the policy's choice)."""
+        """One step of every live row: a round, or a plain step (AR, or the policy's choice). The policy's
+        speculate(rows) says False (a plain step), True (a round of the whole block) or k (a round verifying k
+        tokens per row, 1 <= k <= block)."""
         speculate = self.proposer is not None and (self.policy is None or self.policy.speculate(rows))
         self.feeding = self.proposer is not None and getattr(self.policy, "feeds", True)
         if self.proposer is None:
             self.decode(rows, "decode")
         elif speculate:
             t0 = time.perf_counter()
-            self.round(rows)
+            self.round(rows, self.block if speculate is True else int(speculate))
             if self.policy is not None:
                 self.policy.observe_round(rows, time.perf_counter() - t0)
         else:
@@ -390,27 +408,38 @@ class Batch(SlotSteps):
             self.decode(rows, "plain", feed=self.feeding)
             self.policy.observe_plain(rows, time.perf_counter() - t0)
 
-    def round(self, rows: list) -> None:
-        """Draft, verify, accept and commit for every row (dflash.Engine.round, row by row)."""
-        B, dev = self.block, self.device
-        pos = self.start[:, None] + self.offsets                                        # [N,B]
+    def round(self, rows: list, k: int | None = None) -> None:
+        """Draft, verify, accept and commit for every row (dflash.Engine.round, row by row), verifying k tokens per
+        row (default: the whole block; fewer when the policy finds a shorter block pays more at this N)."""
+        k = k or self.block
+        draft_step, verify_step, commit = self.round_steps(k)
+        dev, start = self.device, self.start
+        pos = start[:, None] + self.offsets[:k]                                        # [N,k]
         t0 = time.perf_counter()
         proposals = torch.zeros(self.slots, 0, dtype=torch.long, device=dev)
-        if B > 1:
-            proposals = self.draft_step(self.last, self.start, self.feats, self.feat_pos, B - 1)   # [N,B-1]
+        if k > 1:
+            proposals = draft_step(self.last, self.start, self.feats, self.feat_pos, k - 1)     # [N,k-1]
+        elif self.feats is not None:            # no draft to take the pending features: into the context now
+            self.proposer.append(self.feats, self.feat_pos)
         t1 = time.perf_counter()
         block = torch.cat([self.last[:, None], proposals], 1)
-        posterior, accepted, feats = self.verify_step(block, pos)
+        posterior, accepted, feats = verify_step(block, pos)
         host = torch.cat([accepted[:, None], posterior, proposals], 1).tolist()       # the round's one host sync
         n = [1] * self.slots                                                           # a free row keeps 1: ignored
         t2 = time.perf_counter()
         for b, row in enumerate(rows):
             if row is not None:
-                a, post, props = host[b][0], host[b][1:B + 1], host[b][B + 1:]
+                a, post, props = host[b][0], host[b][1:k + 1], host[b][k + 1:]
                 n[b] = len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1)))
-        self.commit(torch.tensor(n, device=dev))                  # each row's rollback to its own committed tokens
-        self.feats = feats.clone() if self._graphs else feats     # (CUDA graphs reuse their outputs)
-        self.feat_pos, self.plain_run = pos, None
+        commit(torch.tensor(n, device=dev))                       # each row's rollback to its own committed tokens
+        # The next draft reads this verify's features as B columns (one draft shape whatever k was): columns past
+        # k keep older rows, at positions >= start + k, past the next start: hidden from it and rewritten later,
+        # like the verify's own rows past the committed tokens. (A copy: CUDA graphs reuse their outputs.)
+        self.feats = None
+        if feats is not None:
+            self.round_buf[:, :k] = feats
+            self.feats = self.round_buf
+        self.feat_pos, self.plain_run = start[:, None] + self.offsets, None
 
     def decode(self, rows: list, kind: str, feed: bool = True) -> None:
         """One AR step for every row (`kind` "decode"), or with a drafter a plain step ("plain"): the same target call
@@ -430,79 +459,114 @@ class Batch(SlotSteps):
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
 
 
-class Policy:
-    """Adaptive speculation for a batch: before each step, a round for every row or a plain step for every row.
+def verify_blocks(block: int) -> tuple:
+    """The verify blocks a Policy chooses among by default: the whole block, then halved down to 2 (16: 16, 8, 4, 2)."""
+    out = [block]
+    while out[-1] // 2 >= 2:
+        out.append(out[-1] // 2)
+    return tuple(out)
 
-    Both are measured as the batch runs, at its own N: a round's seconds and the tokens it commits per live row
-    (its acceptance), a plain step's seconds. A round is worth `gain` = tokens per row x plain seconds / round
-    seconds plain steps; rounds go on while gain >= 1, and come back from plain steps when gain >= 1 + `margin`
-    (step times on a shared machine move by tens of percent; without the margin a noisy stretch near break-even
-    starts runs of losing rounds). While they lose, plain steps, and after `wait` of them a
-    probe round re-measures the acceptance (it changes with the text). A probe costs (round seconds / plain
-    seconds - tokens) plain steps, so the wait is set to keep that under `budget` of the time: on a device where
-    a verify of N x block tokens is compute-bound (a CPU at N = 8 or 32), rounds are probed rarely.
-    When even a full block could not pay (block x plain seconds / round seconds below 1 - `margin`, over at least
-    `min_rounds` rounds: a verify of N x block tokens costs more than `block` plain steps, as on a CPU at N = 32),
-    no acceptance can make rounds pay at this N: the batch stops probing and stops feeding the drafter's context
-    (`feeds` False), so its plain steps cost exactly AR's. It does the same after `patience` probes in a row that
-    each lost by more than the margin (a CPU at N = 8: rounds would need about 9 tokens per row where the drafter
-    gives 7); keeping the context for the probes costs a few percent of every plain step. Both verdicts are for
-    the life of the Batch: a new workload at this N gets a new Policy.
-    The first step of a batch is a plain step, the second a round (each times one). Timings and acceptance carry
-    over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
-    depends on the choice: both kinds commit the target's own tokens."""
+
+class Policy:
+    """Adaptive speculation for a batch: before each step, a round for every row or a plain step for every row, and
+    for a round the verify block k (how many tokens each row verifies), among `blocks` (verify_blocks(block)).
+
+    Why a shorter block: a verify of N x k tokens costs about its N x k tokens' compute once N x k is large (a CPU
+    at N = 8), while the tokens a round commits grow ever more slowly with k (each proposal counts only when all
+    before it were accepted). So at a large N the best block is short, at N = 1 it is long; the policy measures.
+
+    Both costs are measured as the batch runs, at its own N: each block's round seconds, a plain step's seconds, and
+    the tokens per live row a round of k commits. A round of K also tells what a round of any k <= K would have
+    committed per row (min(committed, k)), so the first round (the whole block) estimates every block's acceptance;
+    each block is then timed by one round of its own. A round of k is worth `gain(k)` = tokens(k) x plain seconds /
+    round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
+    plain steps when it is >= 1 + `margin` (step times on a shared machine move by tens of percent; without the
+    margin a noisy stretch near break-even starts runs of losing rounds). While rounds use a block shorter than
+    the whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured.
+    While they lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes with
+    the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep that
+    under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
+    When even a full block could not pay at any k (k x plain seconds / round seconds(k) below 1 - `margin`, over at
+    least `min_rounds` rounds), no acceptance can make rounds pay at this N: the batch stops probing and stops
+    feeding the drafter's context (`feeds` False), so its plain steps cost exactly AR's. It does the same after
+    `patience` probes in a row that each lost by more than the margin; keeping the context for the probes costs a
+    few percent of every plain step. Both verdicts are for the life of the Batch: a new workload at this N gets a
+    new Policy.
+    The first step of a batch is a plain step, then a round of each block (each times one). Timings and acceptance
+    carry over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
+    depends on the choice: every kind of step commits the target's own tokens."""
 
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
-                 margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4):
+                 margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
+                 blocks: tuple | None = None, explore: int = 16):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
-        self.block, self.min_rounds, self.patience = block, min_rounds, patience
+        self.min_rounds, self.patience, self.explore = min_rounds, patience, explore
+        self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
+        if self.blocks[-1] < 1 or self.blocks[0] > block:
+            raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
         self.losing = 0                                     # probes in a row that lost by more than the margin
         self.feeds = True                                   # plain steps keep features for the drafter's context
-        self.rounds = collections.deque(maxlen=window)      # (seconds, committed tokens per live row) per round
+        self.seconds = {k: collections.deque(maxlen=window) for k in self.blocks}   # per round of k
+        self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
+        self.k = self.blocks[0]                             # the block of the next round
+        self.rounds = 0                                     # rounds observed
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
 
     def reset(self) -> None:
         self.since = 0
 
-    def costs(self) -> tuple:
-        """(round seconds, tokens per row a round commits, plain seconds): medians of the last rounds' and plain
-        steps' times, the mean of the rounds' tokens."""
-        return (statistics.median(s for s, _ in self.rounds), statistics.mean(t for _, t in self.rounds),
-                statistics.median(self.plain))
+    def gain(self, k: int) -> float:
+        """Plain steps a round of k is worth: its tokens per row x plain seconds / its seconds (medians of the last
+        steps' times, the mean of the tokens)."""
+        return (statistics.mean(self.tokens[k]) * statistics.median(self.plain) / statistics.median(self.seconds[k]))
 
-    def gain(self) -> float:
-        """Plain steps a round is worth."""
-        round_s, tokens, plain_s = self.costs()
-        return tokens * plain_s / round_s
+    def best(self) -> int:
+        """The block whose round is worth the most plain steps, among those timed."""
+        return max((k for k in self.blocks if self.seconds[k] and self.tokens[k]), key=self.gain)
 
     def wait(self, gain: float, tokens: float) -> int:
         """Plain steps before the next probe: a probe's loss over the wait stays within `budget`."""
         loss = tokens / gain - tokens if gain > 0 else self.max_wait   # a round's cost in plain steps, minus its tokens
         return int(min(self.max_wait, max(self.first_wait, loss / self.budget)))
 
-    def speculate(self, rows) -> bool:
-        """Decided after each round (the medians cost tens of microseconds; a plain step on a CPU, under a ms)."""
-        if not self.plain or not self.rounds:
-            return bool(self.plain)
-        return self.feeds and self.since >= self.next_probe
+    def speculate(self, rows):
+        """False (a plain step) or the block of a round. Decided after each round (the medians cost tens of
+        microseconds; a plain step on a CPU, under a ms)."""
+        if not self.plain:
+            return False                                    # the first step: a plain step times one
+        untimed = [k for k in self.blocks if not self.seconds[k]]
+        if untimed and self.feeds:
+            return untimed[0]                               # the whole block first: its acceptance estimates all
+        return self.k if self.feeds and self.since >= self.next_probe else False
 
     def observe_round(self, rows, seconds: float) -> None:
         live = [r for r in rows if r is not None]
-        self.rounds.append((seconds, sum(len(r.result.steps[-1].tokens) for r in live) / max(1, len(live))))
-        speculating = self.since == 0 and len(self.rounds) > 1      # this round followed a round
-        self.since = 0
+        committed = [len(r.result.steps[-1].tokens) for r in live] or [1]
+        k = len(live[0].result.steps[-1].draft_ids) + 1 if live else self.k      # the block this round verified
+        self.seconds[k].append(seconds)
+        for j in self.blocks:
+            if j <= k:          # what a round of j would have committed per row: min(committed, j)
+                self.tokens[j].append(statistics.mean(min(c, j) for c in committed))
+        speculating = self.since == 0 and self.rounds > 0      # this round followed a round
+        self.since, self.rounds = 0, self.rounds + 1
         if not self.plain:
             self.next_probe = 0
             return
-        round_s, tokens, plain_s = self.costs()
-        gain, full = tokens * plain_s / round_s, self.block * plain_s / round_s   # full: a whole block accepted
+        best = self.best()
+        gain, plain_s = self.gain(best), statistics.median(self.plain)
+        longer = [j for j in self.blocks if j > best]
+        explore = gain >= 1 and longer and self.rounds % self.explore == 0
+        self.k = longer[-1] if explore else best              # now and then the next longer block, re-measured
+        tokens = statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
         self.losing = self.losing + 1 if gain < 1 - self.margin else 0
         if self.losing >= self.patience:
             self.feeds = False
+        # full: a whole block accepted, at the block where that is worth the most
+        full = max(j * plain_s / statistics.median(self.seconds[j]) for j in self.blocks if self.seconds[j])
         if full < 1 - self.margin:                          # not even a full block could pay
-            if len(self.rounds) < self.min_rounds:
+            if self.rounds < self.min_rounds:
                 self.next_probe = self.first_wait           # confirm it soon rather than after a long wait
             else:
                 self.feeds = False
@@ -513,16 +577,20 @@ class Policy:
 
 
 class Alternate:
-    """A plain step, a round, and a plain step without feeding the drafter, in turn: a warm-up that compiles every
-    step kind a Policy may take (generate.py --compile, bench.py)."""
+    """A plain step, a round of each block in `blocks`, and a plain step without feeding the drafter, in turn: a
+    warm-up that compiles every step kind a Policy may take (generate.py --compile, bench.py)."""
+
+    def __init__(self, blocks: tuple = (True,)):
+        self.cycle = [False, *blocks, None]          # None: a plain step that does not feed the drafter's context
 
     def reset(self) -> None:
         self.steps, self.feeds = 0, True
 
-    def speculate(self, rows) -> bool:
+    def speculate(self, rows):
+        kind = self.cycle[self.steps % len(self.cycle)]
         self.steps += 1
-        self.feeds = self.steps % 3 != 0
-        return self.steps % 3 == 2
+        self.feeds = kind is not None
+        return kind or False
 
     def observe_round(self, rows, seconds: float) -> None:
         pass

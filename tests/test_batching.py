@@ -57,11 +57,12 @@ class BatchOracle:
 
 
 class RandomPattern:
-    """A stand-in batch policy: a round or a plain step by a seeded coin, and plain steps that feed the drafter's
-    context or not (`feeds`, as Policy when it gives rounds up): the output must not depend on either."""
+    """A stand-in batch policy: a round or a plain step by a seeded coin, a round's verify block drawn from 1..block
+    (the whole block, True, half the time), and plain steps that feed the drafter's context or not (`feeds`, as
+    Policy when it gives rounds up): the output must not depend on any of these."""
 
-    def __init__(self, seed):
-        self.rng = random.Random(seed)
+    def __init__(self, seed, block=16):
+        self.rng, self.block = random.Random(seed), block
         self.feeds = True
 
     def reset(self):
@@ -69,7 +70,9 @@ class RandomPattern:
 
     def speculate(self, rows):
         self.feeds = self.rng.random() < 0.8
-        return self.rng.random() < 0.6
+        if self.rng.random() >= 0.6:
+            return False
+        return True if self.rng.random() < 0.5 else self.rng.randint(1, self.block)
 
     def observe_round(self, rows, seconds):
         pass
@@ -105,7 +108,7 @@ def check_batch(target, reqs, slots, block, seed, dtype, drafter_kind="dflash"):
         "ar": batching.Batch(target, None, 1, slots, capacity).run(reqs),
         "oracle": batching.Batch(target, oracle, block, slots, capacity).run(reqs),
         "pattern": batching.Batch(target, BatchOracle(cont, target.cfg.vocab_size, seed + 1), block, slots, capacity,
-                                  policy=RandomPattern(seed)).run(reqs),
+                                  policy=RandomPattern(seed, block)).run(reqs),
         "drafter": batching.Batch(target, batching.SlotDrafter(drafter, target), block, slots, capacity).run(reqs),
     }
     for name, results in runs.items():
@@ -119,6 +122,7 @@ def check_batch(target, reqs, slots, block, seed, dtype, drafter_kind="dflash"):
             assert [t for s in res.steps for t in s.tokens] == res.output_ids
             assert sum(res.acceptance_lengths) + 1 == len(res.output_ids) or name == "ar"
             assert all(1 <= a <= block for a in res.acceptance_lengths)
+            assert all(s.accepted <= len(s.draft_ids) <= block - 1 for s in res.steps if s.kind == "verify")
             assert [s.stop for s in res.steps] == [False] * (len(res.steps) - 1) + [True]
     return oracle, runs
 
@@ -262,7 +266,7 @@ def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
 
     def requests(k):
         return [batching.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
-    for policy in (RandomPattern(0),):            # rounds and plain steps both
+    for policy in (batching.Alternate((2, True)),):   # rounds of every verify block, plain steps fed or not
         eng = batching.Batch(target, batching.SlotDrafter(d, target), 4, 3, 64, compile_mode="default", policy=policy)
         eng.run(requests(4))                                    # warm-up: every step kind compiles once
         graphs = counters["stats"]["unique_graphs"]
@@ -276,7 +280,8 @@ def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
 
 
 class Pattern:
-    """A stand-in batch policy that cycles through a fixed pattern of rounds (True) and plain steps (False)."""
+    """A stand-in batch policy that cycles through a fixed pattern of rounds (True: the whole block; k: a round that
+    verifies k tokens) and plain steps (False)."""
 
     def __init__(self, pattern):
         self.pattern, self.i = pattern, 0
@@ -298,7 +303,8 @@ class Pattern:
 @pytest.mark.parametrize("kind,block,pattern,slots", [("dflash", 8, [False] * 5 + [True], 2),
                                                       ("sliding", 8, [False] * 11 + [True, True], 3),
                                                       ("dflash", 4, [True, False], 2), ("dflash2", 16, [False, True], 2),
-                                                      ("dflash", 8, [False] * 19 + [True], 1)])
+                                                      ("dflash", 8, [False] * 19 + [True], 1),
+                                                      ("dflash", 8, [3, False, 8, 5, 2, False, 1, 4], 2)])
 def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind, block, pattern, slots):
     """The drafter's context in a batch (a round's features, plain steps' columns taken whole when full, taken early
     when a request is admitted beside them): every row's every proposal == the drafter run from scratch on
@@ -317,8 +323,8 @@ def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind
         seq = torch.tensor([req.prompt_ids + res.output_ids])
         with torch.no_grad():
             _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
-            for step in [s for s in res.steps if s.kind == "verify"]:
-                start = step.start
+            for step in [s for s in res.steps if s.kind == "verify" and s.draft_ids]:
+                start, block = step.start, len(step.draft_ids) + 1        # (a round's own verify block)
                 blk = torch.full((1, block), dcfg.mask_token_id)
                 blk[0, 0] = seq[0, start]
                 masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
@@ -401,45 +407,68 @@ def test_concurrency_needs_a_prompts_file(capsys):
 
 
 class FakeRow:
-    def __init__(self, tokens):
-        self.result = type("R", (), {"steps": [type("S", (), {"tokens": [0] * tokens})()]})()
+    def __init__(self, tokens, block=16):
+        step = type("S", (), {"tokens": [0] * tokens, "draft_ids": [0] * (block - 1)})()
+        self.result = type("R", (), {"steps": [step]})()
 
 
-def drive(policy, steps, round_s, tokens, plain_s=0.001, rows=4):
-    """`steps` steps under the policy: a round commits `tokens` per row in round_s, a plain step 1 in plain_s ->
-    the steps as a string (R round, . plain step)."""
+def drive(policy, steps, round_s, tokens, plain_s=0.001, rows=4, blocks=None):
+    """`steps` steps under the policy: a round of k commits min(`tokens`, k) per row in round_s (seconds, or a
+    function of k), a plain step 1 in plain_s -> the steps as a string (R round, . plain step); each round's k is
+    appended to `blocks` when given."""
     out = ""
-    live = [FakeRow(tokens)] * rows
     for _ in range(steps):
-        if policy.speculate(live):
+        k = policy.speculate([FakeRow(1)] * rows)
+        if k:
+            k = 16 if k is True else k
             out += "R"
-            policy.observe_round(live, round_s)
+            if blocks is not None:
+                blocks.append(k)
+            policy.observe_round([FakeRow(min(tokens, k), k)] * rows, round_s(k) if callable(round_s) else round_s)
         else:
             out += "."
-            policy.observe_plain(live, plain_s)
+            policy.observe_plain([FakeRow(1)] * rows, plain_s)
     return out
 
 
 def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
-    p = batching.Policy(block=16)
+    """One verify block (blocks=(16,)): rounds or plain steps, from the measured costs."""
+    p = batching.Policy(block=16, blocks=(16,))
     assert drive(p, 40, round_s=0.004, tokens=6) == "." + "R" * 39             # 6 tokens for 4 plain steps: rounds
-    p = batching.Policy(block=16)
+    p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 400, round_s=0.010, tokens=6)                              # 6 tokens for 10 plain steps: loses
     assert kinds.startswith(".R.") and kinds.count("R") <= 8 and p.feeds        # probes, a few; a full block could pay
     waits = [len(w) for w in kinds.split("R")[1:-1]]
     assert waits and min(waits) >= 100                                          # a 4-step loss each: waits of 200
     kinds += drive(p, 800, round_s=0.010, tokens=6)
     assert kinds.count("R") == 4 and not p.feeds and kinds.endswith("." * 500)  # 4 losing probes in a row: given up
-    p = batching.Policy(block=16)
+    p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 1200, round_s=0.0065, tokens=6)                           # losing within the margin: probes go on
     assert kinds.count("R") > 20 and p.feeds
-    p = batching.Policy(block=16)
+    p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 300, round_s=0.020, tokens=15)                             # 20 plain steps a round: never pays
     assert kinds.count("R") == 3 and not p.feeds and kinds.endswith("." * 200)  # given up, the context unfed
 
 
 def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
-    p = batching.Policy(block=16)
+    p = batching.Policy(block=16, blocks=(16,))
     drive(p, 3, round_s=0.010, tokens=6)                                       # loses: plain steps
     assert drive(p, 20, round_s=0.0058, tokens=6).count("R") <= 1              # gain 1.03: not enough to come back
     assert "RRR" in drive(p, 600, round_s=0.005, tokens=6)                     # gain 1.2: rounds again
+
+
+def test_policy_chooses_the_verify_block_that_pays_most():
+    """A verify whose cost grows with its tokens (a compute-bound batch): 1 ms + 0.45 ms per token, a plain step 1 ms,
+    6 tokens accepted of any longer block. Per round: 16 -> 6 tokens in 8.2 ms (0.73 plain steps), 8 -> 6 in 4.6
+    (1.30), 4 -> 4 in 2.8 (1.43), 2 -> 2 in 1.9 (1.05). The policy times each block once, then rounds of 4, with
+    a round of 8 now and then (its acceptance re-measured); where no block pays it takes plain steps."""
+    assert batching.verify_blocks(16) == (16, 8, 4, 2) and batching.verify_blocks(6) == (6, 3) == batching.Policy(block=6).blocks
+    p, blocks = batching.Policy(block=16), []
+    kinds = drive(p, 300, round_s=lambda k: 0.001 + 0.00045 * k, tokens=6, blocks=blocks)
+    assert kinds == "." + "R" * 299 and blocks[:4] == [16, 8, 4, 2]
+    assert blocks[4:].count(4) > 0.9 * len(blocks[4:]) and 8 in blocks[4:] and 16 not in blocks[4:]
+    p = batching.Policy(block=16)                                               # 0.3 ms + 0.9 ms per token: none pays
+    kinds = drive(p, 400, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1)
+    assert kinds.startswith(".RRRR.") and kinds.count("R") <= 10 and kinds.endswith("." * 100)
+    with pytest.raises(dflash.GenerationError, match="policy blocks"):
+        batching.Policy(block=8, blocks=(16, 4))
