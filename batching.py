@@ -477,8 +477,8 @@ class Policy:
 
     Both costs are measured as the batch runs, at its own N: each block's round seconds, a plain step's seconds, and
     the tokens per live row a round of k commits. A round of K also tells what a round of any k <= K would have
-    committed per row (min(committed, k)), so the first round (the whole block) estimates every block's acceptance;
-    each block is then timed by one round of its own. A round of k is worth `gain(k)` = tokens(k) x plain seconds /
+    committed per row (min(committed, k)). At the start one round of each block times it, the shortest first, and
+    longer ones only while the gain rises with the block. A round of k is worth `gain(k)` = tokens(k) x plain seconds /
     round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
     plain steps when it is >= 1 + `margin` (step times on a shared machine move by tens of percent; without the
     margin a noisy stretch near break-even starts runs of losing rounds). While rounds use a block shorter than
@@ -492,7 +492,7 @@ class Policy:
     `patience` probes in a row that each lost by more than the margin; keeping the context for the probes costs a
     few percent of every plain step. Both verdicts are for the life of the Batch: a new workload at this N gets a
     new Policy.
-    The first step of a batch is a plain step, then a round of each block (each times one). Timings and acceptance
+    The first step of a batch is a plain step (it times one), then the rounds that time the blocks. Timings and acceptance
     carry over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
     depends on the choice: every kind of step commits the target's own tokens."""
 
@@ -510,6 +510,7 @@ class Policy:
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
         self.k = self.blocks[0]                             # the block of the next round
+        self.exploring = True                               # timing the blocks one by one (_explore_next)
         self.rounds = 0                                     # rounds observed
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
 
@@ -535,10 +536,23 @@ class Policy:
         microseconds; a plain step on a CPU, under a ms)."""
         if not self.plain:
             return False                                    # the first step: a plain step times one
-        untimed = [k for k in self.blocks if not self.seconds[k]]
-        if untimed and self.feeds:
-            return untimed[0]                               # the whole block first: its acceptance estimates all
+        explore = self._explore_next() if self.feeds else None
+        if explore is not None:
+            return explore
         return self.k if self.feeds and self.since >= self.next_probe else False
+
+    def _explore_next(self):
+        """The block to time next at the start, or None: the shortest first (the cheapest round), then each longer
+        one while the gain still rises with the block (where a round of N x k tokens is compute-bound, it soon stops
+        rising, and the long blocks' costly rounds are never run)."""
+        timed = [k for k in reversed(self.blocks) if self.seconds[k] and self.tokens[k]]       # shortest first
+        untimed = [k for k in reversed(self.blocks) if not self.seconds[k]]
+        if not untimed or not self.exploring:
+            return None
+        if len(timed) >= 2 and self.gain(timed[-1]) <= max(self.gain(k) for k in timed[:-1]):
+            self.exploring = False                          # the gain stopped rising: done
+            return None
+        return untimed[0]
 
     def observe_round(self, rows, seconds: float) -> None:
         live = [r for r in rows if r is not None]

@@ -36,6 +36,7 @@ only at a near-tie: docs/method.md#exactness-and-precision), and the float32 top
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -540,7 +541,8 @@ def concurrency_main(args, device) -> dict:
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DFlash {row['dflash_tokens_per_s']:8.1f} tok/s  "
               f"speedup {row['speedup']:.2f}x  per request: AR {row['ar_request_tokens_per_s']:.1f}, DFlash "
               f"{row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance {row['mean_acceptance']:.2f}  "
-              f"rounds {row['round_share']:.0%} of DFlash steps  identical {row['identical']}  ({len(reqs)} requests; "
+              f"rounds {row['round_share']:.0%} of DFlash steps (verify blocks {row['verify_blocks']})  "
+              f"identical {row['identical']}  ({len(reqs)} requests; "
               f"warm-up {warm:.1f} s)", flush=True)
     out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
            "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not args.no_adaptive,
@@ -559,12 +561,15 @@ def concurrency_row(n: int, runs: dict, warm: float) -> dict:
                                  if r.decode_seconds > 0 and len(r.output_ids) > 1)
     rounds = [a for _, res in runs["dflash"] for r in res for a in r.verify_lengths]
     kinds = [k for _, res in runs["dflash"] for r in res for k in r.step_kinds]
+    blocks = collections.Counter(len(s.draft_ids) + 1 for _, res in runs["dflash"] for r in res for s in r.steps
+                                 if s.kind == "verify")        # the verify block of each row's rounds (Policy's choice)
     ar, sp = throughput("ar"), throughput("dflash")
     identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
     return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar,
             "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
             "ar_request_tokens_per_s": per_request("ar"), "dflash_request_tokens_per_s": per_request("dflash"),
             "round_share": kinds.count("verify") / len(kinds) if kinds else 0.0, "identical": identical,
+            "verify_blocks": {str(k): blocks[k] for k in sorted(blocks)},
             "requests": len(runs["ar"][0][1]), "warmup_seconds": warm}
 
 
