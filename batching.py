@@ -477,8 +477,8 @@ class Policy:
 
     Both costs are measured as the batch runs, at its own N: each block's round seconds, a plain step's seconds, and
     the tokens per live row a round of k commits. A round of K also tells what a round of any k <= K would have
-    committed per row (min(committed, k)). At the start one round of each block times it, the shortest first, and
-    longer ones only while the gain rises with the block. A round of k is worth `gain(k)` = tokens(k) x plain seconds /
+    committed per row (min(committed, k)). At the start one round of each block times it, the shortest first (the
+    cheapest), the whole block last. A round of k is worth `gain(k)` = tokens(k) x plain seconds /
     round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
     plain steps when it is >= 1 + `margin` (step times on a shared machine move by tens of percent; without the
     margin a noisy stretch near break-even starts runs of losing rounds). While rounds use a block shorter than
@@ -489,8 +489,9 @@ class Policy:
     When even a full block could not pay at any k (k x plain seconds / round seconds(k) below 1 - `margin`, over at
     least `min_rounds` rounds), no acceptance can make rounds pay at this N: the batch stops probing and stops
     feeding the drafter's context (`feeds` False), so its plain steps cost exactly AR's. It does the same after
-    `patience` probes in a row that each lost by more than the margin; keeping the context for the probes costs a
-    few percent of every plain step. Both verdicts are for the life of the Batch: a new workload at this N gets a
+    `patience` probes in a row that each lost by more than the margin, once the rounds in its window hold at least
+    `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
+    unlucky probes would say nothing); keeping the context for the probes costs a few percent of every plain step. Both verdicts are for the life of the Batch: a new workload at this N gets a
     new Policy.
     The first step of a batch is a plain step (it times one), then the rounds that time the blocks. Timings and acceptance
     carry over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
@@ -498,9 +499,9 @@ class Policy:
 
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
-                 blocks: tuple | None = None, explore: int = 16):
+                 blocks: tuple | None = None, explore: int = 16, min_samples: int = 32):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
-        self.min_rounds, self.patience, self.explore = min_rounds, patience, explore
+        self.min_rounds, self.patience, self.explore, self.min_samples = min_rounds, patience, explore, min_samples
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
@@ -509,8 +510,8 @@ class Policy:
         self.seconds = {k: collections.deque(maxlen=window) for k in self.blocks}   # per round of k
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
+        self.rows = collections.deque(maxlen=window)        # live rows per round: the acceptance samples it gave
         self.k = self.blocks[0]                             # the block of the next round
-        self.exploring = True                               # timing the blocks one by one (_explore_next)
         self.rounds = 0                                     # rounds observed
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
 
@@ -542,17 +543,10 @@ class Policy:
         return self.k if self.feeds and self.since >= self.next_probe else False
 
     def _explore_next(self):
-        """The block to time next at the start, or None: the shortest first (the cheapest round), then each longer
-        one while the gain still rises with the block (where a round of N x k tokens is compute-bound, it soon stops
-        rising, and the long blocks' costly rounds are never run)."""
-        timed = [k for k in reversed(self.blocks) if self.seconds[k] and self.tokens[k]]       # shortest first
+        """The block to time next at the start, or None once every block has been timed: the shortest first (the
+        cheapest round), so the last of these rounds, the whole block, measures every block's acceptance."""
         untimed = [k for k in reversed(self.blocks) if not self.seconds[k]]
-        if not untimed or not self.exploring:
-            return None
-        if len(timed) >= 2 and self.gain(timed[-1]) <= max(self.gain(k) for k in timed[:-1]):
-            self.exploring = False                          # the gain stopped rising: done
-            return None
-        return untimed[0]
+        return untimed[0] if untimed else None
 
     def observe_round(self, rows, seconds: float) -> None:
         live = [r for r in rows if r is not None]
@@ -575,7 +569,8 @@ class Policy:
         tokens = statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
         self.losing = self.losing + 1 if gain < 1 - self.margin else 0
-        if self.losing >= self.patience:
+        self.rows.append(len(live))
+        if self.losing >= self.patience and sum(self.rows) >= self.min_samples:
             self.feeds = False
         # full: a whole block accepted, at the block where that is worth the most
         full = max(j * plain_s / statistics.median(self.seconds[j]) for j in self.blocks if self.seconds[j])

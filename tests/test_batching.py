@@ -436,12 +436,12 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     p = batching.Policy(block=16, blocks=(16,))
     assert drive(p, 40, round_s=0.004, tokens=6) == "." + "R" * 39             # 6 tokens for 4 plain steps: rounds
     p = batching.Policy(block=16, blocks=(16,))
-    kinds = drive(p, 400, round_s=0.010, tokens=6)                              # 6 tokens for 10 plain steps: loses
+    kinds = drive(p, 400, round_s=0.010, tokens=6, rows=8)                      # 6 tokens for 10 plain steps: loses
     assert kinds.startswith(".R.") and kinds.count("R") <= 8 and p.feeds        # probes, a few; a full block could pay
     waits = [len(w) for w in kinds.split("R")[1:-1]]
     assert waits and min(waits) >= 100                                          # a 4-step loss each: waits of 200
-    kinds += drive(p, 800, round_s=0.010, tokens=6)
-    assert kinds.count("R") == 4 and not p.feeds and kinds.endswith("." * 500)  # 4 losing probes in a row: given up
+    kinds += drive(p, 800, round_s=0.010, tokens=6, rows=8)
+    assert kinds.count("R") == 4 and not p.feeds and kinds.endswith("." * 500)  # 4 losing probes of 8 rows: given up
     p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 1200, round_s=0.0065, tokens=6)                           # losing within the margin: probes go on
     assert kinds.count("R") > 20 and p.feeds
@@ -460,17 +460,20 @@ def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
 def test_policy_chooses_the_verify_block_that_pays_most():
     """A verify whose cost grows with its tokens (a compute-bound batch): 1 ms + 0.45 ms per token, a plain step 1 ms,
     6 tokens accepted of any longer block. Per round: 16 -> 6 tokens in 8.2 ms (0.73 plain steps), 8 -> 6 in 4.6
-    (1.30), 4 -> 4 in 2.8 (1.43), 2 -> 2 in 1.9 (1.05). The policy times 2, 4 and 8 (the gain falls from 4 to 8:
-    16 is never run), then rounds of 4, with a round of 8 now and then (its acceptance re-measured); where no block
-    pays it takes plain steps. Where the gain keeps rising every block is timed, and the whole block wins."""
+    (1.30), 4 -> 4 in 2.8 (1.43), 2 -> 2 in 1.9 (1.05). The policy times each block, the shortest first, then
+    takes rounds of 4, with a round of 8 now and then (its acceptance re-measured); where no block pays it takes
+    plain steps. Where a round's cost hardly grows with its block, the whole block wins."""
     assert batching.verify_blocks(16) == (16, 8, 4, 2) and batching.verify_blocks(6) == (6, 3) == batching.Policy(block=6).blocks
     p, blocks = batching.Policy(block=16), []
     kinds = drive(p, 300, round_s=lambda k: 0.001 + 0.00045 * k, tokens=6, blocks=blocks)
-    assert kinds == "." + "R" * 299 and blocks[:3] == [2, 4, 8] and 16 not in blocks
-    assert blocks[3:].count(4) > 0.9 * len(blocks[3:]) and 8 in blocks[3:]
+    assert kinds == "." + "R" * 299 and blocks[:4] == [2, 4, 8, 16] and 16 not in blocks[4:]
+    assert blocks[4:].count(4) > 0.9 * len(blocks[4:]) and 8 in blocks[4:]
     p = batching.Policy(block=16)                                               # 0.3 ms + 0.9 ms per token: none pays
-    kinds = drive(p, 400, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1)
-    assert kinds.startswith(".RR.") and kinds.count("R") <= 10 and kinds.endswith("." * 100)
+    kinds = drive(p, 600, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1)
+    assert kinds.startswith(".RRRR.") and kinds.count("R") <= 12 and kinds.endswith("." * 100) and not p.feeds
+    p = batching.Policy(block=16)                                               # the same with one row: no verdict
+    kinds = drive(p, 600, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1, rows=1)    # from 4 probes of one row
+    assert p.feeds and kinds.count("R") > 8
     p, blocks = batching.Policy(block=16), []                                   # 3 ms + 0.1 ms per token, 12 accepted
     kinds = drive(p, 100, round_s=lambda k: 0.003 + 0.0001 * k, tokens=12, blocks=blocks)
     assert blocks[:4] == [2, 4, 8, 16] and set(blocks[4:]) == {16}
