@@ -477,8 +477,8 @@ class Policy:
 
     Both costs are measured as the batch runs, at its own N: each block's round seconds, a plain step's seconds, and
     the tokens per live row a round of k commits. A round of K also tells what a round of any k <= K would have
-    committed per row (min(committed, k)). At the start one round of each block times it, the shortest first (the
-    cheapest), the whole block last. A round of k is worth `gain(k)` = tokens(k) x plain seconds /
+    committed per row (min(committed, k)). At the start one round of each block times it, the whole block first
+    (it estimates every block's acceptance). A round of k is worth `gain(k)` = tokens(k) x plain seconds /
     round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
     plain steps when it is >= 1 + `margin` (step times on a shared machine move by tens of percent; without the
     margin a noisy stretch near break-even starts runs of losing rounds). While rounds use a block shorter than
@@ -543,9 +543,9 @@ class Policy:
         return self.k if self.feeds and self.since >= self.next_probe else False
 
     def _explore_next(self):
-        """The block to time next at the start, or None once every block has been timed: the shortest first (the
-        cheapest round), so the last of these rounds, the whole block, measures every block's acceptance."""
-        untimed = [k for k in reversed(self.blocks) if not self.seconds[k]]
+        """The block to time next at the start, or None once every block has been timed: the whole block first (its
+        round measures every block's acceptance), then ever shorter ones."""
+        untimed = [k for k in self.blocks if not self.seconds[k]]
         return untimed[0] if untimed else None
 
     def observe_round(self, rows, seconds: float) -> None:

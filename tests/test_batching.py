@@ -460,13 +460,13 @@ def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
 def test_policy_chooses_the_verify_block_that_pays_most():
     """A verify whose cost grows with its tokens (a compute-bound batch): 1 ms + 0.45 ms per token, a plain step 1 ms,
     6 tokens accepted of any longer block. Per round: 16 -> 6 tokens in 8.2 ms (0.73 plain steps), 8 -> 6 in 4.6
-    (1.30), 4 -> 4 in 2.8 (1.43), 2 -> 2 in 1.9 (1.05). The policy times each block, the shortest first, then
+    (1.30), 4 -> 4 in 2.8 (1.43), 2 -> 2 in 1.9 (1.05). The policy times each block, the longest first, then
     takes rounds of 4, with a round of 8 now and then (its acceptance re-measured); where no block pays it takes
     plain steps. Where a round's cost hardly grows with its block, the whole block wins."""
     assert batching.verify_blocks(16) == (16, 8, 4, 2) and batching.verify_blocks(6) == (6, 3) == batching.Policy(block=6).blocks
     p, blocks = batching.Policy(block=16), []
     kinds = drive(p, 300, round_s=lambda k: 0.001 + 0.00045 * k, tokens=6, blocks=blocks)
-    assert kinds == "." + "R" * 299 and blocks[:4] == [2, 4, 8, 16] and 16 not in blocks[4:]
+    assert kinds == "." + "R" * 299 and blocks[:4] == [16, 8, 4, 2] and 16 not in blocks[4:]
     assert blocks[4:].count(4) > 0.9 * len(blocks[4:]) and 8 in blocks[4:]
     p = batching.Policy(block=16)                                               # 0.3 ms + 0.9 ms per token: none pays
     kinds = drive(p, 600, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1)
@@ -476,6 +476,6 @@ def test_policy_chooses_the_verify_block_that_pays_most():
     assert p.feeds and kinds.count("R") > 8
     p, blocks = batching.Policy(block=16), []                                   # 3 ms + 0.1 ms per token, 12 accepted
     kinds = drive(p, 100, round_s=lambda k: 0.003 + 0.0001 * k, tokens=12, blocks=blocks)
-    assert blocks[:4] == [2, 4, 8, 16] and set(blocks[4:]) == {16}
+    assert blocks[:4] == [16, 8, 4, 2] and set(blocks[4:]) == {16}
     with pytest.raises(dflash.GenerationError, match="policy blocks"):
         batching.Policy(block=8, blocks=(16, 4))
