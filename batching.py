@@ -489,7 +489,8 @@ class Policy:
     When even a full block could not pay at any k (k x plain seconds / round seconds(k) below 1 - `margin`, over at
     least `min_rounds` rounds), no acceptance can make rounds pay at this N: the batch stops probing and stops
     feeding the drafter's context (`feeds` False), so its plain steps cost exactly AR's. It does the same after
-    `patience` probes in a row that each lost by more than the margin, once the rounds in its window hold at least
+    `patience` probes in a row (after the rounds that time the blocks) that each lost by more than the margin,
+    once the rounds in its window hold at least
     `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
     unlucky probes would say nothing); keeping the context for the probes costs a few percent of every plain step. Both verdicts are for the life of the Batch: a new workload at this N gets a
     new Policy.
@@ -568,7 +569,8 @@ class Policy:
         self.k = longer[-1] if explore else best              # now and then the next longer block, re-measured
         tokens = statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
-        self.losing = self.losing + 1 if gain < 1 - self.margin else 0
+        timing = self.rounds <= len(self.blocks)            # the rounds that time each block are not probes
+        self.losing = self.losing + 1 if gain < 1 - self.margin and not timing else 0
         self.rows.append(len(live))
         if self.losing >= self.patience and sum(self.rows) >= self.min_samples:
             self.feeds = False
