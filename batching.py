@@ -482,7 +482,9 @@ class Policy:
     round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
     plain steps when it is >= 1 + `margin` (step times on a shared machine move by tens of percent; without the
     margin a noisy stretch near break-even starts runs of losing rounds). While rounds use a block shorter than
-    the whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured.
+    the whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured;
+    and after `explore` rounds in a row one plain step re-times a plain step (a median of a few early plain steps,
+    a cold first one among them, had made rounds look 40% better than they were at N = 32 on a CPU).
     While they lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes with
     the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep that
     under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
@@ -492,15 +494,15 @@ class Policy:
     `patience` probes in a row (after the rounds that time the blocks) that each lost by more than the margin,
     once the rounds in its window hold at least
     `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
-    unlucky probes would say nothing); keeping the context for the probes costs a few percent of every plain step. Both verdicts are for the life of the Batch: a new workload at this N gets a
-    new Policy.
-    The first step of a batch is a plain step (it times one), then the rounds that time the blocks. Timings and acceptance
-    carry over from one run of the Batch to the next (the costs depend on N, which a Batch fixes); the output never
-    depends on the choice: every kind of step commits the target's own tokens."""
+    unlucky probes would say nothing); keeping the context for the probes costs a few percent of every plain
+    step. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
+    The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
+    blocks. Timings and acceptance carry over from one run of the Batch to the next (the costs depend on N, which
+    a Batch fixes); the output never depends on the choice: every kind of step commits the target's own tokens."""
 
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
-                 blocks: tuple | None = None, explore: int = 16, min_samples: int = 32):
+                 blocks: tuple | None = None, explore: int = 16, min_samples: int = 32, first_plain: int = 3):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
         self.min_rounds, self.patience, self.explore, self.min_samples = min_rounds, patience, explore, min_samples
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
@@ -515,6 +517,7 @@ class Policy:
         self.k = self.blocks[0]                             # the block of the next round
         self.rounds = 0                                     # rounds observed
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
+        self.streak, self.first_plain = 0, first_plain      # rounds since the last plain step; plain steps first
 
     def reset(self) -> None:
         self.since = 0
@@ -536,8 +539,8 @@ class Policy:
     def speculate(self, rows):
         """False (a plain step) or the block of a round. Decided after each round (the medians cost tens of
         microseconds; a plain step on a CPU, under a ms)."""
-        if not self.plain:
-            return False                                    # the first step: a plain step times one
+        if len(self.plain) < self.first_plain or self.streak >= self.explore:
+            return False        # plain steps time one: the first ones, and one after every `explore` rounds in a row
         explore = self._explore_next() if self.feeds else None
         if explore is not None:
             return explore
@@ -558,7 +561,7 @@ class Policy:
             if j <= k:          # what a round of j would have committed per row: min(committed, j)
                 self.tokens[j].append(statistics.mean(min(c, j) for c in committed))
         speculating = self.since == 0 and self.rounds > 0      # this round followed a round
-        self.since, self.rounds = 0, self.rounds + 1
+        self.since, self.rounds, self.streak = 0, self.rounds + 1, self.streak + 1
         if not self.plain:
             self.next_probe = 0
             return
@@ -584,7 +587,7 @@ class Policy:
 
     def observe_plain(self, rows, seconds: float) -> None:
         self.plain.append(seconds)
-        self.since += 1
+        self.since, self.streak = self.since + 1, 0
 
 
 class Alternate:
