@@ -18,9 +18,11 @@ bfloat16: near-ties only; float64: the same tokens in every test).
 
     Request          one generation asked for: prompt, max_new_tokens, stops, sampling settings, seed
     BatchProposer    what drafts for every row at once (a typing.Protocol); SlotDrafter wraps a DFlash drafter
-    SlotSteps        the N slots' caches and fixed-shape steps (decode, plain, verify, draft, commit), compiled once per N
+    SlotSteps        the N slots' caches and fixed-shape steps (decode, plain, verify, draft, commit), one compiled set
+                     per N and verify block
     Batch            the N-slot engine over them: run(requests) -> one dflash.Result per request, in order
-    Policy           adaptive speculation for a batch: a round or a plain step, from acceptance and measured costs
+    Policy           adaptive speculation for a batch: a round (and its verify block) or a plain step, from
+                     acceptance and measured costs
 """
 from __future__ import annotations
 
