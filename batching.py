@@ -562,7 +562,7 @@ class Policy:
         for j in self.blocks:
             if j <= k:          # what a round of j would have committed per row: min(committed, j)
                 self.tokens[j].append(statistics.mean(min(c, j) for c in committed))
-        speculating = self.since == 0 and self.rounds > 0      # this round followed a round
+        speculating = self.rounds > 0 and self.next_probe == 0     # rounds were on (not a probe after plain steps)
         self.since, self.rounds, self.streak = 0, self.rounds + 1, self.streak + 1
         if not self.plain:
             self.next_probe = 0

@@ -465,6 +465,9 @@ def test_policy_chooses_the_verify_block_that_pays_most():
     takes rounds of 4, with a round of 8 now and then (its acceptance re-measured); where no block pays it takes
     plain steps. Where a round's cost hardly grows with its block, the whole block wins."""
     assert batching.verify_blocks(16) == (16, 8, 4, 2) and batching.verify_blocks(6) == (6, 3) == batching.Policy(block=6).blocks
+    p = batching.Policy(block=16)
+    assert drive(p, 4, round_s=0.01, tokens=6) == "...R"          # one round of 16 estimates every shorter block
+    assert {k: list(v) for k, v in p.tokens.items()} == {16: [6], 8: [6], 4: [4], 2: [2]}
     p, blocks = batching.Policy(block=16), []
     kinds = drive(p, 300, round_s=lambda k: 0.001 + 0.00045 * k, tokens=6, blocks=blocks)
     assert kinds.startswith("...RRRR") and kinds.count(".") < 25 and blocks[:4] == [16, 8, 4, 2] and 16 not in blocks[4:]
