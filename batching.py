@@ -496,7 +496,8 @@ class Policy:
     `patience` probes in a row (after the rounds that time the blocks) that each lost by more than the margin,
     once the rounds in its window hold at least
     `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
-    unlucky probes would say nothing); keeping the context for the probes costs a few percent of every plain
+    unlucky probes would say nothing; with a window of 16 rounds a batch of 1 never gives up this way, and its
+    probes stay within the budget); keeping the context for the probes costs a few percent of every plain
     step. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
     The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
     blocks. Timings and acceptance carry over from one run of the Batch to the next (the costs depend on N, which
