@@ -213,21 +213,21 @@ class SlotSteps:
             self.feat_pos = self.offsets.repeat(slots, 1)
             self.plain_buf = torch.zeros_like(self.feats)
             self.round_buf = torch.zeros_like(self.feats)      # a round's verify features, padded to B columns
-        self.decode_step, self.verify_step, self.commit = self._decode, self._verify, self.cache.commit
-        self.draft_step, self.plain_step = (proposer.propose if proposer is not None else None), self._plain
+        self.decode_step, self.plain_step = self._decode, self._plain
         self._graphs, self._guard, self._options = False, None, None     # with compiled steps: compiling.ModelGuard
+        self._by_block = {}                                              # round_steps per verify block
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
-        self._by_block = {self.block: (self.draft_step, self.verify_step, self.commit)}
+        self.draft_step, self.verify_step, self.commit = self.round_steps(self.block)    # the whole block's
 
     def round_steps(self, k: int) -> tuple:
         """(draft_step, verify_step, commit) for a round that verifies k <= block tokens per row (a policy's shorter
         block). Compiled steps are made per k, on first use (their shapes follow k; warm_up makes every k a
         policy may choose), so changing k never recompiles one."""
         if k not in self._by_block:
-            steps = (self.proposer.propose, self._verify, self.cache.commit)
+            steps = (getattr(self.proposer, "propose", None), self._verify, self.cache.commit)   # (AR: no draft)
             if self._options is not None:
-                steps = tuple(compiling.compile_step(f, self._options) for f in steps)
+                steps = tuple(f and compiling.compile_step(f, self._options) for f in steps)
             self._by_block[k] = steps
         return self._by_block[k]
 
@@ -243,11 +243,8 @@ class SlotSteps:
                       self.round_buf):
                 if t is not None:                  # (plain_buf, round_buf: a batch with a drafter only)
                     torch._dynamo.mark_static_address(t, guard=False)
-        self.decode_step = compiling.compile_step(self._decode, options)
-        self.verify_step = compiling.compile_step(self._verify, options)
-        self.commit = compiling.compile_step(self.cache.commit, options)
+        self.decode_step = compiling.compile_step(self._decode, options)       # the round's steps: round_steps
         if self.proposer is not None:
-            self.draft_step = compiling.compile_step(self.proposer.propose, options)
             self.plain_step = compiling.compile_step(self._plain, options)
         self._guard = compiling.ModelGuard(self.target, self.proposer, "Batch")
 
@@ -420,7 +417,7 @@ class Batch(SlotSteps):
         t0 = time.perf_counter()
         proposals = torch.zeros(self.slots, 0, dtype=torch.long, device=dev)
         if k > 1:
-            proposals = draft_step(self.last, self.start, self.feats, self.feat_pos, k - 1)     # [N,k-1]
+            proposals = draft_step(self.last, start, self.feats, self.feat_pos, k - 1)          # [N,k-1]
         elif self.feats is not None:            # no draft to take the pending features: into the context now
             self.proposer.append(self.feats, self.feat_pos)
         t1 = time.perf_counter()
@@ -528,7 +525,7 @@ class Policy:
     def gain(self, k: int) -> float:
         """Plain steps a round of k is worth: its tokens per row x plain seconds / its seconds (medians of the last
         steps' times, the mean of the tokens)."""
-        return (statistics.mean(self.tokens[k]) * statistics.median(self.plain) / statistics.median(self.seconds[k]))
+        return statistics.mean(self.tokens[k]) * statistics.median(self.plain) / statistics.median(self.seconds[k])
 
     def best(self) -> int:
         """The block whose round is worth the most plain steps, among those timed."""
@@ -544,9 +541,9 @@ class Policy:
         microseconds; a plain step on a CPU, under a ms)."""
         if len(self.plain) < self.first_plain or self.streak >= self.explore:
             return False        # plain steps time one: the first ones, and one after every `explore` rounds in a row
-        explore = self._explore_next() if self.feeds else None
-        if explore is not None:
-            return explore
+        untimed = self._explore_next() if self.feeds else None
+        if untimed is not None:
+            return untimed
         return self.k if self.feeds and self.since >= self.next_probe else False
 
     def _explore_next(self):
