@@ -177,6 +177,7 @@ class SlotSteps:
         verify_step  (block [N,B], pos [N,B])                  -> posterior [N,B], accepted [N], feats [N,B,F]
         draft_step   (last [N], start [N], feats [N,B,F], feat_pos [N,B], B-1) -> proposals [N,B-1]
         commit       (n [N])                                   -> each row's GDN states after its n-th block token
+        append_step  (feats [N,B,F], feat_pos [N,B])           -> plain steps' features into the drafter's context
     Per row on the device: last (the last committed token), start (its position), the request's sampling settings
     and noise key. Prefill (a request's admission) runs eager, one request at a time."""
 
@@ -214,6 +215,7 @@ class SlotSteps:
             self.plain_buf = torch.zeros_like(self.feats)
             self.round_buf = torch.zeros_like(self.feats)      # a round's verify features, padded to B columns
         self.decode_step, self.plain_step = self._decode, self._plain
+        self.append_step = proposer.append if proposer is not None else None   # pending features into the context
         self._graphs, self._guard, self._options = False, None, None     # with compiled steps: compiling.ModelGuard
         self._by_block = {}                                              # round_steps per verify block
         if compile_mode is not None:
@@ -244,8 +246,9 @@ class SlotSteps:
                 if t is not None:                  # (plain_buf, round_buf: a batch with a drafter only)
                     torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)       # the round's steps: round_steps
-        if self.proposer is not None:
+        if self.proposer is not None:      # (plain steps' features go into the drafter's context in append_step)
             self.plain_step = compiling.compile_step(self._plain, options)
+            self.append_step = compiling.compile_step(self.proposer.append, options)
         self._guard = compiling.ModelGuard(self.target, self.proposer, "Batch")
 
     # ---- the steps -----------------------------------------------------------------------------
@@ -326,7 +329,7 @@ class Batch(SlotSteps):
     def _take_pending(self) -> None:
         """The pending features (a round's, or plain steps') into the drafter's context; plain steps fill plain_buf
         from column 0 from here, column j holding position start + j of each row."""
-        self.proposer.append(self.feats, self.feat_pos)
+        self.append_step(self.feats, self.feat_pos)
         self.feats, self.feat_pos, self.plain_run = self.plain_buf, self.start[:, None] + self.offsets, 0
 
     def _upload(self, rows) -> None:
@@ -419,7 +422,7 @@ class Batch(SlotSteps):
         if k > 1:
             proposals = draft_step(self.last, start, self.feats, self.feat_pos, k - 1)          # [N,k-1]
         elif self.feats is not None:            # no draft to take the pending features: into the context now
-            self.proposer.append(self.feats, self.feat_pos)
+            self.append_step(self.feats, self.feat_pos)
         t1 = time.perf_counter()
         block = torch.cat([self.last[:, None], proposals], 1)
         posterior, accepted, feats = verify_step(block, pos)
@@ -489,13 +492,14 @@ class Policy:
     under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
     When even a full block could not pay at any k (k x plain seconds / round seconds(k) below 1 - `margin`, over at
     least `min_rounds` rounds), no acceptance can make rounds pay at this N: the batch stops probing and stops
-    feeding the drafter's context (`feeds` False), so its plain steps cost exactly AR's. It does the same after
-    `patience` probes in a row (after the rounds that time the blocks) that each lost by more than the margin,
-    once the rounds in its window hold at least
-    `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
-    unlucky probes would say nothing; with a window of 16 rounds a batch of 1 never gives up this way, and its
-    probes stay within the budget); keeping the context for the probes costs a few percent of every plain
-    step. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
+    feeding the drafter's context (`feeds` False), so its plain steps cost exactly AR's. It does the same after a
+    stretch of probes in a row (after the rounds that time the blocks) that did not bring rounds back: `patience`
+    probes that each lost by more than the margin, or 4 x `patience` near break-even (their gain below the
+    1 + margin that brings rounds back), once those probes hold at least `min_samples` rows' acceptance (at N = 1
+    one round is one sample, and a round's tokens are bimodal: four unlucky probes would say nothing, so a batch of
+    1 needs 32 probes). Keeping the context for probes that never bring rounds back costs a few percent of every
+    plain step (the features kept, the drafter's appends) and buys nothing. Both verdicts are for the life of the
+    Batch: a new workload at this N gets a new Policy.
     The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
     blocks. Timings and acceptance carry over from one run of the Batch to the next (the costs depend on N, which
     a Batch fixes); the output never depends on the choice: every kind of step commits the target's own tokens."""
@@ -509,11 +513,11 @@ class Policy:
         if self.blocks[-1] < 1 or self.blocks[0] > block:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
         self.losing = 0                                     # probes in a row that lost by more than the margin
+        self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
         self.feeds = True                                   # plain steps keep features for the drafter's context
         self.seconds = {k: collections.deque(maxlen=window) for k in self.blocks}   # per round of k
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
-        self.rows = collections.deque(maxlen=window)        # live rows per round: the acceptance samples it gave
         self.k = self.blocks[0]                             # the block of the next round
         self.rounds = 0                                     # rounds observed
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
@@ -574,8 +578,10 @@ class Policy:
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
         timing = self.rounds <= len(self.blocks)            # the rounds that time each block are not probes
         self.losing = self.losing + 1 if gain < 1 - self.margin and not timing else 0
-        self.rows.append(len(live))
-        if self.losing >= self.patience and sum(self.rows) >= self.min_samples:
+        stalled = self.next_probe > 0 and not timing
+        self.stalled, self.stalled_rows = (self.stalled + 1, self.stalled_rows + len(live)) if stalled else (0, 0)
+        if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or
+                                                      self.stalled >= 4 * self.patience):
             self.feeds = False
         # full: a whole block accepted, at the block where that is worth the most
         full = max(j * plain_s / statistics.median(self.seconds[j]) for j in self.blocks if self.seconds[j])

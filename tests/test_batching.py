@@ -444,8 +444,15 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     kinds += drive(p, 1100, round_s=0.010, tokens=6, rows=8)
     assert kinds.count("R") == 5 and not p.feeds and kinds.endswith("." * 500)  # timed, then 4 losing probes: given up
     p = batching.Policy(block=16, blocks=(16,))
-    kinds = drive(p, 1200, round_s=0.0065, tokens=6)                           # losing within the margin: probes go on
-    assert kinds.count("R") > 20 and p.feeds
+    kinds = drive(p, 1200, round_s=0.0065, tokens=6)              # losing within the margin: 16 probes, then given up
+    assert kinds.count("R") == 17 and not p.feeds and kinds.endswith("." * 500)
+    p = batching.Policy(block=16, blocks=(16,))
+    kinds = drive(p, 1200, round_s=0.0057, tokens=6, rows=1)      # gain 1.05, one row: short of 1.1, 32 probes
+    assert kinds.count("R") == 33 and not p.feeds
+    p = batching.Policy(block=16, blocks=(16,))
+    assert drive(p, 1200, round_s=0.0065, tokens=6, rows=1).count("R") == 33 and not p.feeds   # losing, one row
+    p = batching.Policy(block=16, blocks=(16,))
+    assert drive(p, 600, round_s=0.005, tokens=6, rows=1).count(".") < 60 and p.feeds          # paying, one row
     p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 300, round_s=0.020, tokens=15)                             # 20 plain steps a round: never pays
     assert kinds.count("R") == 3 and not p.feeds and kinds.endswith("." * 200)  # given up, the context unfed
