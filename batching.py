@@ -314,7 +314,10 @@ class Batch(SlotSteps):
                                     feature_layers=self.feature_layers if self.feeding else (),
                                     mask=DenseMasks(self.capacity).target(pos))
         at = pos[-1:][None] + 1
-        first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
+        if s.greedy:                     # (choose would also sort the vocabulary for a draw it then throws away)
+            first = int(logits[0, -1].argmax())
+        else:
+            first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
         if self.feeding:
             if self.plain_run:                  # plain steps' columns are pending: into the context first, so that
                 self._take_pending()            # every row's column j is again position start + j
