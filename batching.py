@@ -486,23 +486,27 @@ class Policy:
     (it estimates every block's acceptance). A round of k is worth `gain(k)` = tokens(k) x plain seconds /
     round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
     plain steps when it is >= 1 + `margin` (step times on a shared machine move by tens of percent; without the
-    margin a noisy stretch near break-even starts runs of losing rounds). While rounds use a block shorter than
-    the whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured;
+    margin a noisy stretch near break-even starts runs of losing rounds).
+    Exploring: until every block has been timed `min_rounds` times, probes and every `explore`-th round re-time the
+    block timed least (one timing on a shared machine can be off by 3x: a slow first round of 8 made 2 look best at
+    N = 8, and probes of 2 alone could never show that 8 paid). Then, while rounds use a block shorter than the
+    whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured;
     and after `explore` rounds in a row one plain step re-times a plain step (a median of a few early plain steps,
     a cold first one among them, had made rounds look 40% better than they were at N = 32 on a CPU).
-    While they lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes with
-    the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep that
-    under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
-    When even a full block could not pay at any k (k x plain seconds / round seconds(k) below 1 - `margin`, over at
-    least `min_rounds` rounds), no acceptance can make rounds pay at this N: the batch stops probing and stops
-    feeding the drafter's context (`feeds` False), so its plain steps cost exactly AR's. It does the same after a
-    stretch of probes in a row (after the rounds that time the blocks) that did not bring rounds back: `patience`
-    probes that each lost by more than the margin, or 4 x `patience` near break-even (their gain below the
-    1 + margin that brings rounds back), once those probes hold at least `min_samples` rows' acceptance (at N = 1
-    one round is one sample, and a round's tokens are bimodal: four unlucky probes would say nothing, so a batch of
-    1 needs 32 probes). Keeping the context for probes that never bring rounds back costs a few percent of every
-    plain step (the features kept, the drafter's appends) and buys nothing. Both verdicts are for the life of the
-    Batch: a new workload at this N gets a new Policy.
+    While rounds lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes
+    with the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep
+    that under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
+    Giving up: once every block is timed `min_rounds` times, when even a full block could not pay at any k
+    (k x plain seconds / round seconds(k) below 1 - `margin`), no acceptance can make rounds pay at this N: the
+    batch stops probing and stops feeding the drafter's context (`feeds` False), so its plain steps cost exactly
+    AR's. It does the same after a stretch of probes in a row that did not bring rounds back: `patience` probes
+    that each lost by more than the margin, or 4 x `patience` near break-even (their gain below the 1 + margin
+    that brings rounds back) spread over at least `max_wait` plain steps (near break-even probes come every few
+    steps, and a slow moment of a shared machine must not end rounds for good), once those probes hold at least
+    `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
+    unlucky probes would say nothing, so a batch of 1 needs 32 probes). Keeping the context for probes that never
+    bring rounds back costs a few percent of every plain step (the features kept, the drafter's appends) and buys
+    nothing. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
     The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
     blocks. Timings and acceptance carry over from one run of the Batch to the next (the costs depend on N, which
     a Batch fixes); the output never depends on the choice: every kind of step commits the target's own tokens."""
@@ -517,6 +521,7 @@ class Policy:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
         self.losing = 0                                     # probes in a row that lost by more than the margin
         self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
+        self.stalled_steps = 0                              # and the plain steps between them
         self.feeds = True                                   # plain steps keep features for the drafter's context
         self.seconds = {k: collections.deque(maxlen=window) for k in self.blocks}   # per round of k
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
@@ -559,6 +564,11 @@ class Policy:
         untimed = [k for k in self.blocks if not self.seconds[k]]
         return untimed[0] if untimed else None
 
+    def timed(self) -> bool:
+        """Whether every block's round has been timed `min_rounds` times: one timing of a block on a shared machine
+        can be off by tens of percent, and a verdict for the life of the Batch must not rest on it."""
+        return all(len(self.seconds[k]) >= self.min_rounds for k in self.blocks)
+
     def observe_round(self, rows, seconds: float) -> None:
         live = [r for r in rows if r is not None]
         committed = [len(r.result.steps[-1].tokens) for r in live] or [1]
@@ -568,31 +578,50 @@ class Policy:
             if j <= k:          # what a round of j would have committed per row: min(committed, j)
                 self.tokens[j].append(statistics.mean(min(c, j) for c in committed))
         speculating = self.rounds > 0 and self.next_probe == 0     # rounds were on (not a probe after plain steps)
+        waited = self.since                                        # plain steps before this round
         self.since, self.rounds, self.streak = 0, self.rounds + 1, self.streak + 1
         if not self.plain:
             self.next_probe = 0
             return
         best = self.best()
-        gain, plain_s = self.gain(best), statistics.median(self.plain)
-        longer = [j for j in self.blocks if j > best]
-        explore = gain >= 1 and longer and self.rounds % self.explore == 0
-        self.k = longer[-1] if explore else best              # now and then the next longer block, re-measured
-        tokens = statistics.mean(self.tokens[best])
+        gain, tokens = self.gain(best), statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
-        timing = self.rounds <= len(self.blocks)            # the rounds that time each block are not probes
-        self.losing = self.losing + 1 if gain < 1 - self.margin and not timing else 0
-        stalled = self.next_probe > 0 and not timing
-        self.stalled, self.stalled_rows = (self.stalled + 1, self.stalled_rows + len(live)) if stalled else (0, 0)
-        if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or
-                                                      self.stalled >= 4 * self.patience):
+        self.k = self._next_block(best, explore=self.next_probe > 0 or self.rounds % self.explore == 0)
+        self._judge(gain, len(live), waited)
+
+    def _next_block(self, best: int, explore: bool) -> int:
+        """The block of the next round: the best, or when exploring (a probe, or every `explore`-th round) a block
+        timed fewer than `min_rounds` times, else while rounds go on the next longer block than the best (its
+        acceptance re-measured: a round of k measures only blocks up to k)."""
+        if not explore:
+            return best
+        fewest = min(self.blocks, key=lambda j: len(self.seconds[j]))
+        if len(self.seconds[fewest]) < self.min_rounds:
+            return fewest
+        longer = [j for j in self.blocks if j > best]
+        return longer[-1] if longer and self.next_probe == 0 else best
+
+    def _judge(self, gain: float, rows: int, waited: int) -> None:
+        """After a round: whether rounds are given up for good (class docstring), from the best block's gain, the
+        round's live rows and the plain steps before it."""
+        timed = self.timed()              # until then no round is a probe that counts: the rounds are timing blocks
+        self.losing = self.losing + 1 if gain < 1 - self.margin and timed else 0
+        if self.next_probe > 0 and timed:                   # a probe (or the round before plain steps) that did not
+            self.stalled, self.stalled_rows = self.stalled + 1, self.stalled_rows + rows        # bring rounds back
+            self.stalled_steps += waited
+        else:
+            self.stalled = self.stalled_rows = self.stalled_steps = 0
+        near = self.stalled >= 4 * self.patience and self.stalled_steps >= self.max_wait   # not a noisy moment
+        if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or near):
             self.feeds = False
         # full: a whole block accepted, at the block where that is worth the most
+        plain_s = statistics.median(self.plain)
         full = max(j * plain_s / statistics.median(self.seconds[j]) for j in self.blocks if self.seconds[j])
         if full < 1 - self.margin:                          # not even a full block could pay
-            if self.rounds < self.min_rounds:
-                self.next_probe = self.first_wait           # confirm it soon rather than after a long wait
-            else:
+            if timed:
                 self.feeds = False
+            else:
+                self.next_probe = min(self.next_probe, self.first_wait)   # re-time soon rather than after a long wait
 
     def observe_plain(self, rows, seconds: float) -> None:
         self.plain.append(seconds)

@@ -441,16 +441,16 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     assert kinds.startswith("...R.") and kinds.count("R") <= 8 and p.feeds      # probes, a few; a full block could pay
     waits = [len(w) for w in kinds.split("R")[1:-1]]
     assert waits and min(waits) >= 100                                          # a 4-step loss each: waits of 200
-    kinds += drive(p, 1100, round_s=0.010, tokens=6, rows=8)
-    assert kinds.count("R") == 5 and not p.feeds and kinds.endswith("." * 500)  # timed, then 4 losing probes: given up
+    kinds += drive(p, 1600, round_s=0.010, tokens=6, rows=8)
+    assert kinds.count("R") == 6 and not p.feeds and kinds.endswith("." * 500)  # timed 3 times: 4 losing probes: given up
     p = batching.Policy(block=16, blocks=(16,))
-    kinds = drive(p, 1200, round_s=0.0065, tokens=6)              # losing within the margin: 16 probes, then given up
-    assert kinds.count("R") == 17 and not p.feeds and kinds.endswith("." * 500)
+    kinds = drive(p, 1200, round_s=0.0065, tokens=6)              # losing within the margin: probes every 26 steps,
+    assert kinds.count("R") == 23 and not p.feeds and kinds.endswith("." * 500)   # 20 of them span 512: given up
     p = batching.Policy(block=16, blocks=(16,))
-    kinds = drive(p, 1200, round_s=0.0057, tokens=6, rows=1)      # gain 1.05, one row: short of 1.1, 32 probes
-    assert kinds.count("R") == 33 and not p.feeds
+    kinds = drive(p, 1200, round_s=0.0057, tokens=6, rows=1)      # gain 1.05, one row: short of 1.1; probes every
+    assert kinds.count("R") == 130 and not p.feeds                # 5 steps, given up once they span 512 plain steps
     p = batching.Policy(block=16, blocks=(16,))
-    assert drive(p, 1200, round_s=0.0065, tokens=6, rows=1).count("R") == 33 and not p.feeds   # losing, one row
+    assert drive(p, 1200, round_s=0.0065, tokens=6, rows=1).count("R") == 34 and not p.feeds   # losing, one row: 32
     p = batching.Policy(block=16, blocks=(16,))
     assert drive(p, 600, round_s=0.005, tokens=6, rows=1).count(".") < 60 and p.feeds          # paying, one row
     p = batching.Policy(block=16, blocks=(16,))
@@ -477,16 +477,25 @@ def test_policy_chooses_the_verify_block_that_pays_most():
     assert {k: list(v) for k, v in p.tokens.items()} == {16: [6], 8: [6], 4: [4], 2: [2]}
     p, blocks = batching.Policy(block=16), []
     kinds = drive(p, 300, round_s=lambda k: 0.001 + 0.00045 * k, tokens=6, blocks=blocks)
-    assert kinds.startswith("...RRRR") and kinds.count(".") < 25 and blocks[:4] == [16, 8, 4, 2] and 16 not in blocks[4:]
+    assert kinds.startswith("...RRRR") and kinds.count(".") < 25 and blocks[:4] == [16, 8, 4, 2] and blocks[4:].count(16) == 2
     assert blocks[4:].count(4) > 0.9 * len(blocks[4:]) and 8 in blocks[4:]
-    p = batching.Policy(block=16)                                               # 0.3 ms + 0.9 ms per token: none pays
-    kinds = drive(p, 600, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1)
-    assert kinds.startswith("...RRRR.") and kinds.count("R") <= 12 and kinds.endswith("." * 100) and not p.feeds
+    p, blocks = batching.Policy(block=16), []                                   # 0.3 ms + 0.9 ms per token: none pays
+    kinds = drive(p, 1000, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1, blocks=blocks)    # each block timed 3
+    assert kinds.startswith("...RRRR.") and blocks[:12] == [16, 8, 4, 2] * 3          # times, then losing probes of 2
+    assert kinds.count("R") == 19 and kinds.endswith("." * 100) and not p.feeds      # until 32 rows: given up
     p = batching.Policy(block=16)                                               # the same with one row: no verdict
     kinds = drive(p, 600, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1, rows=1)    # from 4 probes of one row
     assert p.feeds and kinds.count("R") > 8
     p, blocks = batching.Policy(block=16), []                                   # 3 ms + 0.1 ms per token, 12 accepted
-    kinds = drive(p, 100, round_s=lambda k: 0.003 + 0.0001 * k, tokens=12, blocks=blocks)
-    assert blocks[:4] == [16, 8, 4, 2] and set(blocks[4:]) == {16}
+    kinds = drive(p, 200, round_s=lambda k: 0.003 + 0.0001 * k, tokens=12, blocks=blocks)
+    assert blocks[:4] == [16, 8, 4, 2] and blocks[-60:] == [16] * 60            # (after re-timing the others)
+    first = {}                                  # a slow moment of the machine times the first rounds of 8 and 4 at 3x
+
+    def noisy(k):
+        first[k] = first.get(k, 0) + 1
+        return (0.001 + 0.00045 * k) * (3 if k in (8, 4) and first[k] == 1 else 1)
+    p, blocks = batching.Policy(block=16), []
+    kinds = drive(p, 300, round_s=noisy, tokens=6, blocks=blocks)     # probes re-time them: rounds of 4 again
+    assert kinds.count("R") > 200 and blocks[-100:].count(4) > 90
     with pytest.raises(dflash.GenerationError, match="policy blocks"):
         batching.Policy(block=8, blocks=(16, 4))
