@@ -539,7 +539,7 @@ def concurrency_main(args, device) -> dict:
         row = concurrency_row(n, runs, warm)
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DFlash {row['dflash_tokens_per_s']:8.1f} tok/s  "
-              f"speedup {row['speedup']:.2f}x  per request: AR {row['ar_request_tokens_per_s']:.1f}, DFlash "
+              f"speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x)  per request: AR {row['ar_request_tokens_per_s']:.1f}, DFlash "
               f"{row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance {row['mean_acceptance']:.2f}  "
               f"rounds {row['round_share']:.0%} of DFlash steps (verify blocks {row['verify_blocks']})  "
               f"identical {row['identical']}  ({len(reqs)} requests; "
@@ -564,8 +564,12 @@ def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     blocks = collections.Counter(len(s.draft_ids) + 1 for _, res in runs["dflash"] for r in res for s in r.steps
                                  if s.kind == "verify")        # the verify block of each row's rounds (Policy's choice)
     ar, sp = throughput("ar"), throughput("dflash")
+    # each repeat's DFlash / AR, the two runs side by side in time: a machine whose speed drifts over a repeat's
+    # few seconds moves both alike, where the ratio of the medians may pair a fast run with a slow one
+    paired = statistics.median(sum(len(r.output_ids) for r in b) / sb / (sum(len(r.output_ids) for r in a) / sa)
+                               for (sa, a), (sb, b) in zip(runs["ar"], runs["dflash"]))
     identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
-    return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar,
+    return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar, "paired_speedup": paired,
             "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
             "ar_request_tokens_per_s": per_request("ar"), "dflash_request_tokens_per_s": per_request("dflash"),
             "round_share": kinds.count("verify") / len(kinds) if kinds else 0.0, "identical": identical,

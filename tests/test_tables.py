@@ -297,5 +297,5 @@ def test_dataset_chooses_the_prompts_of_another_mode(tmp_path, capsys):
     f.write_text("\n".join(json.dumps({"turns": [t, "unused second turn"]}) for t in ("class Stack:", "def main():")))
     res = bench.main(["--dataset", str(f), "--concurrency", "2", "--max-new-tokens", "12", "--threads", "1"])
     (row,) = res["concurrency"]
-    assert row["n"] == 2 and row["requests"] == 6 and row["identical"]          # 2 prompts, repeated to 3N
+    assert row["n"] == 2 and row["requests"] == 6 and row["identical"] and row["paired_speedup"] > 0   # 2 prompts, to 3N
     capsys.readouterr()
