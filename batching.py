@@ -491,8 +491,9 @@ class Policy:
     block timed least (one timing on a shared machine can be off by 3x: a slow first round of 8 made 2 look best at
     N = 8, and probes of 2 alone could never show that 8 paid). Then, while rounds use a block shorter than the
     whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured;
-    and after `explore` rounds in a row one plain step re-times a plain step (a median of a few early plain steps,
-    a cold first one among them, had made rounds look 40% better than they were at N = 32 on a CPU).
+    and after `explore` rounds in a row two plain steps re-time a plain step, the second one timed (observe_plain;
+    a median of a few early plain steps, a cold first one among them, had made rounds look 40% better than they
+    were at N = 32 on a CPU).
     While rounds lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes
     with the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep
     that under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
@@ -553,17 +554,22 @@ class Policy:
         """False (a plain step) or the block of a round. Decided after each round (the medians cost tens of
         microseconds; a plain step on a CPU, under a ms)."""
         if len(self.plain) < self.first_plain or self.streak >= self.explore or self.retiming:
-            return False        # plain steps time one: the first ones, and one after every `explore` rounds in a row
+            return False        # plain steps time one: the first ones, and two after every `explore` rounds in a row
         untimed = self._explore_next() if self.feeds else None
         if untimed is not None:
             return untimed
         return self.k if self.feeds and self.since >= self.next_probe else False
 
+    def _least_timed(self) -> int:
+        """The block whose round has been timed the fewest times (the longest among equals: a round of the whole
+        block measures every block's acceptance)."""
+        return min(self.blocks, key=lambda j: len(self.seconds[j]))
+
     def _explore_next(self):
-        """The block to time next at the start, or None once every block has been timed: the whole block first (its
-        round measures every block's acceptance), then ever shorter ones."""
-        untimed = [k for k in self.blocks if not self.seconds[k]]
-        return untimed[0] if untimed else None
+        """The block to time next at the start, or None once every block has been timed: the whole block first, then
+        ever shorter ones."""
+        k = self._least_timed()
+        return None if self.seconds[k] else k
 
     def timed(self) -> bool:
         """Whether every block's round has been timed `min_rounds` times: one timing of a block on a shared machine
@@ -596,7 +602,7 @@ class Policy:
         acceptance re-measured: a round of k measures only blocks up to k)."""
         if not explore:
             return best
-        fewest = min(self.blocks, key=lambda j: len(self.seconds[j]))
+        fewest = self._least_timed()
         if len(self.seconds[fewest]) < self.min_rounds:
             return fewest
         longer = [j for j in self.blocks if j > best]

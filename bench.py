@@ -553,8 +553,12 @@ def concurrency_main(args, device) -> dict:
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     """One N's line of the concurrency table from runs {name: [(seconds, [Result])] per repeat}: medians over repeats."""
+    def tokens_per_s(run):                            # one repeat (seconds, [Result]): generated tokens / wall time
+        sec, res = run
+        return sum(len(r.output_ids) for r in res) / sec
+
     def throughput(name):
-        return statistics.median(sum(len(r.output_ids) for r in res) / sec for sec, res in runs[name])
+        return statistics.median(tokens_per_s(run) for run in runs[name])
 
     def per_request(name):
         return statistics.median((len(r.output_ids) - 1) / r.decode_seconds for _, res in runs[name] for r in res
@@ -566,8 +570,7 @@ def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     ar, sp = throughput("ar"), throughput("dflash")
     # each repeat's DFlash / AR, the two runs side by side in time: a machine whose speed drifts over a repeat's
     # few seconds moves both alike, where the ratio of the medians may pair a fast run with a slow one
-    paired = statistics.median(sum(len(r.output_ids) for r in b) / sb / (sum(len(r.output_ids) for r in a) / sa)
-                               for (sa, a), (sb, b) in zip(runs["ar"], runs["dflash"]))
+    paired = statistics.median(tokens_per_s(d) / tokens_per_s(a) for a, d in zip(runs["ar"], runs["dflash"]))
     identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
     return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar, "paired_speedup": paired,
             "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
