@@ -17,7 +17,8 @@ What remains is rounding: a product over N rows may round differently from one o
 bfloat16: near-ties only; float64: the same tokens in every test).
 
     Request          one generation asked for: prompt, max_new_tokens, stops, sampling settings, seed
-    BatchProposer    what drafts for every row at once (a typing.Protocol); SlotDrafter wraps a DFlash drafter
+    BatchProposer    what drafts for every row at once (a typing.Protocol); SlotDrafter wraps a DFlash drafter,
+                     mtp.SlotMTP the target's MTP head
     SlotSteps        the N slots' caches and fixed-shape steps (decode, plain, verify, draft, commit), one compiled set
                      per N and verify block
     Batch            the N-slot engine over them: run(requests) -> one dflash.Result per request, in order
@@ -32,7 +33,7 @@ import gc
 import secrets
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -47,30 +48,38 @@ from sampling import Sampling, draw
 @dataclass
 class Request:
     """One generation: greedy (sampling None or temperature 0) or sampled with its own seed (None: a random one,
-    recorded in its Result)."""
+    recorded in its Result). images: a vision.ImagePrompt whose expanded ids are prompt_ids (vision.encode_images);
+    the drafter sees the images only through the target's features."""
     prompt_ids: list
     max_new_tokens: int
     stop_ids: tuple = ()
     sampling: Sampling = field(default_factory=Sampling)
     seed: int | None = None
+    images: object = None
 
 
 class BatchProposer(Protocol):
-    """Drafts for all N rows in one call. Shapes: N slots, B = block size, F = feature width."""
+    """Drafts for all N rows in one call. Shapes: N slots, B = block size, F = feature width.
+    next_ids [N,R]: the committed token after each feature row's position (the row's own next token; stale for rows
+    at positions >= a row's start). Kept up to date only for a proposer that reads it (`wants_next_ids`, the MTP
+    head: mtp.SlotMTP), whose pending features also always hold the row at start - 1 (it drafts from there); a
+    DFlash drafter ignores it."""
     max_block_size: int
     feature_layers: tuple           # the target layers whose outputs it reads
+    wants_next_ids: bool
 
     def reset(self, slots: int, capacity: int) -> None:
         """Allocate (or keep) its per-row state for `slots` rows of `capacity` positions."""
 
-    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list) -> None:
-        """A new request in `row`: its prompt (token ids [T]) and their features [1,T,F] at positions pos [T]."""
+    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list, first: int) -> None:
+        """A new request in `row`: its prompt (token ids [T]) and their features [1,T,F] at positions pos [T]; first:
+        the token its prefill committed (the one after the prompt's last)."""
 
-    def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(self, feats: torch.Tensor, pos: torch.Tensor, next_ids: torch.Tensor) -> None:
         """Features [N,R,F] of every row at positions pos [N,R] into its context (a plain step's)."""
 
     def propose(self, last: torch.Tensor, start: torch.Tensor, feats: torch.Tensor, feat_pos: torch.Tensor,
-                n: int) -> torch.Tensor:
+                n: int, next_ids: torch.Tensor) -> torch.Tensor:
         """last [N] tokens at positions start [N]; feats [N,B,F] features at feat_pos [N,B] not seen yet (rows at
         positions >= a row's start are stale: hidden) -> proposals [N,n] for positions start+1 .. start+n."""
 
@@ -79,6 +88,8 @@ class SlotDrafter:
     """A DFlash or DFlash2 drafter for N rows: its context cache has a row per slot. DFlash2 drafts greedily here
     (its candidate selector's best path; a sampling target then verifies it by the coupled rule, which keeps
     the output the target's own draws)."""
+
+    wants_next_ids = False
 
     def __init__(self, drafter: DFlashDrafter, target: Qwen35, window: int | None = None):
         if window is not None and window < 1:
@@ -93,16 +104,16 @@ class SlotDrafter:
         self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device, batch=slots)
         self.masks = DenseMasks(capacity, self.max_block_size, self.window)
 
-    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list) -> None:
+    def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list, first: int) -> None:
         view = object.__new__(DraftCache)            # row `row` of every layer's context, as views
         view.capacity = self.cache.capacity
         view.layers = [AttnCache(lc.k[row:row + 1], lc.v[row:row + 1]) for lc in self.cache.layers]
         self.drafter.append_context(feats, pos, view)
 
-    def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(self, feats: torch.Tensor, pos: torch.Tensor, next_ids=None) -> None:
         self.drafter.append_context(feats, pos, self.cache)
 
-    def propose(self, last, start, feats, feat_pos, n: int) -> torch.Tensor:
+    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None) -> torch.Tensor:
         self.append(feats, feat_pos)
         hidden = self.drafter.draft_block(last, start, n, self.target.embed_tokens, self.cache, self.masks)  # [N,n,H]
         logits = self.drafter.draft_logits(hidden, self.target.lm_head)
@@ -173,13 +184,14 @@ class SlotSteps:
     """N slots over one target (and optionally a BatchProposer), caches allocated once for `capacity` positions
     per row, and fixed-shape steps, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
         decode_step  (tok [N,1], pos [N,1])                    -> tokens [N]     AR
-        plain_step   (tok [N,1], pos [N,1], buf [N,B,F], slot [1]) -> tokens [N]  AR, the features kept in buf
+        plain_step   (tok [N,1], pos [N,1], buf [N,P,F], slot [1]) -> tokens [N]  AR, the features kept in buf
         verify_step  (block [N,B], pos [N,B])                  -> posterior [N,B], accepted [N], feats [N,B,F]
-        draft_step   (last [N], start [N], feats [N,B,F], feat_pos [N,B], B-1) -> proposals [N,B-1]
+        draft_step   (last [N], start [N], feats [N,P,F], feat_pos [N,P], B-1, next_ids [N,P]) -> proposals [N,B-1]
         commit       (n [N])                                   -> each row's GDN states after its n-th block token
-        append_step  (feats [N,B,F], feat_pos [N,B])           -> plain steps' features into the drafter's context
-    Per row on the device: last (the last committed token), start (its position), the request's sampling settings
-    and noise key. Prefill (a request's admission) runs eager, one request at a time."""
+        append_step  (feats [N,P,F], feat_pos [N,P], next_ids [N,P]) -> pending features into the drafter's context
+    P = B + back: the pending buffers' columns (back = 1 for a proposer that reads next ids, BatchProposer).
+    Per row on the device: last (the last committed token), start (its position), the request's sampling settings,
+    noise key and RoPE offset. Prefill (a request's admission) runs eager, one request at a time."""
 
     def __init__(self, target: Qwen35, proposer: BatchProposer | None = None, block_size: int = 16, slots: int = 1,
                  capacity: int = 2048, compile_mode: str | None = None, compile_options: dict | None = None,
@@ -195,25 +207,35 @@ class SlotSteps:
         self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block)
         self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
         self.offsets = torch.arange(self.block, device=dev)
-        self.columns = [self.offsets[j:j + 1].clone() for j in range(self.block)]    # plain steps' slots in plain_buf
         self.last, self.start = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
         # each row's request's sampling: device tensors the steps read, so a request's settings never recompile
         self.keys, self.top_k = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        # each row's RoPE position = its cache position + rope_delta: 0 for text, after a prompt with images the
+        # offset its 3-D image positions leave (vision.py)
+        self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
         self.sampled = False          # some request of the run samples: the steps draw (else argmax only)
         self.feeding = proposer is not None    # the drafter's context is kept (False: the policy gave rounds up)
         # The features the drafter's context has not taken yet: a round's verify features, or plain steps' columns
         # in plain_buf (plain_run of them; None: a round's), at positions feat_pos [N,B] (those at >= a row's
-        # start are stale: hidden from its draft, rewritten later).
+        # start are stale: hidden from its draft, rewritten later), and the token after each (feat_next [N,B]; kept
+        # for a proposer that reads it). For such a proposer (the MTP head) the pending rows always include each
+        # row's start - 1, where its draft begins: plain steps fill plain_buf from column `back` = 1, column 0
+        # holding that row carried over (_take_pending).
         self.feats = self.feat_pos = self.plain_buf = self.round_buf = self.plain_run = None
+        self.next_ids = proposer is not None and proposer.wants_next_ids
+        self.back = int(self.next_ids)
+        self.span = torch.arange(self.block + self.back, device=dev)           # the pending buffers' columns
+        self.columns = [self.span[j:j + 1].clone() for j in range(len(self.span))]   # plain steps' slots in plain_buf
         if proposer is not None:
             proposer.reset(slots, capacity)
             width = len(self.feature_layers) * target.cfg.hidden_size
-            self.feats = torch.zeros(slots, self.block, width, dtype=dtype, device=dev)
-            self.feat_pos = self.offsets.repeat(slots, 1)
+            self.feats = torch.zeros(slots, len(self.span), width, dtype=dtype, device=dev)
+            self.feat_pos = self.span.repeat(slots, 1)
             self.plain_buf = torch.zeros_like(self.feats)
             self.round_buf = torch.zeros_like(self.feats)      # a round's verify features, padded to B columns
+            self.feat_next, self.plain_next, self.round_next = (torch.zeros_like(self.feat_pos) for _ in range(3))
         self.decode_step, self.plain_step = self._decode, self._plain
         self.append_step = proposer.append if proposer is not None else None   # pending features into the context
         self._graphs, self._guard, self._options = False, None, None     # with compiled steps: compiling.ModelGuard
@@ -241,8 +263,8 @@ class SlotSteps:
             for c in (self.cache, getattr(self.proposer, "cache", None)):
                 if c is not None:
                     compiling.mark_static_(c)
-            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.plain_buf,
-                      self.round_buf):
+            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.rope_delta,
+                      self.plain_buf, self.round_buf, getattr(self, "plain_next", None), getattr(self, "round_next", None)):
                 if t is not None:                  # (plain_buf, round_buf: a batch with a drafter only)
                     torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)       # the round's steps: round_steps
@@ -260,14 +282,15 @@ class SlotSteps:
 
     def _decode(self, tok, pos):
         """One AR step for every row."""
-        logits, _ = self.target(tok, pos, self.cache)
+        logits, _ = self.target(tok, pos, self.cache, rope_pos=pos + self.rope_delta[:, None])
         return self._choose(logits, pos + 1)[:, 0]
 
     def _plain(self, tok, pos, buf, slot):
         """_decode for a batch with a drafter: the step also keeps its tokens' features, as column `slot` [1] of buf
         [N,B,F], which the drafter's context takes whole (B columns) when it is full or when a round drafts next,
         as it takes a round's verify features; so rounds can resume at any step."""
-        logits, own = self.target(tok, pos, self.cache, feature_layers=self.feature_layers)
+        logits, own = self.target(tok, pos, self.cache, feature_layers=self.feature_layers,
+                                  rope_pos=pos + self.rope_delta[:, None])
         if own is not None:
             buf.index_copy_(1, slot, own)
         return self._choose(logits, pos + 1)[:, 0]
@@ -275,7 +298,8 @@ class SlotSteps:
     def _verify(self, block, pos):
         """The target over every row's block (GDN layers keep its writes); row i of a block judges proposal i by the
         token the target puts at position pos[i] + 1 (argmax, or the request's draw there), as dflash.Engine does."""
-        logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers)
+        logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers,
+                                    rope_pos=pos + self.rope_delta[:, None])
         posterior = self._choose(logits, pos + 1)                                        # [N,B]
         accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
         return posterior, accepted, feats
@@ -308,11 +332,15 @@ class Batch(SlotSteps):
         seed = None if s.greedy else (secrets.randbits(63) if req.seed is None else req.seed)
         self.keys[b] = noise.seed_key(seed) if seed is not None else 0
         self.temperature[b], self.top_p[b], self.top_k[b] = s.temperature, s.top_p, s.top_k
+        img = req.images
+        self.rope_delta[b] = 0 if img is None else img.rope_delta
         view, pos = self.cache.row(b), torch.arange(T0, device=dev)
         view.reset()
         logits, feats = self.target(torch.tensor([req.prompt_ids], device=dev), pos, view, last_logits_only=True,
                                     feature_layers=self.feature_layers if self.feeding else (),
-                                    mask=DenseMasks(self.capacity).target(pos))
+                                    mask=DenseMasks(self.capacity).target(pos),
+                                    rope_pos=None if img is None else img.rope_pos,
+                                    image_embeds=None if img is None else img.embeds)
         at = pos[-1:][None] + 1
         if s.greedy:                     # (choose would also sort the vocabulary for a draw it then throws away)
             first = int(logits[0, -1].argmax())
@@ -321,19 +349,29 @@ class Batch(SlotSteps):
         if self.feeding:
             if self.plain_run:                  # plain steps' columns are pending: into the context first, so that
                 self._take_pending()            # every row's column j is again position start + j
-            self.proposer.admit(b, feats, pos, req.prompt_ids)
+            self.proposer.admit(b, feats, pos, req.prompt_ids, first)
             if self.feats is not None:                     # placeholders at positions >= start: hidden, rewritten
                 self.feats[b].zero_()
-            self.feat_pos[b] = T0 + self.offsets
+                if self.back:                              # the prompt's last row: the draft begins there
+                    self.feats[b, 0] = feats[0, -1]
+                    self.feat_next[b, 0] = first
+            self.feat_pos[b] = T0 - self.back + self.span
         self.last[b], self.start[b] = first, T0
         _sync(dev)
         return _Row(index, req, seed, first, T0, time.perf_counter() - t0)
 
     def _take_pending(self) -> None:
         """The pending features (a round's, or plain steps') into the drafter's context; plain steps fill plain_buf
-        from column 0 from here, column j holding position start + j of each row."""
-        self.append_step(self.feats, self.feat_pos)
-        self.feats, self.feat_pos, self.plain_run = self.plain_buf, self.start[:, None] + self.offsets, 0
+        from column `back` from here, column j holding position start - back + j of each row. With back = 1
+        column 0 takes each row's pending row at start - 1 (its next token: the last committed one)."""
+        self.append_step(self.feats, self.feat_pos, self.feat_next)
+        if self.back:
+            at = (self.start - 1 - self.feat_pos[:, 0]).clamp(0, self.block)          # (a free row: any column)
+            row = self.feats.gather(1, at[:, None, None].expand(-1, 1, self.feats.shape[-1]))   # a copy: feats may
+            self.plain_buf[:, :1] = row                                                     # be plain_buf itself
+            self.plain_next[:, 0] = self.last
+        self.feats, self.feat_next, self.plain_run = self.plain_buf, self.plain_next, 0
+        self.feat_pos = (self.start[:, None] - self.back).clamp(min=0) + self.span     # (a free row: from 0)
 
     def _upload(self, rows) -> None:
         """Every row's last token and position to the device after a step (a free or finished row: token 0 at
@@ -349,6 +387,8 @@ class Batch(SlotSteps):
         on_step(index, step) sees each request's steps as they come."""
         for i, r in enumerate(requests):
             try:
+                if r.images is not None and list(r.images.ids) != list(r.prompt_ids):
+                    raise GenerationError("prompt_ids must be the ImagePrompt's expanded ids (vision.encode_images)")
                 check_inputs(self.target, r.prompt_ids, r.max_new_tokens, self.block, self.capacity, self.proposer)
             except GenerationError as e:
                 raise GenerationError(f"request {i}: {e}") from None
@@ -381,10 +421,10 @@ class Batch(SlotSteps):
         draw), under Alternate when the Batch has a policy (every kind a policy may take); the policy is kept as it
         was."""
         blocks = getattr(self.policy, "blocks", (self.block,))
-        warm = [Request(r.prompt_ids, min(r.max_new_tokens, 3 * self.block + sum(blocks)), r.stop_ids, r.sampling, 0)
+        warm = [replace(r, max_new_tokens=min(r.max_new_tokens, 3 * self.block + sum(blocks)), seed=0)
                 for r in requests[:self.slots]]
         if any(not r.sampling.greedy for r in requests) and all(r.sampling.greedy for r in warm):
-            warm[0] = Request(warm[0].prompt_ids, warm[0].max_new_tokens, (), Sampling(1.0), 0)
+            warm[0] = replace(warm[0], stop_ids=(), sampling=Sampling(1.0))
         policy, self.policy = self.policy, (Alternate(blocks) if self.policy is not None else None)
         try:
             self.run(warm)
@@ -423,12 +463,15 @@ class Batch(SlotSteps):
         t0 = time.perf_counter()
         proposals = torch.zeros(self.slots, 0, dtype=torch.long, device=dev)
         if k > 1:
-            proposals = draft_step(self.last, start, self.feats, self.feat_pos, k - 1)          # [N,k-1]
+            proposals = draft_step(self.last, start, self.feats, self.feat_pos, k - 1, self.feat_next)   # [N,k-1]
         elif self.feats is not None:            # no draft to take the pending features: into the context now
-            self.append_step(self.feats, self.feat_pos)
+            self.append_step(self.feats, self.feat_pos, self.feat_next)
         t1 = time.perf_counter()
         block = torch.cat([self.last[:, None], proposals], 1)
         posterior, accepted, feats = verify_step(block, pos)
+        if self.next_ids:       # row j's next token: the target's at j + 1 (an accepted proposal equals it)
+            self.round_next[:, :k] = posterior
+            self.feat_next = self.round_next
         host = torch.cat([accepted[:, None], posterior, proposals], 1).tolist()       # the round's one host sync
         n = [1] * self.slots                                                           # a free row keeps 1: ignored
         t2 = time.perf_counter()
@@ -444,7 +487,7 @@ class Batch(SlotSteps):
         if feats is not None:
             self.round_buf[:, :k] = feats
             self.feats = self.round_buf
-        self.feat_pos, self.plain_run = start[:, None] + self.offsets, None
+        self.feat_pos, self.plain_run = start[:, None] + self.span, None
 
     def decode(self, rows: list, kind: str, feed: bool = True) -> None:
         """One AR step for every row (`kind` "decode"), or with a drafter a plain step ("plain"): the same target call
@@ -455,7 +498,11 @@ class Batch(SlotSteps):
         if kind == "plain" and feed and self.plain_buf is not None:
             if self.plain_run in (None, self.block):
                 self._take_pending()
-            host = self.plain_step(tok, pos, self.plain_buf, self.columns[self.plain_run]).tolist()
+            column = self.columns[self.plain_run + self.back]
+            out = self.plain_step(tok, pos, self.plain_buf, column)
+            if self.next_ids:                           # the token after the row just kept
+                self.plain_next.index_copy_(1, column, out[:, None])
+            host = out.tolist()
             self.plain_run += 1
         else:
             host = self.decode_step(tok, pos).tolist()

@@ -38,6 +38,7 @@ import eagle3
 import flex
 import checkpoint as ckpt
 import model as M
+import mtp
 import tp
 import vision
 from sampling import DRAFT_RULES
@@ -244,7 +245,6 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     if args.mtp_steps is not None and args.draft.lower() != "mtp":
         raise dflash.GenerationError(f"--mtp-steps applies to --draft mtp, not to --draft {args.draft}")
     if args.draft.lower() == "mtp":
-        import mtp
         if args.draft_window:       # refused before the head is read
             raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
         proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
@@ -469,7 +469,7 @@ def parallel_fields(parallel: tp.Parallel | None) -> dict:
 # ---- many requests at once: --prompts-file, --concurrency (batching.py) ------------------------------
 
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "messages": list, "max_new_tokens": int, "temperature": (int, float),
-                "top_p": (int, float), "top_k": int, "seed": int}      # what a line of --prompts-file may hold
+                "top_p": (int, float), "top_k": int, "seed": int, "images": list}   # what a line of --prompts-file may hold
 PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
 
 
@@ -515,9 +515,8 @@ def batch_flags_check(args) -> None:
     refused = [(f, why) for f, on, why in (
         ("--prompt/--prompt-ids", args.prompt is not None or args.prompt_ids is not None, "the requests are the file's lines"),
         ("--messages", args.messages, "put a request's turns in its line's \"messages\""),
-        ("--image", args.image, "a batch serves text requests"),
+        ("--image", args.image, "give each line's image files in its \"images\" list"),
         ("--num-samples", args.num_samples != 1, "write one line per sample, each with its own seed"),
-        ("--draft mtp", args.draft.lower() == "mtp", "a batch drafts with a DFlash drafter (or none)"),
         ("--attention flex", args.attention == "flex", "a batch's rows use the boolean masks of sdpa"),
         ("--draft-rule ratio", args.draft_rule == "ratio", "a batch drafts greedily and verifies by the coupled rule")) if on]
     if refused:
@@ -549,6 +548,8 @@ def read_requests(path: str) -> list:
                 raise dflash.GenerationError(f"{path} line {n}: {bad[0]} has the wrong type ({type(line[bad[0]]).__name__})")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in line.get("prompt_ids", [])):
                 raise dflash.GenerationError(f"{path} line {n}: prompt_ids must be a list of token ids (integers)")
+            if not all(isinstance(f, str) for f in line.get("images", [])):
+                raise dflash.GenerationError(f"{path} line {n}: images must be a list of image file paths (strings)")
             if sum(k in line for k in PROMPT_KEYS) != 1:
                 raise dflash.GenerationError(f"{path} line {n}: give exactly one of {', '.join(PROMPT_KEYS)}")
             lines.append((n, line))
@@ -557,15 +558,20 @@ def read_requests(path: str) -> list:
     return lines
 
 
-def request_of(line: dict, index: int, args, tokenizer, template, specials, tools, stops: list) -> tuple:
+def request_of(line: dict, index: int, args, tokenizer, template, specials, tools, stops: list, vision_of) -> tuple:
     """One line -> (batching.Request, whether it is a chat turn). A "prompt" is a user turn rendered by the chat
     template as --prompt is (unless --no-chat), "messages" a whole conversation, "prompt_ids" used as is; the
-    line's settings override the flags'; the seed is the line's, else --seed + index, else a random one."""
+    line's settings override the flags'; the seed is the line's, else --seed + index, else a random one. "images":
+    files for the line's image pads as --image gives them to a single run (a chat "prompt" opens with them);
+    vision_of() -> (tower, processor), loaded once for the lines that have images."""
     as_chat = "messages" in line or ("prompt" in line and (args.chat if args.chat is not None else template is not None))
+    files = line.get("images", [])
     if as_chat:
         if template is None:
             raise dflash.GenerationError("the checkpoint ships no chat template, which \"messages\" (or --chat) needs")
         messages = line.get("messages") or [{"role": "user", "content": line["prompt"]}]
+        if "prompt" in line and files:      # images first, then the text, as chat_prompt places --image files
+            messages = [{"role": "user", "content": [{"type": "image"} for _ in files] + [{"type": "text", "text": line["prompt"]}]}]
         if args.system is not None:
             messages = [{"role": "system", "content": args.system}] + messages
         text = chat.render_chat(template, messages, enable_thinking=not args.no_think, special_tokens=specials, tools=tools)
@@ -581,7 +587,12 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
     sampling = dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p),
                                line.get("top_k", args.top_k))
     seed = line.get("seed", None if args.seed is None else args.seed + index)
-    return batching.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed), as_chat
+    images = None
+    if files:           # each <|image_pad|> becomes its image's tokens; the request's ids are the expanded ones
+        images = vision.encode_images(*vision_of(), ids, [vision.load_image(f) for f in files])
+        ids = images.ids
+    return (batching.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed, images),
+            as_chat)
 
 
 def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel=None) -> int:
@@ -590,12 +601,18 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     template, specials = chat.load_chat_template(target.path)
     tools = chat.read_tools(args.tools) if args.tools else None
     base_stops = ckpt.stop_token_ids(target.path, target.cfg)
-    reqs, chats = [], []
+    reqs, chats, towers = [], [], []
+
+    def vision_of():            # the vision tower, loaded on the first line with images
+        if not towers:
+            towers.append(vision.load_vision(target.path, dtype, device))
+        return towers[0]
+
     for i, (n, line) in enumerate(read_requests(args.prompts_file)):
         try:
-            req, as_chat = request_of(line, i, args, tokenizer, template, specials, tools, base_stops)
-        except dflash.GenerationError as e:
-            raise dflash.GenerationError(f"{args.prompts_file} line {n}: {e}") from None
+            req, as_chat = request_of(line, i, args, tokenizer, template, specials, tools, base_stops, vision_of)
+        except (dflash.GenerationError, vision.ImageError) as e:
+            raise type(e)(f"{args.prompts_file} line {n}: {e}") from None
         reqs.append(req)
         chats.append(as_chat)
     slots = args.concurrency or 1
@@ -607,7 +624,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                                                          proposer, round_up=args.compile))
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
-    drafts = batching.SlotDrafter(proposer.drafter, target, proposer.window) if proposer is not None else None
+    drafts = slot_proposer(proposer, target)
     policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block)
     if parallel is not None:          # rank 0's step times and seeds on every rank (Parallel.synced, .same)
         policy = parallel.synced(policy)
@@ -638,6 +655,15 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     say(f"[{len(reqs)} requests, {slots} in flight: {generated} tokens in {wall:.2f} s, {generated / wall:.1f} tok/s "
         "(prefills included)]")
     return 0
+
+
+def slot_proposer(proposer, target):
+    """The single-request proposer's batched form: a DFlash drafter's SlotDrafter, the MTP head's SlotMTP (None: AR)."""
+    if proposer is None:
+        return None
+    if isinstance(proposer, mtp.MTPProposer):
+        return mtp.SlotMTP(proposer.head, target, proposer.steps)
+    return batching.SlotDrafter(proposer.drafter, target, proposer.window)
 
 
 def warm_up(engine, reqs: list) -> float:

@@ -63,12 +63,19 @@ class MTPHead(nn.Module):
 
 
 class _MTPCache:
-    """The head's KV cache: one attention layer (`layers`, as Engine's static-address marking expects)."""
+    """The head's KV cache: one attention layer (`layers`, as Engine's static-address marking expects), with a row
+    per slot of a batch."""
 
-    def __init__(self, cfg: TargetConfig, capacity: int, dtype, device):
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+    def __init__(self, cfg: TargetConfig, capacity: int, dtype, device, batch: int = 1):
+        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.capacity = capacity
         self.layers = [AttnCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
+
+
+def check_steps(steps: int) -> None:
+    if not 1 <= steps <= MTP_MAX_STEPS:
+        from dflash import GenerationError
+        raise GenerationError(f"--mtp-steps must be between 1 and {MTP_MAX_STEPS}, got {steps}")
 
 
 class MTPProposer:
@@ -80,9 +87,7 @@ class MTPProposer:
     compilable = True           # propose is one static-shape graph: K - 1 chained steps unrolled
 
     def __init__(self, head: MTPHead, target: Qwen35, steps: int = 3):
-        if not 1 <= steps <= MTP_MAX_STEPS:
-            from dflash import GenerationError
-            raise GenerationError(f"--mtp-steps must be between 1 and {MTP_MAX_STEPS}, got {steps}")
+        check_steps(steps)
         self.head, self.target, self.steps = head, target, steps
         self.cache = None
         self.window = None          # no draft window: the head sees the whole context, as published engines run it
@@ -105,9 +110,7 @@ class MTPProposer:
 
     def _rows(self, ids, hidden, pos):
         """The head over rows at positions pos [T]: ids [T] the next tokens, hidden [1,T,H]; writes the KV cache."""
-        emb = self.target.embed_tokens(ids)[None]
-        cos, sin = self.target.rope(pos, emb.dtype)
-        return self.head(emb, hidden.to(emb.dtype), cos, sin, pos, self.masks.target(pos), self.cache.layers[0])
+        return head_rows(self.head, self.target, ids[None], hidden, pos, self.masks, self.cache.layers[0])
 
     def prefill(self, feats: torch.Tensor, pos: torch.Tensor, next_ids: torch.Tensor = None) -> None:
         """Every committed row into the KV cache: feats [1,T,H] post-norm hidden states at positions pos [T], next_ids
@@ -128,6 +131,60 @@ class MTPProposer:
             tok = self.target.lm_head(h)[0, -1].argmax(-1, keepdim=True)
             proposals.append(tok)
         return torch.cat(proposals), None
+
+
+def head_rows(head: MTPHead, target: Qwen35, ids, hidden, pos, masks, cache: AttnCache):
+    """The head over rows at positions pos ([T], or [N,T]: each row of a batch its own), writing their K/V into
+    `cache`: ids [N,T] the token after each row's position, hidden [N,T,H] -> the normed outputs [N,T,H]."""
+    emb = target.embed_tokens(ids)
+    rope_pos = pos if pos.dim() == 1 else pos[:, None].expand(-1, 3, -1)     # per-row positions: [N,3,T] streams
+    cos, sin = target.rope(rope_pos, emb.dtype)
+    return head(emb, hidden.to(emb.dtype), cos, sin, pos, masks.target(pos), cache)
+
+
+class SlotMTP:
+    """The MTP head for N slots (batching.BatchProposer): its KV cache has a row per slot, and each row drafts from
+    its own row at start - 1 (the Batch keeps that row among the pending features: `wants_next_ids`)."""
+
+    wants_next_ids = True
+
+    def __init__(self, head: MTPHead, target: Qwen35, steps: int = 3):
+        check_steps(steps)
+        self.head, self.target, self.steps = head, target, steps
+        self.max_block_size = steps + 1
+        self.feature_layers = (target.cfg.num_hidden_layers - 1,)
+        self.cache = self.masks = None
+
+    def reset(self, slots: int, capacity: int) -> None:
+        w = self.head.fc.weight
+        self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device, batch=slots)
+        self.masks = DenseMasks(capacity)
+
+    def admit(self, row: int, feats, pos, prompt_ids: list, first: int) -> None:
+        """The prompt's rows into row `row` of the KV cache, each with the token after it (the prompt shifted by one,
+        then the first generated token)."""
+        layer = self.cache.layers[0]
+        view = AttnCache(layer.k[row:row + 1], layer.v[row:row + 1])
+        nxt = torch.tensor([prompt_ids[1:] + [first]], device=feats.device)
+        head_rows(self.head, self.target, nxt, feats, pos, self.masks, view)
+
+    def append(self, feats, pos, next_ids) -> None:
+        """Rows feats [N,R,H] at positions pos [N,R] with their next tokens next_ids [N,R] into the KV cache."""
+        head_rows(self.head, self.target, next_ids, feats, pos, self.masks, self.cache.layers[0])
+
+    def propose(self, last, start, feats, feat_pos, n: int, next_ids) -> torch.Tensor:
+        """MTPProposer.propose for every row: the pending rows (re)written, then from each row's output at start - 1
+        n chained one-row steps -> proposals [N,n]."""
+        out = head_rows(self.head, self.target, next_ids, feats, feat_pos, self.masks, self.cache.layers[0])
+        at = (start - 1 - feat_pos[:, 0]).clamp(0, feats.shape[1] - 1)                  # (a free row: any row)
+        h = out.gather(1, at[:, None, None].expand(-1, 1, out.shape[-1]))                # [N,1,H]
+        tok = self.target.lm_head(h).argmax(-1)                                          # [N,1]
+        proposals = [tok]
+        for k in range(1, n):
+            h = head_rows(self.head, self.target, tok, h, (start + k - 1)[:, None], self.masks, self.cache.layers[0])
+            tok = self.target.lm_head(h).argmax(-1)
+            proposals.append(tok)
+        return torch.cat(proposals, 1)
 
 
 MTP_PREFIXES = ("mtp.", "model.mtp.")

@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 import batching
 import dflash
 from dflash import Sampling
-from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
+import mtp
+from helpers import kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
@@ -21,6 +22,7 @@ class BatchOracle:
     says, independently of the other rows; each row's plan cycles through a shuffled 0..n (n = all accepted)."""
 
     feature_layers = ()
+    wants_next_ids = False
 
     def __init__(self, continuations: dict, vocab: int, seed: int, max_block_size: int = 16):
         self.cont, self.V, self.rng = continuations, vocab, random.Random(seed)
@@ -30,13 +32,13 @@ class BatchOracle:
     def reset(self, slots, capacity):
         self.rows, self.plans = [None] * slots, [[] for _ in range(slots)]
 
-    def admit(self, row, feats, pos, prompt_ids):
+    def admit(self, row, feats, pos, prompt_ids, first):
         self.rows[row] = tuple(prompt_ids)
 
-    def append(self, feats, pos):
+    def append(self, feats, pos, next_ids):
         pass
 
-    def propose(self, last, start, feats, feat_pos, n):
+    def propose(self, last, start, feats, feat_pos, n, next_ids):
         out = []
         for b, prompt in enumerate(self.rows):
             if prompt is None or int(start[b]) < len(prompt):      # a free slot (it rides along at position 0)
@@ -254,8 +256,8 @@ def test_bad_requests_name_the_request():
 
 
 def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
-    """Compiled with N = 3: requests of other lengths arriving and finishing at other times, greedy, never recompile;
-    the tokens are the eager batch's."""
+    """Compiled with N = 3, a DFlash drafter and the MTP head: requests of other lengths arriving and finishing at
+    other times, greedy, never recompile; the tokens are the eager batch's."""
     from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
@@ -266,15 +268,19 @@ def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
 
     def requests(k):
         return [batching.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
-    for policy in (batching.Alternate((2, True)),):   # rounds of every verify block, plain steps fed or not
-        eng = batching.Batch(target, batching.SlotDrafter(d, target), 4, 3, 64, compile_mode="default", policy=policy)
+    head = randomize_(mtp.MTPHead(cfg), 4).float().eval()
+    # the DFlash drafter through rounds of every verify block and plain steps fed or not; the MTP head (its pending
+    # rows one column wider, its next ids kept) through whole-block rounds and plain steps
+    for make, policy in ((lambda: batching.SlotDrafter(d, target), batching.Alternate((2, True))),
+                         (lambda: mtp.SlotMTP(head, target, 3), batching.Alternate((True,)))):
+        eng = batching.Batch(target, make(), 4, 3, 64, compile_mode="default", policy=policy)
         eng.run(requests(4))                                    # warm-up: every step kind compiles once
         graphs = counters["stats"]["unique_graphs"]
         later = requests(7)
         with torch._dynamo.config.patch(error_on_recompile=True):
             got = eng.run(later)
         assert counters["stats"]["unique_graphs"] == graphs
-        eager = batching.Batch(target, batching.SlotDrafter(d, target), 4, 3, 64).run(later)
+        eager = batching.Batch(target, make(), 4, 3, 64).run(later)
         for a, b in zip(got, eager):
             assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
 
@@ -384,7 +390,6 @@ def test_prompts_file_equals_single_runs(tmp_path, capsys):
     ('', [], "holds no requests"),
     ('{"prompt_ids": [1]}', ["--concurrency", "0"], "--concurrency must be >= 1"),
     ('{"prompt_ids": [1]}', ["--image", "x.png"], "--image does not go with --prompts-file"),
-    ('{"prompt_ids": [1]}', ["--draft", "mtp"], "--draft mtp does not go with --prompts-file"),
     ('{"prompt_ids": [1]}', ["--prompt", "x"], "--prompt/--prompt-ids does not go with --prompts-file"),
 ])
 def test_prompts_file_errors(tmp_path, capsys, content, args, message):

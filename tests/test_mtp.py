@@ -8,10 +8,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import adaptive
+import batching
 import dflash
 import model as M
 import mtp
 from helpers import randomize_, random_target, tiny_target_config
+from test_batching import BatchOracle
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 
@@ -111,6 +113,84 @@ def test_every_acceptance_length_and_float32():
     sp32 = dflash.run(t32, prompt, 60, proposer=mtp.MTPProposer(h32, t32, 3), block_size=4)
     if sp32.output_ids != ar32.output_ids:
         assert first_divergence_is_near_tie(t32, prompt, ar32.output_ids, sp32.output_ids, 1e-4)
+
+
+class SlotOracleMTP:
+    """The batched head (mtp.SlotMTP) behind a test_batching.BatchOracle: the head runs every round (its cache sees
+    every next-ids pattern the Batch makes) and each live row's real proposals are recorded; the oracle's proposals
+    (each row's true continuation, corrupted at a planned index: every acceptance length) are what the batch verifies."""
+
+    wants_next_ids = True
+
+    def __init__(self, inner: mtp.SlotMTP, oracle):
+        self.inner, self.oracle, self.real = inner, oracle, []        # real: (prompt, start, proposals) per live row
+        self.max_block_size, self.feature_layers = inner.max_block_size, inner.feature_layers
+
+    def reset(self, slots, capacity):
+        self.inner.reset(slots, capacity)
+        self.oracle.reset(slots, capacity)
+
+    def admit(self, row, feats, pos, prompt_ids, first):
+        self.inner.admit(row, feats, pos, prompt_ids, first)
+        self.oracle.admit(row, feats, pos, prompt_ids, first)
+
+    def append(self, feats, pos, next_ids):
+        self.inner.append(feats, pos, next_ids)
+
+    def propose(self, last, start, feats, feat_pos, n, next_ids):
+        real = self.inner.propose(last, start, feats, feat_pos, n, next_ids).tolist()
+        for b, prompt in enumerate(self.oracle.rows):
+            if prompt is not None and int(start[b]) >= len(prompt):
+                self.real.append((prompt, int(start[b]), real[b]))
+        return self.oracle.propose(last, start, feats, feat_pos, n, next_ids)
+
+
+class FedPattern:
+    """Rounds (of any verify block) and plain steps by a seeded coin, every plain step feeding the head's context."""
+    feeds = True
+
+    def __init__(self, seed, block):
+        self.rng, self.block = random.Random(seed), block
+
+    def reset(self):
+        pass
+
+    def speculate(self, rows):
+        return self.rng.random() < 0.6 and self.rng.randint(1, self.block)
+
+    def observe_round(self, rows, seconds):
+        pass
+
+    def observe_plain(self, rows, seconds):
+        pass
+
+
+@settings(max_examples=12, deadline=None)
+@given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), steps=st.integers(1, 7), slots=st.integers(1, 4),
+       n_req=st.integers(1, 6), pattern=st.booleans())
+def test_batched_head_rows_equal_their_runs_alone_and_draft_from_scratch(cfg, seed, steps, slots, n_req, pattern):
+    """float64: the head over N slots (mtp.SlotMTP in batching.Batch), through rounds of every verify block, plain
+    steps and admissions between them, behind the oracle (every acceptance length on every row): each row's output
+    == its run alone, and every proposal the head made == the head run from scratch on that row's committed prefix;
+    the real head's batch (no oracle) also == AR."""
+    rng = random.Random(seed)
+    target, block = random_target(cfg, seed % 101), steps + 1
+    head = random_head(target, seed % 103)
+    reqs = [batching.Request([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))], rng.randint(1, 25))
+            for _ in range(n_req)]
+    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids for r in reqs]
+    cap = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
+    policy = FedPattern(seed, block) if pattern else None
+    proposer = SlotOracleMTP(mtp.SlotMTP(head, target, steps), BatchOracle(
+        {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}, cfg.vocab_size, seed))
+    got = batching.Batch(target, proposer, block, slots, cap, policy=policy).run(reqs)
+    assert [r.output_ids for r in got] == alone
+    outputs = {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}
+    for prompt, start, proposals in proposer.real:
+        ids = list(prompt) + outputs[prompt]
+        assert proposals == scratch_proposals(head, target, ids, start, len(proposals)), (prompt, start)
+    real = batching.Batch(target, mtp.SlotMTP(head, target, steps), block, slots, cap).run(reqs)
+    assert [r.output_ids for r in real] == alone
 
 
 def test_sampling_runs_and_keeps_the_trace():
@@ -232,6 +312,30 @@ def test_embedded_head_from_the_command_line(capsys):
     sp = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sp["output_ids"] == ar["output_ids"] and sp["mode"] == "mtp" and sp["block_size"] == 6
     assert 1 + sum(sp["acceptance_lengths"]) == len(sp["output_ids"])
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_embedded_head_through_a_prompts_file(tmp_path, capsys):
+    """--draft mtp with --prompts-file at concurrency 2: every request's output == its single --draft mtp run (greedy
+    and sampled), with the head's rounds in the batch."""
+    import json
+    import generate
+    lines = [{"prompt_ids": [510, 292, 11, 91, 301], "max_new_tokens": 30},
+             {"prompt": "def add(a, b):", "max_new_tokens": 20, "temperature": 0.7, "seed": 5},
+             {"prompt": "import os\n", "max_new_tokens": 25}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    capsys.readouterr()
+    assert generate.main(["--prompts-file", str(path), "--concurrency", "2", "--draft", "mtp", "--json", "--no-adaptive"]) == 0
+    got = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    for line, out in zip(lines, got):
+        argv = ["--draft", "mtp", "--json", "--max-new-tokens", str(line["max_new_tokens"])]
+        argv += ["--prompt", line["prompt"]] if "prompt" in line else ["--prompt-ids", ",".join(map(str, line["prompt_ids"]))]
+        argv += ["--temperature", str(line["temperature"]), "--seed", str(line["seed"])] if "seed" in line else []
+        assert generate.main(argv) == 0
+        alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["output_ids"] == alone["output_ids"] and out["mode"] == "mtp" and out["block_size"] == 4, line
+        assert out["step_kinds"].count("verify") > 0 and 1 + sum(out["acceptance_lengths"]) == len(out["output_ids"])
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")

@@ -3,6 +3,7 @@ Qwen3_5ForConditionalGeneration's `model.visual`, 3-D positions == its get_rope_
 its forward with pixel_values; and bad image input is one clear error."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -240,6 +241,35 @@ def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
     assert sp.output_ids == ar.output_ids
 
 
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), slots=st.integers(1, 3), block=st.integers(1, 16))
+def test_batch_rows_with_images_equal_their_runs_alone(mm64, seed, slots, block):
+    """Requests with images (each row's own RoPE offset after its images) beside text requests in one batch, greedy
+    and sampled, each through a random drafter and through AR: every row == the same request run alone on
+    dflash.Engine, at float64 exactly."""
+    import random
+
+    import batching
+    import dflash
+    rng, t = random.Random(seed), mm64["target"]
+    reqs = []
+    for i in range(4):
+        pieces = [rng.randint(1, 5)] + (["img", rng.randint(0, 4)] * rng.randint(i == 0, 2))    # the first has images
+        n_img = pieces.count("img")
+        imgs = [random_image(rng.randint(20, 120), rng.randint(20, 120), seed + 10 * i + j) for j in range(n_img)]
+        ip = V.encode_images(mm64["tower"], mm64["pc"], mm_prompt([p for p in pieces if p != 0]), imgs) if n_img else None
+        ids = ip.ids if ip is not None else mm_prompt(pieces)
+        sampling = dflash.Sampling(0.9, top_k=20) if rng.random() < 0.4 else dflash.Sampling()
+        reqs.append(batching.Request(ids, rng.randint(1, 20), (), sampling, seed + i, images=ip))
+    capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
+    alone = [dflash.Engine(t, None, 1, capacity).run(r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed,
+                                                      images=r.images).output_ids for r in reqs]
+    drafts = batching.SlotDrafter(mm64["drafter"], t)
+    for proposer in (None, drafts):
+        got = batching.Batch(t, proposer, block, slots, capacity).run(reqs)
+        assert [r.output_ids for r in got] == alone, proposer
+
+
 # --------------------------------------------------------------------------------------------------
 # the command line
 # --------------------------------------------------------------------------------------------------
@@ -269,6 +299,40 @@ def test_cli_image_prompt_ids(mm, tmp_path, capsys):
         generate.main(args[:5] + ["5,88,90,89"] + args[6:])
     with pytest.raises(V.ImageError, match="cannot read image"):
         generate.main(args[:-1] + [str(tmp_path / "missing.png")])
+
+
+def test_prompts_file_lines_with_images_equal_single_runs(mm, tmp_path, capsys):
+    """--prompts-file lines with "images" (and one without) at concurrency 2: each output line == the same request
+    run alone with --image; a line whose images do not match its pads, or a missing file, is an error naming it."""
+    import generate
+    files = []
+    for i, (w, h) in enumerate([(100, 70), (130, 100), (40, 90)]):
+        random_image(w, h, 30 + i).save(tmp_path / f"{i}.png")
+        files.append(str(tmp_path / f"{i}.png"))
+    lines = [{"prompt_ids": mm_prompt([3, "img", 2, "img", 4]), "images": files[:2], "max_new_tokens": 9},
+             {"prompt_ids": mm_prompt([5]), "max_new_tokens": 6},
+             {"prompt_ids": mm_prompt(["img", 3]), "images": files[2:], "max_new_tokens": 7, "temperature": 0.9, "seed": 4}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    base = ["--target", mm["path"], "--draft", "none", "--json", "--dtype", "float32"]
+    capsys.readouterr()
+    assert generate.main(base + ["--prompts-file", str(path), "--concurrency", "2"]) == 0
+    got = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    for line, out in zip(lines, got):
+        argv = base + ["--prompt-ids", ",".join(map(str, line["prompt_ids"])), "--max-new-tokens", str(line["max_new_tokens"])]
+        argv += [a for f in line.get("images", []) for a in ("--image", f)]
+        argv += ["--temperature", str(line["temperature"]), "--seed", str(line["seed"])] if "temperature" in line else []
+        assert generate.main(argv) == 0
+        alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["prompt_ids"] == alone["prompt_ids"] and out["output_ids"] == alone["output_ids"], line
+    assert len(got[0]["prompt_ids"]) > len(lines[0]["prompt_ids"])           # the pads were expanded
+    for bad, message in (({**lines[0], "images": files[:1]}, r"line 1: .*1 image"),
+                         ({**lines[1], "images": [str(tmp_path / "missing.png")]}, "line 1: cannot read image"),
+                         ({**lines[1], "images": "0.png"}, "line 1: images has the wrong type")):
+        path.write_text(json.dumps(bad))
+        assert generate.cli(base + ["--prompts-file", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and re.search(message, err), err
 
 
 def test_chat_puts_images_before_the_text(tmp_path):
