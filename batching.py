@@ -543,7 +543,10 @@ class Policy:
     were at N = 32 on a CPU).
     While rounds lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes
     with the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep
-    that under `budget` of the time: where every verify is compute-bound, rounds are probed rarely.
+    that under `budget` of the time: where every verify is compute-bound, rounds are probed rarely. Until the rounds
+    have held `min_samples` rows, probes come every `first_wait` plain steps instead, and do not count toward giving
+    up: a text's first rounds are its worst, and at N = 1 one round is one sample (one 1-token round had stopped
+    rounds for 56 plain steps of a 128-token request).
     Giving up: once every block is timed `min_rounds` times, when even a full block could not pay at any k
     (k x plain seconds / round seconds(k) below 1 - `margin`), no acceptance can make rounds pay at this N: the
     batch stops probing and stops feeding the drafter's context (`feeds` False), so its plain steps cost exactly
@@ -575,7 +578,7 @@ class Policy:
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
         self.plain = collections.deque(maxlen=window)       # seconds per plain step
         self.k = self.blocks[0]                             # the block of the next round
-        self.rounds = 0                                     # rounds observed
+        self.rounds = self.rows_seen = 0                    # rounds observed, and the live rows they held
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
         self.streak, self.first_plain = 0, first_plain      # rounds since the last plain step; plain steps first
         self.retiming = False                               # the next step is a plain step, timed (observe_plain)
@@ -634,12 +637,15 @@ class Policy:
         speculating = self.rounds > 0 and self.next_probe == 0     # rounds were on (not a probe after plain steps)
         waited = self.since                                        # plain steps before this round
         self.since, self.rounds, self.streak = 0, self.rounds + 1, self.streak + 1
+        self.rows_seen += len(live)
         if not self.plain:
             self.next_probe = 0
             return
         best = self.best()
         gain, tokens = self.gain(best), statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
+        if self.next_probe and self.rows_seen < self.min_samples:    # too few rows to trust the acceptance: probe
+            self.next_probe = self.first_wait                          # again soon (at N = 1 one unlucky round)
         self.k = self._next_block(best, explore=self.next_probe > 0 or self.rounds % self.explore == 0)
         self._judge(gain, len(live), waited)
 
@@ -659,8 +665,9 @@ class Policy:
         """After a round: whether rounds are given up for good (class docstring), from the best block's gain, the
         round's live rows and the plain steps before it."""
         timed = self.timed()              # until then no round is a probe that counts: the rounds are timing blocks
-        self.losing = self.losing + 1 if gain < 1 - self.margin and timed else 0
-        if self.next_probe > 0 and timed:                   # a probe (or the round before plain steps) that did not
+        counts = timed and self.rows_seen > self.min_samples     # nor the quick probes of a batch's first rounds
+        self.losing = self.losing + 1 if gain < 1 - self.margin and counts else 0
+        if self.next_probe > 0 and counts:                  # a probe (or the round before plain steps) that did not
             self.stalled, self.stalled_rows = self.stalled + 1, self.stalled_rows + rows        # bring rounds back
             self.stalled_steps += waited
         else:

@@ -446,23 +446,31 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 400, round_s=0.010, tokens=6, rows=8)                      # 6 tokens for 10 plain steps: loses
     assert kinds.startswith("...R.") and kinds.count("R") <= 8 and p.feeds      # probes, a few; a full block could pay
-    waits = [len(w) for w in kinds.split("R")[1:-1]]
-    assert waits and min(waits) >= 100                                          # a 4-step loss each: waits of 200
+    waits = [len(w) for w in kinds.split("R")[1:-1]]                            # every 4 steps until 32 rows' acceptance
+    assert waits[:3] == [4, 4, 4] and min(waits[3:]) >= 100                     # is in (4 rounds of 8), then a 4-step
+    #                                                                             loss each: waits of 200
     kinds += drive(p, 1600, round_s=0.010, tokens=6, rows=8)
-    assert kinds.count("R") == 6 and not p.feeds and kinds.endswith("." * 500)  # timed 3 times: 4 losing probes: given up
+    assert kinds.count("R") == 8 and not p.feeds and kinds.endswith("." * 500)  # timed 3 times and 32 rows seen: 4
+    #                                                                             losing probes: given up
     p = batching.Policy(block=16, blocks=(16,))
-    kinds = drive(p, 1200, round_s=0.0065, tokens=6)              # losing within the margin: probes every 26 steps,
-    assert kinds.count("R") == 23 and not p.feeds and kinds.endswith("." * 500)   # 20 of them span 512: given up
+    kinds = drive(p, 1200, round_s=0.0065, tokens=6)              # losing within the margin: probes every 4 steps for
+    assert kinds.count("R") == 29 and not p.feeds and kinds.endswith("." * 500)   # 32 rows, then every 26: given up
+    #                                                                               when 16 in a row span 512 steps
     p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 1200, round_s=0.0057, tokens=6, rows=1)      # gain 1.05, one row: short of 1.1; probes every
-    assert kinds.count("R") == 130 and not p.feeds                # 5 steps, given up once they span 512 plain steps
+    assert kinds.count("R") == 160 and not p.feeds                # 5 steps, given up once they span 512 plain steps
     p = batching.Policy(block=16, blocks=(16,))
-    assert drive(p, 1200, round_s=0.0065, tokens=6, rows=1).count("R") == 34 and not p.feeds   # losing, one row: 32
+    assert drive(p, 1200, round_s=0.0065, tokens=6, rows=1).count("R") == 64 and not p.feeds   # losing, one row: 32
+    #                         probes at 4-step waits (they never count to give up), then 32 more spanning 512 steps
     p = batching.Policy(block=16, blocks=(16,))
     assert drive(p, 600, round_s=0.005, tokens=6, rows=1).count(".") < 80 and p.feeds          # paying, one row
     p = batching.Policy(block=16, blocks=(16,))
     kinds = drive(p, 300, round_s=0.020, tokens=15)                             # 20 plain steps a round: never pays
     assert kinds.count("R") == 3 and not p.feeds and kinds.endswith("." * 200)  # given up, the context unfed
+    p = batching.Policy(block=16, blocks=(16,))      # one row whose first round commits 1 token (a text's first rounds
+    assert drive(p, 4, round_s=0.005, tokens=1, rows=1) == "...R"       # are its worst): a probe again after 4 plain
+    kinds = drive(p, 60, round_s=0.005, tokens=6, rows=1)                           # steps, not after 200, and rounds
+    assert kinds.startswith("....R") and "RRR" in kinds                               # again once the mean pays
 
 
 def test_policy_times_plain_steps_without_the_switch_from_rounds():
@@ -477,7 +485,7 @@ def test_policy_times_plain_steps_without_the_switch_from_rounds():
 
 
 def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
-    p = batching.Policy(block=16, blocks=(16,))
+    p = batching.Policy(block=16, blocks=(16,), min_samples=4)                  # (no quick probes after the first round)
     drive(p, 5, round_s=0.010, tokens=6)                                       # loses: plain steps
     assert drive(p, 20, round_s=0.0058, tokens=6).count("R") <= 1              # gain 1.03: not enough to come back
     assert "RRR" in drive(p, 600, round_s=0.005, tokens=6)                     # gain 1.2: rounds again
