@@ -125,14 +125,19 @@ class SlotDrafter:
 
 # ---- Sampling, each row by its own request's settings -------------------------------------------
 
-def row_probs(logits, temperature, top_p, top_k):
+def row_probs(logits, temperature, top_p, top_k, cuts=(True, True)):
     """sampling.sampling_probs with each row's own settings: logits [N,T,V]; temperature (> 0), top_p [N] float32;
-    top_k [N] long (0: all) -> float32 [N,T,V]."""
+    top_k [N] long (0: all) -> float32 [N,T,V]. cuts: whether any row cuts by top-k, and by top-p (False skips
+    that cut's sort of the vocabulary, a tenth of a sampled step on a CPU)."""
     x = logits.float() / temperature.view(-1, 1, 1)
     V = x.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < V), top_k, V).view(-1, 1, 1).expand(*x.shape[:-1], 1)
-    kth = x.sort(-1, descending=True).values.gather(-1, k - 1)               # the k-th largest (k = V: no cut)
-    p = torch.softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
+    if cuts[0]:
+        k = torch.where((top_k > 0) & (top_k < V), top_k, V).view(-1, 1, 1).expand(*x.shape[:-1], 1)
+        kth = x.sort(-1, descending=True).values.gather(-1, k - 1)           # the k-th largest (k = V: no cut)
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if not cuts[1]:
+        return p
     ps, order = p.sort(dim=-1, descending=True, stable=True)
     drop = (ps.cumsum(-1) - ps) >= top_p.view(-1, 1, 1)       # keep up to and including the token that reaches top_p
     nucleus = torch.zeros_like(p).scatter(-1, order, ps.masked_fill(drop, 0.0))
@@ -140,12 +145,12 @@ def row_probs(logits, temperature, top_p, top_k):
     return torch.where((top_p < 1).view(-1, 1, 1), nucleus, p)
 
 
-def choose(logits, at, keys, temperature, top_p, top_k):
+def choose(logits, at, keys, temperature, top_p, top_k, cuts=(True, True)):
     """The tokens that fill positions at [N,T] from logits [N,T,V]: a greedy row's argmax (temperature 0), a sampled
     row's draw at its settings with the noise of its seed's key (keys [N]) at those positions -> [N,T]. A sampled
-    row draws exactly what dflash.Engine draws for the same seed at the same position."""
+    row draws exactly what dflash.Engine draws for the same seed at the same position. cuts: as row_probs."""
     greedy = temperature == 0
-    probs = row_probs(logits, torch.where(greedy, 1.0, temperature), top_p, top_k)
+    probs = row_probs(logits, torch.where(greedy, 1.0, temperature), top_p, top_k, cuts)
     drawn = draw(probs, noise.vocab_noise(keys[:, None], at, logits.shape[-1]))
     return torch.where(greedy[:, None], logits.argmax(-1), drawn)
 
@@ -216,6 +221,7 @@ class SlotSteps:
         # offset its 3-D image positions leave (vision.py)
         self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
         self.sampled = False          # some request of the run samples: the steps draw (else argmax only)
+        self.cuts = (False, False)    # some sampled request of the run cuts by top-k; by top-p (row_probs)
         self.feeding = proposer is not None    # the drafter's context is kept (False: the policy gave rounds up)
         # The features the drafter's context has not taken yet: a round's verify features, or plain steps' columns
         # in plain_buf (plain_run of them; None: a round's), at positions feat_pos [N,B] (those at >= a row's
@@ -278,7 +284,7 @@ class SlotSteps:
     def _choose(self, logits, at):
         if not self.sampled:
             return logits.argmax(-1)
-        return choose(logits, at, self.keys, self.temperature, self.top_p, self.top_k)
+        return choose(logits, at, self.keys, self.temperature, self.top_p, self.top_k, self.cuts)
 
     def _decode(self, tok, pos):
         """One AR step for every row."""
@@ -303,6 +309,12 @@ class SlotSteps:
         posterior = self._choose(logits, pos + 1)                                        # [N,B]
         accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
         return posterior, accepted, feats
+
+
+def draws(requests: list) -> tuple:
+    """(whether any request samples, whether any sampled one cuts by top-k, by top-p): constants of the steps."""
+    sampled = [r.sampling for r in requests if not r.sampling.greedy]
+    return bool(sampled), any(s.top_k > 0 for s in sampled), any(s.top_p < 1 for s in sampled)
 
 
 @contextlib.contextmanager
@@ -345,7 +357,8 @@ class Batch(SlotSteps):
         if s.greedy:                     # (choose would also sort the vocabulary for a draw it then throws away)
             first = int(logits[0, -1].argmax())
         else:
-            first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)))[0, 0])
+            first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)),
+                               self.cuts)[0, 0])
         if self.feeding:
             if self.plain_run:                  # plain steps' columns are pending: into the context first, so that
                 self._take_pending()            # every row's column j is again position start + j
@@ -394,7 +407,8 @@ class Batch(SlotSteps):
                 raise GenerationError(f"request {i}: {e}") from None
         if self._guard is not None:
             self._guard.check()
-        self.sampled = any(not r.sampling.greedy for r in requests)
+        self.sampled, *cuts = draws(requests)
+        self.cuts = tuple(cuts)
         if self.policy is not None:
             self.policy.reset()
         waiting, rows, results = collections.deque(enumerate(requests)), [None] * self.slots, [None] * len(requests)
@@ -416,15 +430,17 @@ class Batch(SlotSteps):
                         results[row.index], rows[b] = row.result, None
 
     def warm_up(self, requests: list) -> None:
-        """A throw-away run that compiles every step kind before timed runs: the first N requests cut to 3 blocks plus
-        one of each verify block the policy may choose (one of them sampled when any request samples: the steps then
-        draw), under Alternate when the Batch has a policy (every kind a policy may take); the policy is kept as it
+        """A throw-away run that compiles every step kind before timed runs: the first N requests, without stops, run
+        for 3 blocks plus one of each verify block the policy may choose (the first sampled, with top-k and top-p cuts, where the
+        requests' draws need it: draws), under Alternate when the Batch has a policy (every kind a policy may take); the policy is kept as it
         was."""
         blocks = getattr(self.policy, "blocks", (self.block,))
-        warm = [replace(r, max_new_tokens=min(r.max_new_tokens, 3 * self.block + sum(blocks)), seed=0)
-                for r in requests[:self.slots]]
-        if any(not r.sampling.greedy for r in requests) and all(r.sampling.greedy for r in warm):
-            warm[0] = replace(warm[0], stop_ids=(), sampling=Sampling(1.0))
+        warm = [replace(r, max_new_tokens=max(1, min(3 * self.block + sum(blocks), self.capacity - len(r.prompt_ids) - self.block + 1)),
+                        stop_ids=(), seed=0) for r in requests[:self.slots]]      # long enough for every kind, whatever
+        #                                                                           the request asks (the cache allowing)
+        sampled, top_k, top_p = draws(requests)
+        if draws(warm) != (sampled, top_k, top_p):      # the run's steps draw (and cut) as the timed run's will
+            warm[0] = replace(warm[0], stop_ids=(), sampling=Sampling(1.0, 0.9 if top_p else 1.0, 20 if top_k else 0))
         policy, self.policy = self.policy, (Alternate(blocks) if self.policy is not None else None)
         try:
             self.run(warm)

@@ -331,7 +331,8 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
         else:
             line += "; no draft-verify round"
         if plain:
-            line += (f"; {plain} plain steps with {looks} look{'s' if looks != 1 else ''} (adaptive speculation: it opens "
+            line += (f"; {plain} plain steps" + (f" with {looks} look{'s' if looks != 1 else ''}" if looks else "") +
+                     " (adaptive speculation: it opens "
                      "with plain steps, which time one, and takes them where drafting is judged not to pay; --no-adaptive "
                      "drafts every step)")
     if products and products["onednn"]:
@@ -386,30 +387,43 @@ def main(argv=None) -> int:
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size else proposer, round_up=args.compile)
-    policy = None if (proposer is None or args.no_adaptive or args.tree_size) else adaptive.Adaptive()
+    single = single_engine(args, proposer, sampling)       # None: the batch engine, one slot
+    if single is None:
+        policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block_size)
+    else:
+        policy = None if (proposer is None or args.no_adaptive or args.tree_size) else adaptive.Adaptive()
     policy = parallel.synced(policy) if parallel else policy     # every rank decides from rank 0's step times
-    engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
+    engine = make_engine(args, target, proposer, block_size, capacity, policy, device, single)
+    seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
+    seed = parallel.same(seed) if parallel else seed
+
+    def run(max_new: int, seed: int, on_step=None) -> dflash.Result:
+        """One generation of the prompt on either engine."""
+        if single is None:
+            req = batching.Request(prompt_ids, max_new, tuple(stops), sampling, seed, images)
+            return engine.run([req], None if on_step is None else lambda index, step: on_step(step))[0]
+        return engine.run(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
+
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()
-        engine.policy = adaptive.Pattern([True, "look"]) if policy else None     # every step kind compiled now,
-        engine.run(prompt_ids, min(args.max_new_tokens, 3 * block_size), stops, images=images,   # sampled ones too
-                   sampling=sampling, seed=0)
-        engine.policy = policy
+        if single is None:      # every step kind a policy may take, the sampled ones when sampling
+            engine.warm_up([batching.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)])
+        else:
+            engine.policy = adaptive.Pattern([True, "look"]) if policy else None
+            run(min(args.max_new_tokens, 3 * block_size), 0)
+            engine.policy = policy
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")
-    seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
-    seed = parallel.same(seed) if parallel else seed
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
     samples, label = [], ""
     try:
         for i in range(args.num_samples):
             label = f"sample {i + 1}/{args.num_samples}: " if args.num_samples > 1 else ""
             out.begin(label)
-            samples.append(engine.run(prompt_ids, args.max_new_tokens, stops, out.push, sampling=sampling, seed=seed + i,
-                                      images=images))
+            samples.append(run(args.max_new_tokens, seed + i, out.push))
             out.end()
             if not args.json:
                 say(stats_line(samples[-1], block_size, proposer, load_seconds, label, products))
@@ -494,8 +508,24 @@ def tree_flags_check(args, sampling, loaded: bool = False) -> None:
         raise dflash.GenerationError(f"{flag} does not go with a draft tree (--tree-size, or an EAGLE-3 drafter): {why}")
 
 
-def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
-    """The generation's engine: dflash.Engine, or with --tree-size a tree.TreeEngine over the drafter's trees."""
+def single_engine(args, proposer, sampling) -> str | None:
+    """Why a single request needs the single-request engine (dflash.Engine, tree.TreeEngine), or None: it runs on
+    the batch engine with one slot (batching.Batch), the same code as --prompts-file."""
+    if args.tree_size is not None:
+        return "a draft tree"
+    if args.attention == "flex":
+        return "FlexAttention masks"
+    if getattr(proposer, "samples_drafts", False) and not sampling.greedy:
+        return "DFlash2's sampled drafts"
+    return None
+
+
+def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device, single: str | None):
+    """The generation's engine: a batching.Batch of one slot, or where `single` says why (single_engine),
+    dflash.Engine, or with --tree-size a tree.TreeEngine over the drafter's trees."""
+    if single is None:
+        return batching.Batch(target, slot_proposer(proposer, target), block_size, 1, capacity,
+                              args.compile_mode if args.compile else None, compile_options(args, device), policy)
     if args.tree_size is not None:
         import tree
         trees = proposer if hasattr(proposer, "propose_tree") else tree.DFlashTree(proposer, args.tree_top_k or 4)

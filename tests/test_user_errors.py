@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import checkpoint as ckpt_mod
-import dflash
 import generate
 from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter
 
@@ -198,7 +197,8 @@ def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
     full = json.loads(run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
                               "--max-new-tokens", "30", "--json", *extra)[1].strip().splitlines()[-1])
     calls = {"n": 0}
-    real_round, real_decode = dflash.Engine.round, dflash.Engine.decode
+    import batching                                 # (a single request runs on a batch of one slot)
+    real_round, real_decode = batching.Batch.round, batching.Batch.decode
 
     def third_interrupts(real):
         def step(self, seq, *a, **kw):
@@ -207,8 +207,8 @@ def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
                 raise KeyboardInterrupt
             return real(self, seq, *a, **kw)
         return step
-    monkeypatch.setattr(dflash.Engine, "round", third_interrupts(real_round))
-    monkeypatch.setattr(dflash.Engine, "decode", third_interrupts(real_decode))
+    monkeypatch.setattr(batching.Batch, "round", third_interrupts(real_round))
+    monkeypatch.setattr(batching.Batch, "decode", third_interrupts(real_decode))
     rc, out, err = run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
                            "--max-new-tokens", "30", "--json", *extra)
     part = json.loads(out.strip().splitlines()[-1])
