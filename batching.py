@@ -22,6 +22,7 @@ bfloat16: near-ties only; float64: the same tokens in every test).
     SlotSteps        the N slots' caches and fixed-shape steps (decode, plain, verify, draft, commit), one compiled set
                      per N and verify block
     Batch            the N-slot engine over them: run(requests) -> one dflash.Result per request, in order
+    Single           one request at a time on a Batch of one slot, called as dflash.Engine is (the tools' single runs)
     Policy           adaptive speculation for a batch: a round (and its verify block) or a plain step, from
                      acceptance and measured costs
 """
@@ -39,6 +40,7 @@ from typing import Protocol
 import torch
 
 import compiling
+import mtp
 import noise
 from dflash import Result, Step, check_block_size, check_inputs, cut, _sync
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
@@ -220,6 +222,7 @@ class SlotSteps:
         # each row's RoPE position = its cache position + rope_delta: 0 for text, after a prompt with images the
         # offset its 3-D image positions leave (vision.py)
         self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.profile = False          # rounds synchronise the device after the draft (Single.run's profile)
         self.sampled = False          # some request of the run samples: the steps draw (else argmax only)
         self.cuts = (False, False)    # some sampled request of the run cuts by top-k; by top-p (row_probs)
         self.feeding = proposer is not None    # the drafter's context is kept (False: the policy gave rounds up)
@@ -482,6 +485,8 @@ class Batch(SlotSteps):
             proposals = draft_step(self.last, start, self.feats, self.feat_pos, k - 1, self.feat_next)   # [N,k-1]
         elif self.feats is not None:            # no draft to take the pending features: into the context now
             self.append_step(self.feats, self.feat_pos, self.feat_next)
+        if self.profile:                        # the draft's own time (else a device's queue runs on into the verify)
+            _sync(dev)
         t1 = time.perf_counter()
         block = torch.cat([self.last[:, None], proposals], 1)
         posterior, accepted, feats = verify_step(block, pos)
@@ -525,6 +530,50 @@ class Batch(SlotSteps):
         for b, row in enumerate(rows):
             if row is not None:
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
+
+
+class Single:
+    """One request at a time on a Batch of one slot, called as dflash.Engine is: the code generate.py runs for a
+    single request, for the tools that time or check single requests (bench.py, tables.py, check.py, presets.py).
+    make_policy: () -> a fresh adaptive policy for each request (as each generate.py run starts its own), or None
+    (a round every step). `seed`: the last request's seed (a random one when it sampled without one)."""
+
+    def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
+                 compile_mode: str | None = None, compile_options: dict | None = None, make_policy=None):
+        """proposer: a single-request proposer (dflash.DrafterProposer, mtp.MTPProposer) or a BatchProposer."""
+        self.make_policy = make_policy
+        self.batch = Batch(target, slot_proposer(proposer, target), block_size, 1, capacity, compile_mode,
+                           compile_options, make_policy() if make_policy else None)
+        self.block, self.capacity, self.seed = self.batch.block, capacity, None
+
+    def request(self, prompt_ids, max_new_tokens: int, stop_ids=(), sampling=None, seed=None, images=None) -> Request:
+        return Request(list(prompt_ids), max_new_tokens, tuple(stop_ids), sampling or Sampling(), seed, images)
+
+    def warm_up(self, prompt_ids, max_new_tokens: int, stop_ids=(), sampling=None, images=None) -> None:
+        """Batch.warm_up for this request: every step kind compiled before timed runs."""
+        self.batch.warm_up([self.request(prompt_ids, max_new_tokens, stop_ids, sampling, 0, images)])
+
+    def run(self, prompt_ids, max_new_tokens: int, stop_ids=(), on_step=None, *, profile: bool = False,
+            sampling=None, seed=None, images=None) -> Result:
+        """One generation -> its Result. on_step(step) sees each Step as it comes; profile: synchronise the device
+        between a round's draft and verify, so that each Step's draft and verify seconds are its own (CUDA)."""
+        if self.make_policy is not None:
+            self.batch.policy = self.make_policy()
+        self.batch.profile = profile
+        req = self.request(prompt_ids, max_new_tokens, stop_ids, sampling, seed, images)
+        result = self.batch.run([req], None if on_step is None else lambda index, step: on_step(step))[0]
+        self.seed = result.seed
+        return result
+
+
+def slot_proposer(proposer, target: Qwen35):
+    """A single-request proposer's batched form: a DFlash drafter's SlotDrafter, the MTP head's SlotMTP (None: AR;
+    a BatchProposer as it is)."""
+    if proposer is None or hasattr(proposer, "admit"):
+        return proposer
+    if isinstance(proposer, mtp.MTPProposer):
+        return mtp.SlotMTP(proposer.head, target, proposer.steps)
+    return SlotDrafter(proposer.drafter, target, proposer.window)
 
 
 def verify_blocks(block: int) -> tuple:

@@ -276,15 +276,14 @@ def side_by_side_main(args, device) -> dict:
 
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     mode = args.compile_mode if args.compile else None
-    ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompts[0], stops)
-    parallel = args.parallel
-    if parallel is not None:           # every rank's policy decides from rank 0's step times (tp.Synced)
-        sp_engine.policy = parallel.synced(sp_engine.policy)
+    parallel = args.parallel           # under torchrun every rank's policy decides from rank 0's step times
+    ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompts[0], stops,
+                                                               parallel)
     print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s; {generate.products_words(products)}",
           flush=True)
 
     # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
-    eager_engine = dflash.Engine(target, proposer, block, capacity, masks=ATTENTION[args.attention]) if mode else None
+    eager_engine = tables.single_engine(args, target, proposer, block, capacity, False, eager=True) if mode else None
     if eager_engine is not None:
         eager_engine.run(prompts[0], 3 * block, stops)
 
@@ -452,13 +451,14 @@ def vs_pure_main(args, device) -> dict:
     dtype = pick_dtype(args.dtype, device)
     target, _, _, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
     print(generate.products_words(products), flush=True)
-    _, engine, _ = tables.warm_engines(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), prompts[0], stops)
+    engine = tables.single_engine(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), True)
+    tables.warm_up(engine, prompts[0], stops, args.max_new_tokens)         # (every step kind of the policy)
     ratios, plain = [], 0
     for i, p in enumerate(prompts):
         tps = {"adaptive": [], "pure": []}
         for _ in range(args.repeat):
             for name in ("pure", "adaptive"):
-                engine.policy = adaptive.Adaptive() if name == "adaptive" else None
+                tables.adapt(engine, name == "adaptive")
                 res = engine.run(p, args.max_new_tokens, stops, profile=True)
                 tps[name].append((len(res.output_ids) - 1) / res.decode_seconds)
                 plain += res.step_kinds.count("plain") if name == "adaptive" else 0

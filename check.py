@@ -646,7 +646,7 @@ def parting_main(args, device) -> dict:
     teacher-forced gaps between the two tokens; the float32 margins at every AR position. A table, a summary, and
     one JSON line last."""
     t_start = time.perf_counter()
-    from generate import ATTENTION, DTYPES, pick_dtype
+    from generate import DTYPES, pick_dtype
     import prompts as P
     dtype = pick_dtype(args.dtype, device)
     target = ckpt.load_target(args.target, dtype, device)
@@ -656,9 +656,9 @@ def parting_main(args, device) -> dict:
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     stops = ckpt.stop_token_ids(target.path, target.cfg)
     capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
-    masks = ATTENTION[args.attention]
-    ar_engine = dflash.Engine(target, None, 1, capacity, masks=masks)
-    sp_engine = dflash.Engine(target, proposer, block, capacity, masks=masks)
+    import tables                  # generate.py's engine for single requests (eager; flex masks: dflash.Engine)
+    ar_engine = tables.single_engine(args, target, None, 1, capacity, False, eager=True)
+    sp_engine = tables.single_engine(args, target, proposer, block, capacity, False, eager=True)
     print(f"greedy DFlash vs AR in {str(dtype).replace('torch.', '')}, {len(prompts)} prompts, {args.max_new_tokens} new "
           f"tokens, block {block}; gaps from float32 / float64 teacher-forced re-runs, steps = rounding steps of the run's "
           f"dtype at the top logit", flush=True)

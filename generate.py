@@ -398,10 +398,7 @@ def main(argv=None) -> int:
     seed = parallel.same(seed) if parallel else seed
 
     def run(max_new: int, seed: int, on_step=None) -> dflash.Result:
-        """One generation of the prompt on either engine."""
-        if single is None:
-            req = batching.Request(prompt_ids, max_new, tuple(stops), sampling, seed, images)
-            return engine.run([req], None if on_step is None else lambda index, step: on_step(step))[0]
+        """One generation of the prompt on either engine (the same call)."""
         return engine.run(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
 
     compile_seconds = 0.0
@@ -410,7 +407,7 @@ def main(argv=None) -> int:
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()
         if single is None:      # every step kind a policy may take, the sampled ones when sampling
-            engine.warm_up([batching.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)])
+            engine.warm_up(prompt_ids, args.max_new_tokens, stops, sampling, images)
         else:
             engine.policy = adaptive.Pattern([True, "look"]) if policy else None
             run(min(args.max_new_tokens, 3 * block_size), 0)
@@ -523,9 +520,9 @@ def single_engine(args, proposer, sampling) -> str | None:
 def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device, single: str | None):
     """The generation's engine: a batching.Batch of one slot, or where `single` says why (single_engine),
     dflash.Engine, or with --tree-size a tree.TreeEngine over the drafter's trees."""
-    if single is None:
-        return batching.Batch(target, slot_proposer(proposer, target), block_size, 1, capacity,
-                              args.compile_mode if args.compile else None, compile_options(args, device), policy)
+    if single is None:        # one policy for the run: --num-samples' runs carry its timings over
+        return batching.Single(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
+                               compile_options(args, device), policy and (lambda: policy))
     if args.tree_size is not None:
         import tree
         trees = proposer if hasattr(proposer, "propose_tree") else tree.DFlashTree(proposer, args.tree_top_k or 4)
@@ -654,7 +651,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                                                          proposer, round_up=args.compile))
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
-    drafts = slot_proposer(proposer, target)
+    drafts = batching.slot_proposer(proposer, target)
     policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block)
     if parallel is not None:          # rank 0's step times and seeds on every rank (Parallel.synced, .same)
         policy = parallel.synced(policy)
@@ -685,15 +682,6 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     say(f"[{len(reqs)} requests, {slots} in flight: {generated} tokens in {wall:.2f} s, {generated / wall:.1f} tok/s "
         "(prefills included)]")
     return 0
-
-
-def slot_proposer(proposer, target):
-    """The single-request proposer's batched form: a DFlash drafter's SlotDrafter, the MTP head's SlotMTP (None: AR)."""
-    if proposer is None:
-        return None
-    if isinstance(proposer, mtp.MTPProposer):
-        return mtp.SlotMTP(proposer.head, target, proposer.steps)
-    return batching.SlotDrafter(proposer.drafter, target, proposer.window)
 
 
 def warm_up(engine, reqs: list) -> float:

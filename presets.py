@@ -155,7 +155,7 @@ def cudagraph_skips() -> int:
 
 
 def preset_main(args, device) -> dict:
-    """Time AR decode, verify and draft steps of a preset's shapes with the Engine (the same step functions and
+    """Time AR decode, verify and draft steps of a preset's shapes on generate.py's engine (tables.single_engine: the same steps and
     timings as the checkpoint benchmark), then print the step costs, the bandwidth and the projection."""
     cuda = torch.device(device).type == "cuda"
     dtype = pick_dtype(args.dtype, device)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 import adaptive
+import batching
 import chat
 import checkpoint as ckpt
 import dflash
@@ -78,21 +79,57 @@ def method_proposers(args, target, dtype, device) -> dict:
     return out
 
 
-def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops) -> tuple:
-    """The AR and DFlash engines of one benchmark (compiled with --compile), warmed up on `prompt`:
+def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool, parallel=None, eager: bool = False):
+    """The engine a benchmark runs single requests on: generate.py's (batching.Single, a batch of one slot, with a
+    fresh batching.Policy per request when `adapt`), or where --attention flex asks for FlexAttention masks, which
+    only the single-request engine builds, a dflash.Engine (with adaptive.Adaptive when `adapt`). AR: proposer None.
+    parallel: under torchrun, every rank's policy decides from rank 0's step times (tp.Synced). eager: not compiled
+    whatever --compile says."""
+    from generate import ATTENTION, compile_options
+    mode = args.compile_mode if args.compile and not eager else None
+    options = compile_options(args, target.embed_tokens.weight.device)
+    adapt = adapt and proposer is not None
+    if getattr(args, "attention", "sdpa") == "flex":
+        policy = adaptive.Adaptive() if adapt else None
+        engine = dflash.Engine(target, proposer, block, capacity, mode, masks=ATTENTION["flex"], compile_options=options,
+                               policy=parallel.synced(policy) if parallel and policy else policy)
+        return engine
+
+    def make():           # each request its own Policy, as each generate.py run
+        policy = batching.Policy(block=block)
+        return parallel.synced(policy) if parallel else policy
+    return batching.Single(target, proposer, block, capacity, mode, options, make if adapt else None)
+
+
+def warm_up(engine, prompt: list, stops, max_new_tokens: int) -> None:
+    """A throw-away run of a single_engine that compiles every step kind its policy may take (excluded from timings)."""
+    if isinstance(engine, batching.Single):
+        engine.warm_up(prompt, max_new_tokens, stops)
+    elif engine.proposer is None:
+        engine.run(prompt, 8, stops)
+    else:
+        adaptive.warm_up(engine, prompt, stops, engine.policy)
+
+
+def adapt(engine, on: bool) -> None:
+    """A single_engine's next runs with a fresh adaptive policy each (on) or pure rounds (off)."""
+    if isinstance(engine, batching.Single):
+        engine.make_policy = (lambda: batching.Policy(block=engine.block)) if on else None
+    else:
+        engine.policy = adaptive.Adaptive() if on else None
+
+
+def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops, parallel=None) -> tuple:
+    """The AR and DFlash engines of one benchmark (single_engine; compiled with --compile), warmed up on `prompt`:
     compilation, CUDA graph capture, allocator and lazy init, excluded from the figures.
     -> (ar_engine, dflash_engine, warm-up seconds)."""
-    from generate import ATTENTION, compile_options
-    mode = args.compile_mode if args.compile else None
-    kw = dict(compile_mode=mode, masks=ATTENTION[args.attention],
-              compile_options=compile_options(args, target.embed_tokens.weight.device))
-    ar_engine = dflash.Engine(target, None, 1, capacity, **kw)
     # --preset times the steps themselves: every step a round (random drafts would switch adaptive speculation off)
-    policy = None if getattr(args, "no_adaptive", True) or getattr(args, "preset", None) else adaptive.Adaptive()
-    sp_engine = dflash.Engine(target, proposer, block, capacity, **kw)
+    adapt = not (getattr(args, "no_adaptive", True) or getattr(args, "preset", None))
+    ar_engine = single_engine(args, target, None, 1, capacity, False)
+    sp_engine = single_engine(args, target, proposer, block, capacity, adapt, parallel)
     t0 = time.perf_counter()
-    ar_engine.run(prompt, 8, stops)
-    adaptive.warm_up(sp_engine, prompt, stops, policy)
+    warm_up(ar_engine, prompt, stops, args.max_new_tokens)
+    warm_up(sp_engine, prompt, stops, args.max_new_tokens)
     return ar_engine, sp_engine, time.perf_counter() - t0
 
 
@@ -143,29 +180,30 @@ def speedup(ar: Cell, cell: Cell) -> float:
 # ---- running the sets ---------------------------------------------------------------------------------
 
 class Runner:
-    """AR and every method's Engine on one target, with caches grown when a prompt needs more room (rebuilt; with
-    --compile that recompiles, so the first set's longest prompt sets the size with room to spare)."""
+    """AR and every method's engine on one target (tables.single_engine; trees: tree.TreeEngine), with caches grown
+    when a prompt needs more room (rebuilt; with --compile that recompiles, so the first set's longest prompt sets
+    the size with room to spare)."""
 
-    def __init__(self, args, target, methods: dict, stops: list, masks, options: dict):
+    def __init__(self, args, target, methods: dict, stops: list):
         self.args, self.target, self.methods, self.stops = args, target, methods, stops
         self.widest = max([b for _, b in methods.values()] + [1])          # the widest verify among the methods
-        self.kw = dict(compile_mode=args.compile_mode if args.compile else None, masks=masks, compile_options=options)
         self.capacity, self.engines = 0, {}
 
     def fit(self, need: int, warm_prompt: list) -> None:
         if need <= self.capacity:
             return
         self.capacity = max(256, -(-int(need * 1.5) // 256) * 256)
-        self.engines = {"ar": dflash.Engine(self.target, None, 1, self.capacity, **self.kw)}
-        self.engines["ar"].run(warm_prompt, 8, self.stops)
+        self.engines = {"ar": single_engine(self.args, self.target, None, 1, self.capacity, False)}
+        warm_up(self.engines["ar"], warm_prompt, self.stops, self.args.max_new_tokens)
         for name, (proposer, block) in self.methods.items():
             if hasattr(proposer, "propose_tree"):        # pure tree rounds, eager (the tree verify is the reference)
                 import tree
                 eng = self.engines[name] = tree.TreeEngine(self.target, proposer, block - 1, self.capacity)
                 eng.run(warm_prompt, 8, self.stops)
                 continue
-            eng = self.engines[name] = dflash.Engine(self.target, proposer, block, self.capacity, **self.kw)
-            adaptive.warm_up(eng, warm_prompt, self.stops, None if self.args.no_adaptive else adaptive.Adaptive())
+            eng = self.engines[name] = single_engine(self.args, self.target, proposer, block, self.capacity,
+                                                     not self.args.no_adaptive)
+            warm_up(eng, warm_prompt, self.stops, self.args.max_new_tokens)
 
     def run(self, name: str, ids: list, images=None):
         """The median run of --repeat (by decode seconds) of one engine on one prompt -> dflash.Result."""
@@ -236,7 +274,7 @@ class Text:
 def table_main(args, device) -> dict:
     """--methods / --dataset: AR and every method on every set's prompts -> the table, printed (markdown), and with
     --out written with results.json and the plots; the last stdout line is the JSON."""
-    from generate import ATTENTION, compile_options, pick_dtype, products_words, use_onednn
+    from generate import pick_dtype, products_words, use_onednn
     # the sets first: a set that cannot be read stops the run before the models load
     sets = [(P.set_label(n), P.select(P.load_set(n), args.limit or P.default_count(n))) for n in args.dataset or []]
     dtype = pick_dtype(args.dtype, device)
@@ -253,8 +291,7 @@ def table_main(args, device) -> dict:
     if not sets:                                              # --methods alone: bench.py's own prompts, one column
         sets = [("heldout" if not (args.prompt or args.prompts) else "prompts",
                  [P.Sample(ids=ids) for ids in P.from_args(args, tok, target.path)][:args.limit])]
-    runner = Runner(args, target, methods, text.stops(ckpt.stop_token_ids(target.path, target.cfg)),
-                    ATTENTION[args.attention], compile_options(args, target.embed_tokens.weight.device))
+    runner = Runner(args, target, methods, text.stops(ckpt.stop_token_ids(target.path, target.cfg)))
     t0, results = time.perf_counter(), {}
     for label, samples in sets:
         results[label] = run_set(runner, samples, label, text)
