@@ -2,6 +2,8 @@
 batch, for every acceptance length on every row, stop tokens, max_new_tokens, arrival orders and N from 1 to 8."""
 import random
 
+import statistics
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -482,6 +484,20 @@ def test_policy_times_plain_steps_without_the_switch_from_rounds():
     assert drive(p, 300, round_s=0.005, tokens=6, plain_s=switch).count("R") > 250
     assert drive(p, 300, round_s=0.007, tokens=6, plain_s=switch).count("R") < 40
     assert max(p.plain) == 0.001
+
+
+def test_policy_charges_the_switch_after_a_round_to_that_round():
+    """A probe between plain steps costs its round and the next plain step's extra (the round's features carried
+    into the drafter's context: 2 ms here). Probes of 5.2 ms for 6 tokens alone would look worth 1.15 plain steps
+    and bring rounds back; with the switch, 7.2 ms (0.83): rounds stay off."""
+    switch = lambda after_round: 0.003 if after_round else 0.001
+    p = batching.Policy(block=16, blocks=(16,), min_samples=4)
+    drive(p, 30, round_s=0.010, tokens=6, plain_s=switch)                           # losing: plain steps, probes
+    assert "RR" not in drive(p, 600, round_s=0.0052, tokens=6, plain_s=switch)
+    assert statistics.median(p.seconds[16]) == pytest.approx(0.0072)
+    p = batching.Policy(block=16, blocks=(16,), min_samples=4)                      # without a switch's cost the same
+    drive(p, 30, round_s=0.010, tokens=6)                                           # probes bring rounds back
+    assert "RRR" in drive(p, 600, round_s=0.0052, tokens=6)
 
 
 def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
