@@ -44,7 +44,7 @@ import mtp
 import noise
 from dflash import Result, Step, check_block_size, check_inputs, cut, _sync
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
-from sampling import Sampling, draw
+from sampling import Sampling, draw, speculative_accept
 
 
 @dataclass
@@ -87,9 +87,10 @@ class BatchProposer(Protocol):
 
 
 class SlotDrafter:
-    """A DFlash or DFlash2 drafter for N rows: its context cache has a row per slot. DFlash2 drafts greedily here
-    (its candidate selector's best path; a sampling target then verifies it by the coupled rule, which keeps
-    the output the target's own draws)."""
+    """A DFlash or DFlash2 drafter for N rows: its context cache has a row per slot. DFlash2's candidate selector
+    drafts each row as that row's request asks: its best path for a greedy request, for a sampled one a draw
+    with the noise of the row's positions (`samples_drafts`; the coupled rule races with the target's noise,
+    the ratio rule with a stream of its own: noise.py), with the draft distributions q the ratio rule reads."""
 
     wants_next_ids = False
 
@@ -115,14 +116,31 @@ class SlotDrafter:
     def append(self, feats: torch.Tensor, pos: torch.Tensor, next_ids=None) -> None:
         self.drafter.append_context(feats, pos, self.cache)
 
-    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None) -> torch.Tensor:
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether a sampled request's block is sampled (DFlash2); a DFlash drafter drafts greedily at any
+        temperature (a one-hot q)."""
+        return self.drafter.cfg.dflash2
+
+    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None, rows=None, temperature=None):
+        """BatchProposer.propose; for a DFlash2 drafter with sampled requests (samples_drafts) also rows [N,n], the
+        noise row keys of each row's positions, and temperature [N] (0: a greedy request) -> (proposals [N,n],
+        q [N,n,V]: a sampled row's draft distributions; a greedy row's are unused)."""
         self.append(feats, feat_pos)
         hidden = self.drafter.draft_block(last, start, n, self.target.embed_tokens, self.cache, self.masks)  # [N,n,H]
         logits = self.drafter.draft_logits(hidden, self.target.lm_head)
         if self.drafter.candidate_selector is None:
             return logits.argmax(-1)
         select = self.drafter.candidate_selector.select                 # row by row: its path is sequential
-        return torch.stack([select(hidden[b], logits[b], last[b:b + 1])[0] for b in range(last.shape[0])])
+        best = torch.stack([select(hidden[b], logits[b], last[b:b + 1])[0] for b in range(last.shape[0])])
+        if rows is None:
+            return best
+        # Both paths for every row, and each row takes its own: whether a row samples is data of the step (a tensor),
+        # so that requests coming and going never recompile it.
+        warm = torch.where(temperature > 0, temperature, 1.0)
+        drawn = [select(hidden[b], logits[b], last[b:b + 1], rows[b], warm[b]) for b in range(last.shape[0])]
+        proposals = torch.where((temperature > 0)[:, None], torch.stack([t for t, _ in drawn]), best)
+        return proposals, torch.stack([q for _, q in drawn])
 
 
 # ---- Sampling, each row by its own request's settings -------------------------------------------
@@ -219,6 +237,7 @@ class SlotSteps:
         self.keys, self.top_k = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.ratio = torch.zeros(slots, dtype=torch.bool, device=dev)     # a sampled draft verified by the ratio rule
         # each row's RoPE position = its cache position + rope_delta: 0 for text, after a prompt with images the
         # offset its 3-D image positions leave (vision.py)
         self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -272,7 +291,7 @@ class SlotSteps:
             for c in (self.cache, getattr(self.proposer, "cache", None)):
                 if c is not None:
                     compiling.mark_static_(c)
-            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.rope_delta,
+            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.ratio, self.rope_delta,
                       self.plain_buf, self.round_buf, getattr(self, "plain_next", None), getattr(self, "round_next", None)):
                 if t is not None:                  # (plain_buf, round_buf: a batch with a drafter only)
                     torch._dynamo.mark_static_address(t, guard=False)
@@ -304,14 +323,35 @@ class SlotSteps:
             buf.index_copy_(1, slot, own)
         return self._choose(logits, pos + 1)[:, 0]
 
-    def _verify(self, block, pos):
+    def _verify(self, block, pos, q=None):
         """The target over every row's block (GDN layers keep its writes); row i of a block judges proposal i by the
-        token the target puts at position pos[i] + 1 (argmax, or the request's draw there), as dflash.Engine does."""
+        token the target puts at position pos[i] + 1 (argmax, or the request's draw there), as dflash.Engine does.
+        q [N,B-1,V]: sampled drafts' distributions; the rows of requests with the ratio rule are judged by
+        speculative_accept's min(1, p/q) instead, with the uniforms and residual draws of their positions."""
         logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers,
                                     rope_pos=pos + self.rope_delta[:, None])
         posterior = self._choose(logits, pos + 1)                                        # [N,B]
         accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
+        if q is not None:
+            t = torch.where(self.temperature > 0, self.temperature, 1.0)
+            probs = row_probs(logits, t, self.top_p, self.top_k, self.cuts)
+            expo = noise.vocab_noise(self.keys[:, None], pos + 1, logits.shape[-1])
+            u = noise.accept_uniforms(self.keys[:, None], pos[:, 1:])
+            by_ratio, drawn = speculative_accept(probs, block[:, 1:], u, expo, q)
+            ratio = self.ratio & (self.temperature > 0)
+            accepted = torch.where(ratio, by_ratio, accepted)
+            posterior = torch.where(ratio[:, None], drawn, posterior)
         return posterior, accepted, feats
+
+    def _draft_noise(self, n: int) -> tuple:
+        """(row keys [N,n], temperature [N]) for a drafter that samples a sampled request's draft (samples_drafts),
+        else (): the keys of each row's positions start+1 .. start+n, in the TARGET stream under the coupled rule
+        (the draft races with the target's own noise) or the DRAFT stream under the ratio rule, as dflash.Engine."""
+        if not (self.sampled and getattr(self.proposer, "samples_drafts", False)):
+            return ()
+        at, key = self.start[:, None] + 1 + self.offsets[:n], self.keys[:, None]
+        rows = torch.where(self.ratio[:, None], noise.row_keys(key, at, noise.DRAFT), noise.row_keys(key, at, noise.TARGET))
+        return rows, self.temperature
 
 
 def draws(requests: list) -> tuple:
@@ -347,6 +387,7 @@ class Batch(SlotSteps):
         seed = None if s.greedy else (secrets.randbits(63) if req.seed is None else req.seed)
         self.keys[b] = noise.seed_key(seed) if seed is not None else 0
         self.temperature[b], self.top_p[b], self.top_k[b] = s.temperature, s.top_p, s.top_k
+        self.ratio[b] = s.draft_rule == "ratio"
         img = req.images
         self.rope_delta[b] = 0 if img is None else img.rope_delta
         view, pos = self.cache.row(b), torch.arange(T0, device=dev)
@@ -480,16 +521,17 @@ class Batch(SlotSteps):
         dev, start = self.device, self.start
         pos = start[:, None] + self.offsets[:k]                                        # [N,k]
         t0 = time.perf_counter()
-        proposals = torch.zeros(self.slots, 0, dtype=torch.long, device=dev)
+        proposals, q = torch.zeros(self.slots, 0, dtype=torch.long, device=dev), None
         if k > 1:
-            proposals = draft_step(self.last, start, self.feats, self.feat_pos, k - 1, self.feat_next)   # [N,k-1]
+            drafted = draft_step(self.last, start, self.feats, self.feat_pos, k - 1, self.feat_next, *self._draft_noise(k - 1))
+            proposals, q = drafted if isinstance(drafted, tuple) else (drafted, None)     # [N,k-1], [N,k-1,V]
         elif self.feats is not None:            # no draft to take the pending features: into the context now
             self.append_step(self.feats, self.feat_pos, self.feat_next)
         if self.profile:                        # the draft's own time (else a device's queue runs on into the verify)
             _sync(dev)
         t1 = time.perf_counter()
         block = torch.cat([self.last[:, None], proposals], 1)
-        posterior, accepted, feats = verify_step(block, pos)
+        posterior, accepted, feats = verify_step(block, pos, *(() if q is None else (q,)))
         if self.next_ids:       # row j's next token: the target's at j + 1 (an accepted proposal equals it)
             self.round_next[:, :k] = posterior
             self.feat_next = self.round_next

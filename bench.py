@@ -509,9 +509,9 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
 
 def concurrency_main(args, device) -> dict:
     """--concurrency N1,N2,...: per N, a batching.Batch of N slots with a DFlash drafter (adaptive unless --no-adaptive)
-    and one without (AR) run the same requests, each prompt --repeat times, alternately; N requests are in flight
-    until the queue runs dry (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer
-    are left, is short). Throughput = generated tokens / wall time of the whole run (admissions' prefills included,
+    and one without (AR) run the same requests, each prompt --repeat times, alternately (which arm goes first
+    alternates too); N requests are in flight until the queue runs dry (requests: the prompts, repeated up to 3N
+    so that the tail of the queue, when fewer are left, is short). Throughput = generated tokens / wall time of the whole run (admissions' prefills included,
     the same for both); per-request tok/s = a request's tokens after its first / its decode time."""
     dtype = pick_dtype(args.dtype, device)
     target, drafter, window, _, block, prompts, stops, products = load_pair(args, dtype, device)
@@ -530,19 +530,22 @@ def concurrency_main(args, device) -> dict:
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
         warm = time.perf_counter() - t0
-        runs = {"ar": [], "dflash": []}
-        for _ in range(args.repeat):
-            for name, eng in engines.items():
+        runs, given_up = {"ar": [], "dflash": []}, None
+        for r in range(args.repeat):        # AR first in even repeats, DFlash first in odd ones: neither arm always
+            for name, eng in list(engines.items())[::1 if r % 2 == 0 else -1]:     # runs on the machine the other left
                 t0 = time.perf_counter()
                 results = eng.run(reqs)
                 runs[name].append((time.perf_counter() - t0, results))
+            if policy is not None and not policy.feeds and given_up is None:
+                given_up = len(runs["dflash"])
         row = concurrency_row(n, runs, warm)
+        row["rounds_given_up_in_repeat"] = given_up       # the Policy's verdict (None: rounds were kept all along)
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DFlash {row['dflash_tokens_per_s']:8.1f} tok/s  "
               f"speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x)  per request: AR {row['ar_request_tokens_per_s']:.1f}, DFlash "
               f"{row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance {row['mean_acceptance']:.2f}  "
               f"rounds {row['round_share']:.0%} of DFlash steps (verify blocks {row['verify_blocks']})  "
-              f"identical {row['identical']}  ({len(reqs)} requests; "
+              f"identical {row['identical']}  rounds given up in repeat {given_up}  ({len(reqs)} requests; "
               f"warm-up {warm:.1f} s)", flush=True)
     out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
            "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not args.no_adaptive,
@@ -639,11 +642,11 @@ def draft_rules_main(args, device) -> dict:
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     greedy_draft = drafter if not drafter.cfg.dflash2 else None
     sampled_draft = dflash2_form(drafter, args.selector_top_k)
-    ar = dflash.Engine(target, None, 1, capacity)
+    ar = batching.Single(target, None, 1, capacity)            # (generate.py's engine: a batch of one slot)
     arms = {"sampled, coupled": (sampled_draft, "coupled"), "sampled, ratio": (sampled_draft, "ratio")}
     if greedy_draft is not None:
         arms = {"greedy draft": (greedy_draft, "coupled"), **arms}
-    engines = {k: dflash.Engine(target, dflash.DrafterProposer(d, target, window), block, capacity) for k, (d, _) in arms.items()}
+    engines = {k: batching.Single(target, dflash.DrafterProposer(d, target, window), block, capacity) for k, (d, _) in arms.items()}
     table = {}
     for T in args.draft_rules:
         row = {}

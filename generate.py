@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size else proposer, round_up=args.compile)
-    single = single_engine(args, proposer, sampling)       # None: the batch engine, one slot
+    single = single_engine(args)       # None: the batch engine, one slot
     if single is None:
         policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block_size)
     else:
@@ -505,15 +505,13 @@ def tree_flags_check(args, sampling, loaded: bool = False) -> None:
         raise dflash.GenerationError(f"{flag} does not go with a draft tree (--tree-size, or an EAGLE-3 drafter): {why}")
 
 
-def single_engine(args, proposer, sampling) -> str | None:
+def single_engine(args) -> str | None:
     """Why a single request needs the single-request engine (dflash.Engine, tree.TreeEngine), or None: it runs on
     the batch engine with one slot (batching.Batch), the same code as --prompts-file."""
     if args.tree_size is not None:
         return "a draft tree"
     if args.attention == "flex":
         return "FlexAttention masks"
-    if getattr(proposer, "samples_drafts", False) and not sampling.greedy:
-        return "DFlash2's sampled drafts"
     return None
 
 
@@ -544,8 +542,7 @@ def batch_flags_check(args) -> None:
         ("--messages", args.messages, "put a request's turns in its line's \"messages\""),
         ("--image", args.image, "give each line's image files in its \"images\" list"),
         ("--num-samples", args.num_samples != 1, "write one line per sample, each with its own seed"),
-        ("--attention flex", args.attention == "flex", "a batch's rows use the boolean masks of sdpa"),
-        ("--draft-rule ratio", args.draft_rule == "ratio", "a batch drafts greedily and verifies by the coupled rule")) if on]
+        ("--attention flex", args.attention == "flex", "a batch's rows use the boolean masks of sdpa")) if on]
     if refused:
         flag, why = refused[0]
         raise dflash.GenerationError(f"{flag} does not go with --prompts-file: {why}")
@@ -612,7 +609,7 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
     if as_chat:
         stops = chat.with_chat_stops(tokenizer, stops)
     sampling = dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p),
-                               line.get("top_k", args.top_k))
+                               line.get("top_k", args.top_k), args.draft_rule)
     seed = line.get("seed", None if args.seed is None else args.seed + index)
     images = None
     if files:           # each <|image_pad|> becomes its image's tokens; the request's ids are the expanded ones
@@ -670,7 +667,8 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
         if args.json:
             print(json.dumps({"index": i, **result_fields(res, args, tokenizer, proposer, run, req.sampling, res.seed),
-                              "draft_rule": "coupled", "concurrency": slots,
+                              "draft_rule": args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled",
+                              "concurrency": slots,
                               **(chat.chat_fields(tokenizer, res.output_ids, list(req.stop_ids), thinking, tools)
                                  if as_chat else {"chat": False})}))
         else:

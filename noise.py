@@ -102,5 +102,6 @@ def vocab_noise(key: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.
 
 
 def accept_uniforms(key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """U(ACCEPT, t, 0) for the proposals at positions pos [R] -> float64 [R] (the ratio rule's test)."""
-    return uniforms(row_keys(key, pos, ACCEPT), token_keys(torch.zeros(1, dtype=torch.long, device=pos.device)))[:, 0]
+    """U(ACCEPT, t, 0) for the proposals at positions pos [R] -> float64 [R] (the ratio rule's test). A batch of
+    requests: key [N, 1], pos [N, R] -> [N, R]."""
+    return uniforms(row_keys(key, pos, ACCEPT), token_keys(torch.zeros(1, dtype=torch.long, device=pos.device)))[..., 0]

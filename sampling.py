@@ -89,18 +89,20 @@ def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Te
     probs [B, V] target distributions at block positions 0..B-1 (row i judges proposals[i]);
     proposals [B-1], drawn from the draft distributions q [B-1, V] (None: a greedy draft, q one-hot at the
     proposal); u [B-1] uniform(0,1) draws; expo [B, V] Exp(1) noise -> (accepted [], tokens [B]): the committed
-    tokens are proposals[:accepted] + [tokens[accepted]].
+    tokens are proposals[:accepted] + [tokens[accepted]]. A batch of blocks (batching.py) adds a leading
+    dimension N to every argument and result: probs [N, B, V] -> (accepted [N], tokens [N, B]).
 
     Proposal x is accepted with probability min(1, p(x) / q(x)); on rejection the token comes from
     normalize(max(p - q, 0)); after a full acceptance the bonus comes from p at the last row. The output is
     distributed exactly as the target's. With a one-hot q the acceptance is p(x) and the residual is p with x
     removed: a greedy drafter needs no probabilities of its own. `u q(x) < p(x)` is strict, so a
     zero-probability proposal is never accepted, even when u is exactly 0."""
+    head = probs[..., :-1, :]                                                    # the rows that judge proposals
     if q is None:
-        q = torch.zeros_like(probs[:-1]).scatter(1, proposals[:, None], 1.0)
-    p_prop = probs[:-1].gather(1, proposals[:, None]).squeeze(1)                 # [B-1]
-    q_prop = q.gather(1, proposals[:, None]).squeeze(1)
-    accepted = (u * q_prop < p_prop).int().cumprod(0).sum()
-    resid = torch.cat([(probs[:-1] - q).clamp_min(0.0), probs[-1:]])
+        q = torch.zeros_like(head).scatter(-1, proposals[..., None], 1.0)
+    p_prop = head.gather(-1, proposals[..., None]).squeeze(-1)                   # [B-1]
+    q_prop = q.gather(-1, proposals[..., None]).squeeze(-1)
+    accepted = (u * q_prop < p_prop).int().cumprod(-1).sum(-1)
+    resid = torch.cat([(head - q).clamp_min(0.0), probs[..., -1:, :]], -2)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)          # p == q: never rejected
     return accepted, draw(resid, expo)

@@ -204,6 +204,34 @@ def test_sampled_rows_equal_concurrency_one_and_the_engine():
             assert [r.seed for r in res] == [None if r.sampling.greedy else r.seed for r in reqs]
 
 
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_dflash2_sampled_drafts_rows_equal_the_engine(slots):
+    """float64: DFlash2 samples a sampled request's block (the coupled rule: the TARGET stream; the ratio rule: its
+    own DRAFT stream, judged by min(1, p/q)); each row's drafts, acceptances and output == dflash.Engine's for its
+    seed, beside greedy rows and rows under the other rule, at any concurrency."""
+    cfg = tiny_target_config(vocab_size=30)
+    target = random_target(cfg, 5)
+    d = random_drafter(kind_draft_config(cfg, "dflash2", block_size=6, target_layer_ids=[0, 2], num_target_layers=None), 6)
+    rng = random.Random(8)
+    settings_ = [Sampling(0.8, draft_rule="ratio"), Sampling(), Sampling(1.2), Sampling(1.0, 0.9, 5, "ratio"),
+                 Sampling(0.0, draft_rule="ratio"), Sampling(0.7, top_k=4)]
+    reqs = [batching.Request([rng.randrange(30) for _ in range(rng.randint(1, 20))], rng.randint(5, 30), (),
+                             settings_[i % len(settings_)], seed=40 + i) for i in range(9)]
+    proposer = dflash.DrafterProposer(d, target)
+    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens, (), proposer, 6, sampling=r.sampling, seed=r.seed)
+             for r in reqs]
+    res = batching.Batch(target, batching.SlotDrafter(d, target), 6, slots, 60).run(reqs)
+    for r, got, want in zip(reqs, res, alone):
+        assert got.draft_ids == want.draft_ids and got.acceptance_lengths == want.acceptance_lengths, r.sampling
+        assert got.output_ids == want.output_ids, r.sampling
+    ratio = [a for r, x in zip(reqs, res) if r.sampling.draft_rule == "ratio" and not r.sampling.greedy
+             for a in x.acceptance_lengths]
+    assert 1 in ratio and max(ratio) > 1                       # rejections and acceptances under the ratio rule
+    ar = [dflash.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed).output_ids for r in reqs]
+    assert all((x.output_ids == a) == (r.sampling.draft_rule == "coupled" or r.sampling.greedy)
+               for r, x, a in zip(reqs, res, ar))            # the ratio rule's text is another sample than AR's
+
+
 def test_batched_sampling_keeps_the_target_distribution():
     """Chi-square: the second token of 400 seeded requests, run 8 at a time behind a drafter (accepts and rejects
     both occur), against the same requests' plain AR draws; and the AR draws fit the target's distribution."""
