@@ -70,8 +70,9 @@ class BatchProposer(Protocol):
     feature_layers: tuple           # the target layers whose outputs it reads
     wants_next_ids: bool
 
-    def reset(self, slots: int, capacity: int) -> None:
-        """Allocate (or keep) its per-row state for `slots` rows of `capacity` positions."""
+    def reset(self, slots: int, capacity: int, masks=None) -> None:
+        """Allocate (or keep) its per-row state for `slots` rows of `capacity` positions. masks: the batch's masks
+        object (model.DenseMasks or flex.FlexMasks), for a proposer whose attention follows the target's backend."""
 
     def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list, first: int) -> None:
         """A new request in `row`: its prompt (token ids [T]) and their features [1,T,F] at positions pos [T]; first:
@@ -102,10 +103,10 @@ class SlotDrafter:
         self.feature_layers = tuple(drafter.cfg.target_layer_ids)
         self.cache, self.masks = None, None
 
-    def reset(self, slots: int, capacity: int) -> None:
+    def reset(self, slots: int, capacity: int, masks=None) -> None:
         w = self.drafter.fc.weight
         self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device, batch=slots)
-        self.masks = DenseMasks(capacity, self.max_block_size, self.window)
+        self.masks = masks if masks is not None else DenseMasks(capacity, self.max_block_size, self.window)
 
     def admit(self, row: int, feats: torch.Tensor, pos: torch.Tensor, prompt_ids: list, first: int) -> None:
         view = object.__new__(DraftCache)            # row `row` of every layer's context, as views
@@ -220,8 +221,9 @@ class SlotSteps:
 
     def __init__(self, target: Qwen35, proposer: BatchProposer | None = None, block_size: int = 16, slots: int = 1,
                  capacity: int = 2048, compile_mode: str | None = None, compile_options: dict | None = None,
-                 policy=None):
-        """policy: adaptive speculation (Policy; None = a round every step)."""
+                 policy=None, masks=DenseMasks):
+        """policy: adaptive speculation (Policy; None = a round every step). masks: the class of the cached calls'
+        masks, model.DenseMasks (SDPA) or flex.FlexMasks, built here once for the target and the drafter."""
         if slots < 1:
             raise GenerationError(f"--concurrency must be >= 1, got {slots}")
         self.target, self.proposer, self.slots, self.capacity, self.policy = target, proposer, slots, capacity, policy
@@ -229,7 +231,8 @@ class SlotSteps:
         check_block_size(self.block, proposer)
         self.device = dev = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
-        self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block)
+        self.masks = masks(capacity, self.block, getattr(proposer, "window", None), dev)
+        self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block, masks=self.masks)
         self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
         self.offsets = torch.arange(self.block, device=dev)
         self.last, self.start = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
@@ -257,7 +260,7 @@ class SlotSteps:
         self.span = torch.arange(self.block + self.back, device=dev)           # the pending buffers' columns
         self.columns = [self.span[j:j + 1].clone() for j in range(len(self.span))]   # plain steps' slots in plain_buf
         if proposer is not None:
-            proposer.reset(slots, capacity)
+            proposer.reset(slots, capacity, self.masks)
             width = len(self.feature_layers) * target.cfg.hidden_size
             self.feats = torch.zeros(slots, len(self.span), width, dtype=dtype, device=dev)
             self.feat_pos = self.span.repeat(slots, 1)
@@ -277,6 +280,8 @@ class SlotSteps:
         block). Compiled steps are made per k, on first use (their shapes follow k; warm_up makes every k a
         policy may choose), so changing k never recompiles one."""
         if k not in self._by_block:
+            if hasattr(self.masks, "prepare"):       # FlexAttention: the draft mask of blocks of k, built eagerly
+                self.masks.prepare(k)
             steps = (getattr(self.proposer, "propose", None), self._verify, self.cache.commit)   # (AR: no draft)
             if self._options is not None:
                 steps = tuple(f and compiling.compile_step(f, self._options) for f in steps)
@@ -581,11 +586,12 @@ class Single:
     (a round every step). `seed`: the last request's seed (a random one when it sampled without one)."""
 
     def __init__(self, target: Qwen35, proposer=None, block_size: int = 16, capacity: int = 2048,
-                 compile_mode: str | None = None, compile_options: dict | None = None, make_policy=None):
+                 compile_mode: str | None = None, compile_options: dict | None = None, make_policy=None,
+                 masks=DenseMasks):
         """proposer: a single-request proposer (dflash.DrafterProposer, mtp.MTPProposer) or a BatchProposer."""
         self.make_policy = make_policy
         self.batch = Batch(target, slot_proposer(proposer, target), block_size, 1, capacity, compile_mode,
-                           compile_options, make_policy() if make_policy else None)
+                           compile_options, make_policy() if make_policy else None, masks)
         self.block, self.capacity, self.seed = self.batch.block, capacity, None
 
     def request(self, prompt_ids, max_new_tokens: int, stop_ids=(), sampling=None, seed=None, images=None) -> Request:

@@ -656,7 +656,7 @@ def parting_main(args, device) -> dict:
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     stops = ckpt.stop_token_ids(target.path, target.cfg)
     capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
-    import tables                  # generate.py's engine for single requests (eager; flex masks: dflash.Engine)
+    import tables                  # generate.py's engine for single requests (eager)
     ar_engine = tables.single_engine(args, target, None, 1, capacity, False, eager=True)
     sp_engine = tables.single_engine(args, target, proposer, block, capacity, False, eager=True)
     print(f"greedy DFlash vs AR in {str(dtype).replace('torch.', '')}, {len(prompts)} prompts, {args.max_new_tokens} new "

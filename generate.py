@@ -30,7 +30,6 @@ import time
 
 import torch
 
-import adaptive
 import batching
 import chat
 import dflash
@@ -77,7 +76,7 @@ def shared_flags(p) -> None:
                         "acceptance collapses. 0 = the whole context)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="pure DFlash: a draft-verify round every step, even where plain decoding is measured faster "
-                        "(default: adaptive.py decodes plainly while speculation loses; the output is the same)")
+                        "(default: batching.Policy decodes plainly while speculation loses; the output is the same)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
@@ -387,13 +386,10 @@ def main(argv=None) -> int:
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size else proposer, round_up=args.compile)
-    single = single_engine(args)       # None: the batch engine, one slot
-    if single is None:
-        policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block_size)
-    else:
-        policy = None if (proposer is None or args.no_adaptive or args.tree_size) else adaptive.Adaptive()
+    # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
+    policy = None if (proposer is None or args.no_adaptive or args.tree_size) else batching.Policy(block=block_size)
     policy = parallel.synced(policy) if parallel else policy     # every rank decides from rank 0's step times
-    engine = make_engine(args, target, proposer, block_size, capacity, policy, device, single)
+    engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
     seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
     seed = parallel.same(seed) if parallel else seed
 
@@ -405,13 +401,8 @@ def main(argv=None) -> int:
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
-        t0 = time.perf_counter()
-        if single is None:      # every step kind a policy may take, the sampled ones when sampling
-            engine.warm_up(prompt_ids, args.max_new_tokens, stops, sampling, images)
-        else:
-            engine.policy = adaptive.Pattern([True, "look"]) if policy else None
-            run(min(args.max_new_tokens, 3 * block_size), 0)
-            engine.policy = policy
+        t0 = time.perf_counter()       # every step kind a policy may take, the sampled ones when sampling
+        engine.warm_up(prompt_ids, args.max_new_tokens, stops, sampling, images)
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
@@ -505,28 +496,15 @@ def tree_flags_check(args, sampling, loaded: bool = False) -> None:
         raise dflash.GenerationError(f"{flag} does not go with a draft tree (--tree-size, or an EAGLE-3 drafter): {why}")
 
 
-def single_engine(args) -> str | None:
-    """Why a single request needs the single-request engine (dflash.Engine, tree.TreeEngine), or None: it runs on
-    the batch engine with one slot (batching.Batch), the same code as --prompts-file."""
-    if args.tree_size is not None:
-        return "a draft tree"
-    if args.attention == "flex":
-        return "FlexAttention masks"
-    return None
-
-
-def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device, single: str | None):
-    """The generation's engine: a batching.Batch of one slot, or where `single` says why (single_engine),
-    dflash.Engine, or with --tree-size a tree.TreeEngine over the drafter's trees."""
-    if single is None:        # one policy for the run: --num-samples' runs carry its timings over
-        return batching.Single(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                               compile_options(args, device), policy and (lambda: policy))
-    if args.tree_size is not None:
+def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
+    """The generation's engine: a batch of one slot (batching.Single: the same code as --prompts-file), or with
+    --tree-size a tree.TreeEngine over the drafter's trees (a tree's verify is not batched)."""
+    if args.tree_size is not None:      # (--compile is refused with a tree: its engine runs eager)
         import tree
         trees = proposer if hasattr(proposer, "propose_tree") else tree.DFlashTree(proposer, args.tree_top_k or 4)
         return tree.TreeEngine(target, trees, args.tree_size, capacity)
-    return dflash.Engine(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                         masks=ATTENTION[args.attention], compile_options=compile_options(args, device), policy=policy)
+    return batching.Single(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
+                           compile_options(args, device), policy and (lambda: policy), ATTENTION[args.attention])
 
 
 def batch_flags_check(args) -> None:
@@ -541,8 +519,7 @@ def batch_flags_check(args) -> None:
         ("--prompt/--prompt-ids", args.prompt is not None or args.prompt_ids is not None, "the requests are the file's lines"),
         ("--messages", args.messages, "put a request's turns in its line's \"messages\""),
         ("--image", args.image, "give each line's image files in its \"images\" list"),
-        ("--num-samples", args.num_samples != 1, "write one line per sample, each with its own seed"),
-        ("--attention flex", args.attention == "flex", "a batch's rows use the boolean masks of sdpa")) if on]
+        ("--num-samples", args.num_samples != 1, "write one line per sample, each with its own seed")) if on]
     if refused:
         flag, why = refused[0]
         raise dflash.GenerationError(f"{flag} does not go with --prompts-file: {why}")
@@ -655,7 +632,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         seeds = parallel.same([secrets.randbits(63) for _ in reqs])
         reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
     engine = batching.Batch(target, drafts, block, slots, capacity, args.compile_mode if args.compile else None,
-                            compile_options(args, device), policy)
+                            compile_options(args, device), policy, ATTENTION[args.attention])
     compile_seconds = warm_up(engine, reqs) if args.compile else 0.0
     t0 = time.perf_counter()
     results = engine.run(reqs)

@@ -155,7 +155,8 @@ class SlotMTP:
         self.feature_layers = (target.cfg.num_hidden_layers - 1,)
         self.cache = self.masks = None
 
-    def reset(self, slots: int, capacity: int) -> None:
+    def reset(self, slots: int, capacity: int, masks=None) -> None:
+        """(masks: the batch's; the head is one causal layer and keeps SDPA's dense mask whatever the target uses)"""
         w = self.head.fc.weight
         self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device, batch=slots)
         self.masks = DenseMasks(capacity)

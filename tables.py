@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import adaptive
 import batching
 import chat
 import checkpoint as ckpt
@@ -80,43 +79,34 @@ def method_proposers(args, target, dtype, device) -> dict:
 
 
 def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool, parallel=None, eager: bool = False):
-    """The engine a benchmark runs single requests on: generate.py's (batching.Single, a batch of one slot, with a
-    fresh batching.Policy per request when `adapt`), or where --attention flex asks for FlexAttention masks, which
-    only the single-request engine builds, a dflash.Engine (with adaptive.Adaptive when `adapt`). AR: proposer None.
-    parallel: under torchrun, every rank's policy decides from rank 0's step times (tp.Synced). eager: not compiled
-    whatever --compile says."""
+    """The engine a benchmark runs single requests on: generate.py's, a batch of one slot (batching.Single) with a
+    fresh batching.Policy per request when `adapt`, and the --attention masks. AR: proposer None. parallel: under
+    torchrun, every rank's policy decides from rank 0's step times (tp.Synced). eager: not compiled whatever
+    --compile says."""
     from generate import ATTENTION, compile_options
     mode = args.compile_mode if args.compile and not eager else None
     options = compile_options(args, target.embed_tokens.weight.device)
     adapt = adapt and proposer is not None
-    if getattr(args, "attention", "sdpa") == "flex":
-        policy = adaptive.Adaptive() if adapt else None
-        engine = dflash.Engine(target, proposer, block, capacity, mode, masks=ATTENTION["flex"], compile_options=options,
-                               policy=parallel.synced(policy) if parallel and policy else policy)
-        return engine
 
     def make():           # each request its own Policy, as each generate.py run
         policy = batching.Policy(block=block)
         return parallel.synced(policy) if parallel else policy
-    return batching.Single(target, proposer, block, capacity, mode, options, make if adapt else None)
+    return batching.Single(target, proposer, block, capacity, mode, options, make if adapt else None,
+                           ATTENTION[getattr(args, "attention", "sdpa")])
 
 
 def warm_up(engine, prompt: list, stops, max_new_tokens: int) -> None:
-    """A throw-away run of a single_engine that compiles every step kind its policy may take (excluded from timings)."""
+    """A throw-away run of a single_engine (or a tree.TreeEngine) that compiles every step kind its policy may take
+    (excluded from timings)."""
     if isinstance(engine, batching.Single):
         engine.warm_up(prompt, max_new_tokens, stops)
-    elif engine.proposer is None:
-        engine.run(prompt, 8, stops)
     else:
-        adaptive.warm_up(engine, prompt, stops, engine.policy)
+        engine.run(prompt, 8, stops)
 
 
 def adapt(engine, on: bool) -> None:
     """A single_engine's next runs with a fresh adaptive policy each (on) or pure rounds (off)."""
-    if isinstance(engine, batching.Single):
-        engine.make_policy = (lambda: batching.Policy(block=engine.block)) if on else None
-    else:
-        engine.policy = adaptive.Adaptive() if on else None
+    engine.make_policy = (lambda: batching.Policy(block=engine.block)) if on else None
 
 
 def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops, parallel=None) -> tuple:

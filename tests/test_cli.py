@@ -338,7 +338,7 @@ def test_same_seed_same_text_whatever_the_step_pattern(tok_ckpt, capsys, monkeyp
         got = capsys.readouterr()
         texts.append(got.out)
         kinds.append(got.err)
-    # pure rounds; no drafter; and the single-request engine (dflash.Engine, which FlexAttention masks still need)
+    # pure rounds; no drafter; and FlexAttention masks
     for extra in (["--no-adaptive"], ["--draft", "none"], ["--attention", "flex"]):
         assert generate.main(argv + extra) == 0
         texts.append(capsys.readouterr().out)

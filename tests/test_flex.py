@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
+import batching
 import dflash
 import flex
 import model as M
@@ -192,53 +193,35 @@ def test_masks_built_once_per_engine(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-def test_compiled_flex_no_recompiles_same_tokens():
-    """torch.compile(fullgraph=True) of the flex steps: no recompiles after warm-up across a generation with
-    varying acceptance lengths; tokens and proposals == the eager SDPA engine's. (Inductor's CPU flex kernel
-    visits only the listed tiles, so this also runs the tile lists for real.)"""
+def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypatch):
+    """A batch of 2 slots compiled with flex attention (batched block masks) and the command lines' CPU options
+    (generate.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
+    for the one-query steps): AR, and DFlash through rounds, plain steps and plain steps that no longer feed the
+    drafter. Requests coming and going after the warm-up never recompile, and the tokens are the eager SDPA
+    batch's. (Inductor's CPU flex kernel visits only the listed tiles, so this also runs the tile lists for real.)"""
+    import argparse
     import torch._dynamo
     from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    target, drafter, p1, p2 = embedded_pair()
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", masks=flex.FlexMasks)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng.run(p1, 40)                   # warm-up: compiles each step once
-        # Prefill stays eager, and eager flex_attention traces its own small wrapper with dynamo (backend
-        # "eager"); a second prompt length makes that wrapper shape-dynamic, so it is warmed up too.
-        eng.run(p1[:7], 2)
-    graphs = counters["stats"]["unique_graphs"]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        res = eng.run(p2, 120)
-    assert counters["stats"]["unique_graphs"] == graphs
-    assert len(set(res.acceptance_lengths)) >= 3
-    ref = dflash.run(target, p2, 120, proposer=dflash.DrafterProposer(drafter, target), block_size=16)
-    assert res.output_ids == ref.output_ids
-    assert res.draft_ids == ref.draft_ids
-
-
-@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-def test_compiled_flex_one_query_steps_as_the_command_lines_compile_them(tmp_path, monkeypatch):
-    """The steps of one query (AR decode, adaptive speculation's plain steps and looks) compiled with flex
-    attention and the command lines' CPU options (generate.compile_options: the C++ wrapper, and no epilogue
-    fusion, which torch 2.13's CPU flex kernel refuses for them) run, and give the eager SDPA engine's tokens."""
-    import argparse
-    import adaptive
     import generate
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     target, drafter, p1, p2 = embedded_pair()
     options = generate.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
     assert options.get("epilogue_fusion") is False
-    pattern = adaptive.Pattern([False, "look", True, False, False, True])
-    kw = dict(compile_mode="default", masks=flex.FlexMasks, compile_options=options)
-    engines = [dflash.Engine(target, None, 1, 256, **kw),
-               dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, policy=pattern, **kw)]
-    want = dflash.run(target, p2, 48).output_ids
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for engine in engines:
-            assert engine.run(p2, 48).output_ids == want
+    early = [batching.Request(p1, 40), batching.Request(p2[:9], 30)]
+    later = [batching.Request(p, n) for p, n in ((p2, 60), (p1[:5], 20), (p1 + p2, 30))]
+    for proposer, block in ((None, 1), (batching.SlotDrafter(drafter, target), 16)):
+        kw = dict(policy=batching.Alternate((True,))) if proposer is not None else {}
+        eng = batching.Batch(target, proposer, block, 2, 256, "default", options, masks=flex.FlexMasks, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.run(early)                                        # warm-up: every step kind compiles once
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = eng.run(later)
+        assert counters["stats"]["unique_graphs"] == graphs
+        want = batching.Batch(target, None, 1, 2, 256).run(later)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
 def test_prefill_does_not_call_flex(monkeypatch):
@@ -258,3 +241,22 @@ def test_prefill_does_not_call_flex(monkeypatch):
     assert len(calls) == target.cfg.layer_types.count("full_attention")
     want = dflash.Engine(target, None, 1, 64).generate(prompt, 4)
     assert [first.tokens, second.tokens] == [next(want).tokens, next(want).tokens]
+
+
+@pytest.mark.parametrize("kind,window", [("dflash", None), ("sliding", None), ("dflash2", 9)])
+def test_batch_rows_with_flex_equal_sdpa(kind, window):
+    """A batch with FlexAttention masks (each row at its own positions: a batched block mask, row b's start in the
+    mask_mod): every row's tokens and proposals == the SDPA batch's, at N = 1 and 3, through rounds of shorter
+    verify blocks (each its own draft mask) and plain steps; prompts and blocks cross the 128-position tile."""
+    import random
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 2)
+    d = random_drafter(kind_draft_config(cfg, kind, block_size=8, target_layer_ids=[0, 2], num_target_layers=None), 3)
+    rng = random.Random(1)
+    reqs = [batching.Request([rng.randrange(40) for _ in range(n)], rng.randint(3, 30)) for n in (140, 5, 121, 60, 1)]
+    for slots in (1, 3):
+        runs = [batching.Batch(target, batching.SlotDrafter(d, target, window), 8, slots, 200,
+                               policy=batching.Alternate((8, 3, True)), masks=masks).run(reqs)
+                for masks in (M.DenseMasks, flex.FlexMasks)]
+        for dense, fl in zip(*runs):
+            assert fl.output_ids == dense.output_ids and fl.draft_ids == dense.draft_ids, (slots, dense.prompt_ids)
