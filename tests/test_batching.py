@@ -31,7 +31,7 @@ class BatchOracle:
         self.max_block_size = max_block_size
         self.asked = []                                    # (prompt, start, planned acceptance) per live row and round
 
-    def reset(self, slots, capacity):
+    def reset(self, slots, capacity, masks=None):
         self.rows, self.plans = [None] * slots, [[] for _ in range(slots)]
 
     def admit(self, row, feats, pos, prompt_ids, first):

@@ -126,7 +126,7 @@ class SlotOracleMTP:
         self.inner, self.oracle, self.real = inner, oracle, []        # real: (prompt, start, proposals) per live row
         self.max_block_size, self.feature_layers = inner.max_block_size, inner.feature_layers
 
-    def reset(self, slots, capacity):
+    def reset(self, slots, capacity, masks=None):
         self.inner.reset(slots, capacity)
         self.oracle.reset(slots, capacity)
 
