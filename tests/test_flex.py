@@ -14,8 +14,9 @@ import batching
 import dflash
 import flex
 import model as M
-from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, embedded_pair, kind_draft_config, random_drafter, random_target,
-                     tiny_draft_config, tiny_target_config)
+from helpers import (OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
+                     tiny_target_config)
+from test_spec_equals_ar import first_divergence_is_near_tie
 
 
 # eager flex_attention warns once that it is unfused; that is the point of running it here
@@ -192,25 +193,32 @@ def test_masks_built_once_per_engine(monkeypatch):
     assert sorted(calls) == ["causal_block_mask", "draft_block_mask"]
 
 
-@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypatch):
     """A batch of 2 slots compiled with flex attention (batched block masks) and the command lines' CPU options
     (generate.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
     for the one-query steps): AR, and DFlash through rounds, plain steps and plain steps that no longer feed the
     drafter. Requests coming and going after the warm-up never recompile, and the tokens are the eager SDPA
-    batch's. (Inductor's CPU flex kernel visits only the listed tiles, so this also runs the tile lists for real.)"""
+    batch's. Prompts cross the 128-position tile, so inductor's CPU flex kernel, which visits only the listed
+    tiles, runs the tile lists for real."""
     import argparse
+    import random
     import torch._dynamo
     from torch._dynamo.utils import counters
     import generate
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
-    target, drafter, p1, p2 = embedded_pair()
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 4, torch.float32)
+    drafter = random_drafter(kind_draft_config(cfg, "dflash", block_size=4, target_layer_ids=[0, 2], num_target_layers=None),
+                             5, torch.float32)
     options = generate.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
     assert options.get("epilogue_fusion") is False
-    early = [batching.Request(p1, 40), batching.Request(p2[:9], 30)]
-    later = [batching.Request(p, n) for p, n in ((p2, 60), (p1[:5], 20), (p1 + p2, 30))]
-    for proposer, block in ((None, 1), (batching.SlotDrafter(drafter, target), 16)):
+    rng = random.Random(2)
+
+    def requests(lengths):
+        return [batching.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
+    early, later = requests((30, 9)), requests((140, 3, 121))
+    for proposer, block in ((None, 1), (batching.SlotDrafter(drafter, target), 4)):
         kw = dict(policy=batching.Alternate((True,))) if proposer is not None else {}
         eng = batching.Batch(target, proposer, block, 2, 256, "default", options, masks=flex.FlexMasks, **kw)
         with warnings.catch_warnings():
@@ -221,7 +229,9 @@ def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypat
                 got = eng.run(later)
         assert counters["stats"]["unique_graphs"] == graphs
         want = batching.Batch(target, None, 1, 2, 256).run(later)
-        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        for a, b in zip(got, want):         # (float32: another summation order may part them at a near-tie only)
+            assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids,
+                                                                                a.output_ids, 1e-4)
 
 
 def test_prefill_does_not_call_flex(monkeypatch):
