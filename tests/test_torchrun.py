@@ -24,8 +24,15 @@ def run(args: list, procs: int = 1, capsys=None) -> list:
         out = capsys.readouterr().out
     else:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-        p = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for attempt in range(2):
+            p = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+            # A known intermittent abort of a rank at process exit, after its output is complete ("terminate called
+            # without an active exception": a C++ thread still joinable when the process's statics are destroyed,
+            # after the process group is destroyed). Seen in about one suite run in several, each time in another
+            # of these tests; one retry, so a failure that repeats still fails.
+            if p.returncode == 0 or "terminate called without an active exception" not in p.stderr:
+                break
         assert p.returncode == 0, p.stderr[-3000:]
         out = p.stdout
     return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
