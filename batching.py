@@ -166,14 +166,16 @@ def row_probs(logits, temperature, top_p, top_k, cuts=(True, True)):
     return torch.where((top_p < 1).view(-1, 1, 1), nucleus, p)
 
 
-def choose(logits, at, keys, temperature, top_p, top_k, cuts=(True, True)):
+def choose(logits, at, keys, temperature, top_p, top_k, cuts=(True, True), with_draw=False):
     """The tokens that fill positions at [N,T] from logits [N,T,V]: a greedy row's argmax (temperature 0), a sampled
     row's draw at its settings with the noise of its seed's key (keys [N]) at those positions -> [N,T]. A sampled
-    row draws exactly what dflash.Engine draws for the same seed at the same position. cuts: as row_probs."""
+    row draws exactly what dflash.Engine draws for the same seed at the same position. cuts: as row_probs.
+    with_draw: also return what the draw read, (tokens, probs [N,T,V], noise [N,T,V]) (the ratio rule reads them)."""
     greedy = temperature == 0
     probs = row_probs(logits, torch.where(greedy, 1.0, temperature), top_p, top_k, cuts)
-    drawn = draw(probs, noise.vocab_noise(keys[:, None], at, logits.shape[-1]))
-    return torch.where(greedy[:, None], logits.argmax(-1), drawn)
+    expo = noise.vocab_noise(keys[:, None], at, logits.shape[-1])
+    tokens = torch.where(greedy[:, None], logits.argmax(-1), draw(probs, expo))
+    return (tokens, probs, expo) if with_draw else tokens
 
 
 # ---- The engine ----------------------------------------------------------------------------------
@@ -240,7 +242,7 @@ class SlotSteps:
         self.keys, self.top_k = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
-        self.ratio = torch.zeros(slots, dtype=torch.bool, device=dev)     # a sampled draft verified by the ratio rule
+        self.ratio = torch.zeros(slots, dtype=torch.bool, device=dev)     # a sampled row under the ratio rule
         # each row's RoPE position = its cache position + rope_delta: 0 for text, after a prompt with images the
         # offset its 3-D image positions leave (vision.py)
         self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -335,17 +337,17 @@ class SlotSteps:
         speculative_accept's min(1, p/q) instead, with the uniforms and residual draws of their positions."""
         logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers,
                                     rope_pos=pos + self.rope_delta[:, None])
-        posterior = self._choose(logits, pos + 1)                                        # [N,B]
+        if q is None:
+            posterior = self._choose(logits, pos + 1)                                    # [N,B]
+        else:                    # (sampled drafts: some row samples) the draw's probabilities and noise kept
+            posterior, probs, expo = choose(logits, pos + 1, self.keys, self.temperature, self.top_p, self.top_k,
+                                            self.cuts, with_draw=True)
         accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
         if q is not None:
-            t = torch.where(self.temperature > 0, self.temperature, 1.0)
-            probs = row_probs(logits, t, self.top_p, self.top_k, self.cuts)
-            expo = noise.vocab_noise(self.keys[:, None], pos + 1, logits.shape[-1])
             u = noise.accept_uniforms(self.keys[:, None], pos[:, 1:])
             by_ratio, drawn = speculative_accept(probs, block[:, 1:], u, expo, q)
-            ratio = self.ratio & (self.temperature > 0)
-            accepted = torch.where(ratio, by_ratio, accepted)
-            posterior = torch.where(ratio[:, None], drawn, posterior)
+            accepted = torch.where(self.ratio, by_ratio, accepted)
+            posterior = torch.where(self.ratio[:, None], drawn, posterior)
         return posterior, accepted, feats
 
     def _draft_noise(self, n: int) -> tuple:
@@ -392,7 +394,7 @@ class Batch(SlotSteps):
         seed = None if s.greedy else (secrets.randbits(63) if req.seed is None else req.seed)
         self.keys[b] = noise.seed_key(seed) if seed is not None else 0
         self.temperature[b], self.top_p[b], self.top_k[b] = s.temperature, s.top_p, s.top_k
-        self.ratio[b] = s.draft_rule == "ratio"
+        self.ratio[b] = s.draft_rule == "ratio" and not s.greedy
         img = req.images
         self.rope_delta[b] = 0 if img is None else img.rope_delta
         view, pos = self.cache.row(b), torch.arange(T0, device=dev)

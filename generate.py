@@ -428,8 +428,7 @@ def main(argv=None) -> int:
                    parallel=parallel)
         print(json.dumps({
             **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
-            # the rule that decided: a drafter that drafts greedily is verified by the coupled rule under either flag
-            "draft_rule": args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled",
+            "draft_rule": draft_rule_of(args, proposer),
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
                if as_chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths, "seed": r.seed}
@@ -494,6 +493,12 @@ def tree_flags_check(args, sampling, loaded: bool = False) -> None:
     if refused:
         flag, why = refused[0]
         raise dflash.GenerationError(f"{flag} does not go with a draft tree (--tree-size, or an EAGLE-3 drafter): {why}")
+
+
+def draft_rule_of(args, proposer) -> str:
+    """The rule that decided a run's rounds: a drafter that drafts greedily is verified by the coupled rule under
+    either --draft-rule."""
+    return args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled"
 
 
 def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
@@ -644,7 +649,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
         if args.json:
             print(json.dumps({"index": i, **result_fields(res, args, tokenizer, proposer, run, req.sampling, res.seed),
-                              "draft_rule": args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled",
+                              "draft_rule": draft_rule_of(args, proposer),
                               "concurrency": slots,
                               **(chat.chat_fields(tokenizer, res.output_ids, list(req.stop_ids), thinking, tools)
                                  if as_chat else {"chat": False})}))

@@ -86,13 +86,17 @@ def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool
     from generate import ATTENTION, compile_options
     mode = args.compile_mode if args.compile and not eager else None
     options = compile_options(args, target.embed_tokens.weight.device)
-    adapt = adapt and proposer is not None
+    make = policy_maker(block, parallel) if adapt and proposer is not None else None
+    return batching.Single(target, proposer, block, capacity, mode, options, make,
+                           ATTENTION[getattr(args, "attention", "sdpa")])
 
-    def make():           # each request its own Policy, as each generate.py run
+
+def policy_maker(block: int, parallel=None):
+    """() -> a fresh batching.Policy, each request its own as each generate.py run (under torchrun, tp.Synced)."""
+    def make():
         policy = batching.Policy(block=block)
         return parallel.synced(policy) if parallel else policy
-    return batching.Single(target, proposer, block, capacity, mode, options, make if adapt else None,
-                           ATTENTION[getattr(args, "attention", "sdpa")])
+    return make
 
 
 def warm_up(engine, prompt: list, stops, max_new_tokens: int) -> None:
@@ -106,7 +110,7 @@ def warm_up(engine, prompt: list, stops, max_new_tokens: int) -> None:
 
 def adapt(engine, on: bool) -> None:
     """A single_engine's next runs with a fresh adaptive policy each (on) or pure rounds (off)."""
-    engine.make_policy = (lambda: batching.Policy(block=engine.block)) if on else None
+    engine.make_policy = policy_maker(engine.block) if on else None
 
 
 def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops, parallel=None) -> tuple:
