@@ -667,10 +667,11 @@ class Policy:
     batch stops probing and stops feeding the drafter's context (`feeds` False), so its plain steps cost exactly
     AR's. It does the same after a stretch of probes in a row that did not bring rounds back: `patience` probes
     that each lost by more than the margin, or 4 x `patience` near break-even (their gain below the 1 + margin
-    that brings rounds back) spread over at least `max_wait` plain steps (near break-even probes come every few
-    steps, and a slow moment of a shared machine must not end rounds for good), once those probes hold at least
-    `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's tokens are bimodal: four
-    unlucky probes would say nothing, so a batch of 1 needs 32 probes). Keeping the context for probes that never
+    that brings rounds back) spread over at least `max_wait` plain steps or `settle` seconds of them, whichever comes
+    first (near break-even probes come every few steps, and a slow moment of a shared machine must not end rounds
+    for good; at N = 32 on a CPU 512 plain steps take 8 s, more than a whole run of the bench's 96 requests), once
+    those probes hold at least `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's
+    tokens are bimodal: four unlucky probes would say nothing, so a batch of 1 needs 32 probes). Keeping the context for probes that never
     bring rounds back costs a few percent of every plain step (the features kept, the drafter's appends) and buys
     nothing. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
     The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
@@ -679,15 +680,17 @@ class Policy:
 
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
-                 blocks: tuple | None = None, explore: int = 16, min_samples: int = 32, first_plain: int = 3):
+                 blocks: tuple | None = None, explore: int = 16, min_samples: int = 32, first_plain: int = 3,
+                 settle: float = 2.0):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
+        self.settle = settle
         self.min_rounds, self.patience, self.explore, self.min_samples = min_rounds, patience, explore, min_samples
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
         self.losing = 0                                     # probes in a row that lost by more than the margin
         self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
-        self.stalled_steps = 0                              # and the plain steps between them
+        self.stalled_steps, self.stalled_seconds = 0, 0.0   # and the plain steps between them, and their seconds
         self.feeds = True                                   # plain steps keep features for the drafter's context
         self.seconds = {k: collections.deque(maxlen=window) for k in self.blocks}   # per round of k
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
@@ -785,9 +788,11 @@ class Policy:
         if self.next_probe > 0 and counts:                  # a probe (or the round before plain steps) that did not
             self.stalled, self.stalled_rows = self.stalled + 1, self.stalled_rows + rows        # bring rounds back
             self.stalled_steps += waited
+            self.stalled_seconds += waited * statistics.median(self.plain)
         else:
-            self.stalled = self.stalled_rows = self.stalled_steps = 0
-        near = self.stalled >= 4 * self.patience and self.stalled_steps >= self.max_wait   # not a noisy moment
+            self.stalled = self.stalled_rows = self.stalled_steps = self.stalled_seconds = 0
+        spread = self.stalled_steps >= self.max_wait or self.stalled_seconds >= self.settle    # not a noisy moment
+        near = self.stalled >= 4 * self.patience and spread
         if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or near):
             self.feeds = False
         # full: a whole block accepted, at the block where that is worth the most

@@ -503,6 +503,23 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     assert kinds.startswith("....R") and "RRR" in kinds                               # again once the mean pays
 
 
+def test_policy_gives_up_near_break_even_after_seconds_not_only_steps():
+    """At N = 32 a plain step takes 16 ms: probes near break-even (gain 0.95) in a row end rounds once sixteen of
+    them span `settle` seconds (2 s: 125 plain steps; the sixteen take 240 here), not only after 512 plain steps
+    (8 s of the batch feeding the drafter's context for nothing)."""
+    def until_given_up(policy):
+        out = ""
+        while policy.feeds and len(out) < 3000:
+            out += drive(policy, 1, round_s=0.101, tokens=6, plain_s=0.016, rows=32)
+        return out
+    quick, slow = (until_given_up(batching.Policy(block=16, blocks=(16,), settle=s)) for s in (2.0, float("inf")))
+    assert 16 <= quick.count("R") <= 20 and 200 <= quick.count(".") <= 300
+    assert slow.count(".") > 512 and len(slow) < 3000                  # the steps' guard alone: four times as long
+    p = batching.Policy(block=16, blocks=(16,))                 # 1 ms steps: 512 of them (0.5 s) end it, after
+    kinds = drive(p, 2000, round_s=0.0063, tokens=6, plain_s=0.001, rows=32)   # twice as many probes
+    assert 32 <= kinds.count("R") <= 40 and not p.feeds
+
+
 def test_policy_times_plain_steps_without_the_switch_from_rounds():
     """The first plain step after a round also carries the round's features into the drafter's context (here 3 ms
     against 1 ms). Rounds pay (6 tokens in 5 ms), then cost 7 ms (0.86 plain steps): the plain steps that re-time
