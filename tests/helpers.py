@@ -245,3 +245,17 @@ def speculators_eagle3_layer():
             else:
                 sys.modules[k] = v
     return mod.LlamaDecoderEagle3FirstLayer
+
+
+def dynamo_only(monkeypatch) -> None:
+    """torch.compile's steps traced by dynamo and AOTAutograd as the command lines trace them, but run without
+    inductor's code generation (backend aot_eager, the inductor options dropped but the guard filter kept). What is
+    guarded and what recompiles is decided before inductor: a test of recompiles asks only this, in a fraction of
+    the time (inductor's code is tested by the compiled tests that compare tokens with eager)."""
+    import compiling
+    real = torch.compile
+
+    def compile_(fn, mode=None, options=None, **kw):
+        keep = {"guard_filter_fn": options["guard_filter_fn"]} if options and "guard_filter_fn" in options else None
+        return real(fn, backend="aot_eager", options=keep, **kw)
+    monkeypatch.setattr(compiling.torch, "compile", compile_)

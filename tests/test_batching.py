@@ -286,22 +286,29 @@ def test_bad_requests_name_the_request():
 
 
 def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
-    """Compiled with N = 3, a DFlash drafter and the MTP head: requests of other lengths arriving and finishing at
-    other times, greedy, never recompile; the tokens are the eager batch's."""
+    """Compiled with N = 3, DFlash, sliding-window and DFlash2 drafters and the MTP head: requests of other lengths
+    arriving and finishing at other times, greedy, never recompile; the tokens are the eager batch's. Dynamo's
+    guards decide recompiles, so the steps run traced but without inductor's code (helpers.dynamo_only); the
+    inductor-compiled batch is tested against eager in test_compile.py and test_flex.py."""
     from torch._dynamo.utils import counters
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from helpers import dynamo_only
+    dynamo_only(monkeypatch)
     torch._dynamo.reset()
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, 2, torch.float32)
-    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=4), 3, torch.float32)
     rng = random.Random(5)
 
     def requests(k):
         return [batching.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
+
+    def drafter(kind, seed):
+        return batching.SlotDrafter(random_drafter(kind_draft_config(cfg, kind, block_size=4), seed, torch.float32), target)
     head = randomize_(mtp.MTPHead(cfg), 4).float().eval()
-    # the DFlash drafter through rounds of every verify block and plain steps fed or not; the MTP head (its pending
-    # rows one column wider, its next ids kept) through whole-block rounds and plain steps
-    for make, policy in ((lambda: batching.SlotDrafter(d, target), batching.Alternate((2, True))),
+    # the DFlash drafter through rounds of every verify block and plain steps fed or not; the other drafters and
+    # the MTP head (its pending rows one column wider, its next ids kept) through whole-block rounds and plain steps
+    for make, policy in ((lambda: drafter("dflash", 3), batching.Alternate((2, True))),
+                         (lambda: drafter("sliding", 6), batching.Alternate((True,))),
+                         (lambda: drafter("dflash2", 7), batching.Alternate((True,))),
                          (lambda: mtp.SlotMTP(head, target, 3), batching.Alternate((True,)))):
         eng = batching.Batch(target, make(), 4, 3, 64, compile_mode="default", policy=policy)
         eng.run(requests(4))                                    # warm-up: every step kind compiles once
@@ -311,6 +318,7 @@ def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
             got = eng.run(later)
         assert counters["stats"]["unique_graphs"] == graphs
         eager = batching.Batch(target, make(), 4, 3, 64).run(later)
+        assert any(len(r.verify_lengths) for r in got)
         for a, b in zip(got, eager):
             assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
 

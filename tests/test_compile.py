@@ -19,29 +19,26 @@ def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 @pytest.mark.parametrize("wrapper", ["python", "cpp"])
-def test_no_recompiles_after_warmup_and_same_tokens(wrapper, tmp_path, monkeypatch):
-    """Both inductor wrappers (cppwrapper.py's C++ one is the CPU default of the command lines): each distinct
-    decoder layer is compiled once and called per layer, no recompiles after warm-up, tokens == eager."""
+def test_each_distinct_layer_compiles_once(wrapper, tmp_path, monkeypatch):
+    """Both inductor wrappers (cppwrapper.py's C++ one is the CPU default of the command lines): in the compiled
+    decode step of the embedded target each distinct decoder layer is compiled once and called per layer
+    (torch.compiler.nested_compile_region), and the tokens are the eager batch's. One step kind: the regions are
+    the model's, whichever step calls it (recompiles and the other kinds: test_batching.py, the tests below)."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
+    import batching
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # fresh code, not a cached graph
     torch._dynamo.reset()
-    target, drafter, p1, p2 = embedded_pair()
+    target, _, p1, _ = embedded_pair()
     options = cppwrapper.options() if wrapper == "cpp" else {}
     assert options.get("cpp_wrapper", False) == (wrapper == "cpp")
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 256, compile_mode="default", compile_options=options)
-    _, codes = run_and_get_code(eng.run, p1, 40)                          # warm-up: compiles each step once
-    verify = max(codes, key=len)                                          # the verify step: the whole target
-    bodies, calls = region_bodies_and_calls(verify, wrapper)
+    eng = batching.Batch(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
+    request = [batching.Request(p1, 12)]
+    got, codes = run_and_get_code(eng.run, request)
+    assert len(codes) == 1                                                # the decode step (admission is eager)
+    bodies, calls = region_bodies_and_calls(codes[0], wrapper)
     assert len(bodies) == len(set(target.cfg.layer_types)) and calls == target.cfg.num_hidden_layers, (bodies, calls)
-    graphs = counters["stats"]["unique_graphs"]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        res = eng.run(p2, 120)                                            # another prompt length, many acceptance lengths
-    assert counters["stats"]["unique_graphs"] == graphs
-    assert len(set(res.acceptance_lengths)) >= 3
-    eager = dflash.run(target, p2, 120)
-    assert res.output_ids == eager.output_ids
+    assert got[0].output_ids == batching.Batch(target, None, 1, 1, 256).run(request)[0].output_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -86,46 +83,36 @@ def test_mark_static_covers_every_cache_tensor():
     assert seen == 6 * n_gdn + 2 * (len(tcfg.layer_types) - n_gdn) + 2 * tiny_draft_config(tcfg).num_hidden_layers
 
 
-@pytest.mark.parametrize("kind", ["sliding", "dflash2"])
-def test_compiled_drafter_variants(kind, tmp_path, monkeypatch):
-    """A sliding-window and a DFlash2 drafter compile whole (fullgraph: DFlash2's row-by-row candidate choice
-    stays on the device), with no recompiles after warm-up, and give the eager engine's tokens and proposals."""
+def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
+    """The batch's steps as the command lines compile them (inductor, fullgraph: DFlash2's row-by-row candidate
+    choice, its sort and gathers, stays on the device), 2 slots, whole-block rounds and plain steps fed or not:
+    after a warm-up, no recompiles, and the eager batch's tokens and proposals. Run for DFlash2 only: the
+    sliding-window drafter and the MTP head are made of the ops of the graphs compiled in the other tests
+    (attention under a mask, decoder layers); their batches' recompiles are tested traced (test_batching.py)."""
+    import random
     import torch
     import torch._dynamo
+    import batching
     from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
-    dcfg = kind_draft_config(target.cfg, kind, block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
+    dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
     drafter = random_drafter(dcfg, 12, torch.float32)
-    prompt = list(range(1, 30))
-    eager = dflash.run(target, prompt, 24, (), dflash.DrafterProposer(drafter, target), 4)
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 64, compile_mode="default")
-    eng.run(prompt[:9], 6)                                                   # warm-up
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        res = eng.run(prompt, 24)
-    assert res.output_ids == eager.output_ids and res.draft_ids == eager.draft_ids
+    make = lambda: batching.SlotDrafter(drafter, target)
+    rng = random.Random(3)
 
-
-def test_compiled_mtp_head(tmp_path, monkeypatch):
-    """The MTP proposer's K chained steps compile as one graph (fullgraph), with rounds and plain steps and looks
-    warmed up, no recompiles afterwards, and the eager engine's tokens and proposals."""
-    import torch
-    import torch._dynamo
-    import adaptive
-    import mtp
-    from helpers import randomize_, random_target, tiny_target_config
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    target = random_target(tiny_target_config(vocab_size=40), 13, torch.float32)
-    head = randomize_(mtp.MTPHead(target.cfg), 14).float().eval()
-    prompt, pattern = list(range(1, 30)), [True, True, False, "look", False, True]
-    eager = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 64, policy=adaptive.Pattern(pattern)).run(prompt, 24)
-    eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 64, compile_mode="default", policy=adaptive.Pattern(pattern))
-    eng.run(prompt[:9], 12)                                                  # warm-up: every step kind
+    def requests(k):
+        return [batching.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24)) for _ in range(k)]
+    eng = batching.Batch(target, make(), 4, 2, 64, compile_mode="default", policy=batching.Alternate((True,)))
+    eng.run(requests(2))                                                     # warm-up: every step kind
+    later = requests(3)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        res = eng.run(prompt, 24)
-    assert res.output_ids == eager.output_ids and res.draft_ids == eager.draft_ids
+        got = eng.run(later)
+    eager = batching.Batch(target, make(), 4, 2, 64, policy=batching.Alternate((True,))).run(later)
+    assert any(r.verify_lengths for r in got)
+    for a, b in zip(got, eager):
+        assert a.output_ids == b.output_ids and a.draft_ids == b.draft_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
