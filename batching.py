@@ -661,19 +661,23 @@ class Policy:
     that under `budget` of the time: where every verify is compute-bound, rounds are probed rarely. Until the rounds
     have held `min_samples` rows, probes come every `first_wait` plain steps instead, and do not count toward giving
     up: a text's first rounds are its worst, and at N = 1 one round is one sample (one 1-token round had stopped
-    rounds for 56 plain steps of a 128-token request).
+    rounds for 56 plain steps of a 128-token request). So do they until every block is timed `min_rounds` times: no
+    verdict comes before, and at N = 32 on a CPU probes at the budget's waits (30-60 plain steps) took two of the
+    bench's runs to time the four blocks, the drafter's context fed all along.
     Giving up: once every block is timed `min_rounds` times, when even a full block could not pay at any k
     (k x plain seconds / round seconds(k) below 1 - `margin`), no acceptance can make rounds pay at this N: the
     batch stops probing and stops feeding the drafter's context (`feeds` False), so its plain steps cost exactly
     AR's. It does the same after a stretch of probes in a row that did not bring rounds back: `patience` probes
-    that each lost by more than the margin, or 4 x `patience` near break-even (their gain below the 1 + margin
-    that brings rounds back) spread over at least `max_wait` plain steps or `settle` seconds of them, whichever comes
-    first (near break-even probes come every few steps, and a slow moment of a shared machine must not end rounds
-    for good; at N = 32 on a CPU 512 plain steps take 8 s, more than a whole run of the bench's 96 requests), once
-    those probes hold at least `min_samples` rows' acceptance (at N = 1 one round is one sample, and a round's
-    tokens are bimodal: four unlucky probes would say nothing, so a batch of 1 needs 32 probes). Keeping the context for probes that never
-    bring rounds back costs a few percent of every plain step (the features kept, the drafter's appends) and buys
-    nothing. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
+    that each lost by more than the margin, or near break-even (their gain below the 1 + margin that brings rounds
+    back) 4 x `patience` probes, or `patience` probes holding 4 x `min_samples` rows (a probe at N = 32 holds 32 rows'
+    acceptance: four of them say as much as sixteen at N = 8), spread over at least `max_wait` plain steps or
+    `settle` seconds of them, whichever comes first (near break-even probes come every few steps, and a slow moment
+    of a shared machine must not end rounds for good; at N = 32 on a CPU 512 plain steps take 8 s, more than a
+    whole run of the bench's 96 requests), once those probes hold at least `min_samples` rows' acceptance (at N = 1
+    one round is one sample, and a round's tokens are bimodal: four unlucky probes would say nothing, so a batch
+    of 1 needs 32 probes). Keeping the context for probes that never bring rounds back costs a few percent of the
+    time (the features kept, the drafter's appends, each admitted prompt's append: at N = 32 on a CPU about 9% of
+    the bench's run before the verdict) and buys nothing. Both verdicts are for the life of the Batch: a new workload at this N gets a new Policy.
     The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
     blocks. Timings and acceptance carry over from one run of the Batch to the next (the costs depend on N, which
     a Batch fixes); the output never depends on the choice: every kind of step commits the target's own tokens."""
@@ -762,8 +766,9 @@ class Policy:
         best = self.best()
         gain, tokens = self.gain(best), statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
-        if self.next_probe and self.rows_seen < self.min_samples:    # too few rows to trust the acceptance: probe
-            self.next_probe = self.first_wait                          # again soon (at N = 1 one unlucky round)
+        if self.next_probe and (self.rows_seen < self.min_samples or not self.timed()):   # too few rows to trust
+            self.next_probe = self.first_wait       # the acceptance (at N = 1 one unlucky round), or blocks not timed
+            #                                         enough for a verdict: probe again soon
         self.k = self._next_block(best, explore=self.next_probe > 0 or self.rounds % self.explore == 0)
         self._judge(gain, len(live), waited)
 
@@ -792,7 +797,9 @@ class Policy:
         else:
             self.stalled = self.stalled_rows = self.stalled_steps = self.stalled_seconds = 0
         spread = self.stalled_steps >= self.max_wait or self.stalled_seconds >= self.settle    # not a noisy moment
-        near = self.stalled >= 4 * self.patience and spread
+        enough = self.stalled >= 4 * self.patience or (self.stalled >= self.patience and
+                                                       self.stalled_rows >= 4 * self.min_samples)
+        near = enough and spread
         if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or near):
             self.feeds = False
         # full: a whole block accepted, at the block where that is worth the most

@@ -512,20 +512,33 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
 
 
 def test_policy_gives_up_near_break_even_after_seconds_not_only_steps():
-    """At N = 32 a plain step takes 16 ms: probes near break-even (gain 0.95) in a row end rounds once sixteen of
-    them span `settle` seconds (2 s: 125 plain steps; the sixteen take 240 here), not only after 512 plain steps
-    (8 s of the batch feeding the drafter's context for nothing)."""
+    """At N = 32 a plain step takes 16 ms: probes near break-even (gain 0.95) in a row, four or more (each holds 32
+    rows: four hold 128), end rounds once they span `settle` seconds (2 s: 125 plain steps), not only after 512
+    plain steps (8 s of the batch feeding the drafter's context for nothing)."""
     def until_given_up(policy):
         out = ""
         while policy.feeds and len(out) < 3000:
             out += drive(policy, 1, round_s=0.101, tokens=6, plain_s=0.016, rows=32)
         return out
     quick, slow = (until_given_up(batching.Policy(block=16, blocks=(16,), settle=s)) for s in (2.0, float("inf")))
-    assert 16 <= quick.count("R") <= 20 and 200 <= quick.count(".") <= 300
+    assert 7 <= quick.count("R") <= 14 and 125 <= quick.count(".") <= 200
     assert slow.count(".") > 512 and len(slow) < 3000                  # the steps' guard alone: four times as long
     p = batching.Policy(block=16, blocks=(16,))                 # 1 ms steps: 512 of them (0.5 s) end it, after
     kinds = drive(p, 2000, round_s=0.0063, tokens=6, plain_s=0.001, rows=32)   # twice as many probes
     assert 32 <= kinds.count("R") <= 40 and not p.feeds
+
+
+def test_policy_times_every_block_soon_when_rounds_lose():
+    """N = 32 as measured on a CPU (plain step 16 ms; rounds of 16 / 8 / 4 / 2 in 136 / 68 / 60 / 40 ms, 3 tokens
+    per row): every block loses (the best, 0.8 plain steps a round). No verdict comes before each block is timed
+    three times, so those timings come as quick probes, every 4 plain steps, not at the waits of losing probes
+    (38 steps here): rounds are given up after 2.6 s of plain steps, not 6.8 s."""
+    cost, blocks = {16: 0.136, 8: 0.068, 4: 0.060, 2: 0.040}, []
+    p, kinds = batching.Policy(block=16), ""
+    while p.feeds and len(kinds) < 3000:
+        kinds += drive(p, 1, round_s=lambda k: cost[k], tokens=3, plain_s=0.016, rows=32, blocks=blocks)
+    assert sorted(blocks[:12]) == sorted([16, 8, 4, 2] * 3) and kinds[:50].count("R") == 12
+    assert len(kinds) < 200 and not p.feeds
 
 
 def test_policy_times_plain_steps_without_the_switch_from_rounds():
@@ -544,17 +557,17 @@ def test_policy_charges_the_switch_after_a_round_to_that_round():
     into the drafter's context: 2 ms here). Probes of 5.2 ms for 6 tokens alone would look worth 1.15 plain steps
     and bring rounds back; with the switch, 7.2 ms (0.83): rounds stay off."""
     switch = lambda after_round: 0.003 if after_round else 0.001
-    p = batching.Policy(block=16, blocks=(16,), min_samples=4)
+    p = batching.Policy(block=16, blocks=(16,), min_samples=4, min_rounds=1)
     drive(p, 30, round_s=0.010, tokens=6, plain_s=switch)                           # losing: plain steps, probes
     assert "RR" not in drive(p, 600, round_s=0.0052, tokens=6, plain_s=switch)
     assert statistics.median(p.seconds[16]) == pytest.approx(0.0072)
-    p = batching.Policy(block=16, blocks=(16,), min_samples=4)                      # without a switch's cost the same
+    p = batching.Policy(block=16, blocks=(16,), min_samples=4, min_rounds=1)         # without a switch's cost the same
     drive(p, 30, round_s=0.010, tokens=6)                                           # probes bring rounds back
     assert "RRR" in drive(p, 600, round_s=0.0052, tokens=6)
 
 
 def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
-    p = batching.Policy(block=16, blocks=(16,), min_samples=4)                  # (no quick probes after the first round)
+    p = batching.Policy(block=16, blocks=(16,), min_samples=4, min_rounds=1)     # (no quick probes after the first round)
     drive(p, 5, round_s=0.010, tokens=6)                                       # loses: plain steps
     assert drive(p, 20, round_s=0.0058, tokens=6).count("R") <= 1              # gain 1.03: not enough to come back
     assert "RRR" in drive(p, 600, round_s=0.005, tokens=6)                     # gain 1.2: rounds again
