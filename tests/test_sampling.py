@@ -293,18 +293,26 @@ def small_target():
                                             layer_types=["linear_attention", "full_attention"]), 11, torch.float32)
 
 
+def ar_runs(target, prompt, new, s, seeds) -> list:
+    """Plain sampled decoding of `prompt` for each seed -> output ids: many at a time on a batch of 16 slots, each
+    row its batch-1 run for its seed (test_batching.py; dflash.Engine's AR, 1500 runs one by one, took 2.6x as
+    long), so the runs behind the proposers below are compared with another implementation's AR."""
+    import batching
+    return [r.output_ids for r in batching.Batch(target, None, 1, 16, 16).run(
+        [batching.Request(prompt, new, (), s, seed) for seed in seeds])]
+
+
 @pytest.mark.parametrize("s", CONFIGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
 def test_sampled_runs_keep_the_target_distribution(s, small_target):
-    """End to end at each temperature / top-k / top-p: the first token of 1500 seeded AR runs fits the target's
-    distribution (chi-square against sampling_probs of a full forward), and DFlash runs behind a proposer of likely
+    """End to end at each temperature / top-k / top-p: the first token of 1500 seeded AR runs (ar_runs) fits the
+    target's distribution (chi-square against sampling_probs of a full forward), and DFlash runs behind a proposer of likely
     tokens (accepts and rejects both frequent) give each seed's AR text exactly; with the draws' distribution
     exact (test_position_noise_draws_fit_the_distribution) that is the whole distribution."""
     target = small_target
     prompt = [1, 4, 2, 0, 3]
     n, new = 1500, 4
-    ar_eng = dflash.Engine(target, None, 1, 16)
     sp_eng = dflash.Engine(target, GreedyTargetProposer(target, prompt), 4, 16)
-    ar = [ar_eng.run(prompt, new, sampling=s, seed=i).output_ids for i in range(n)]
+    ar = ar_runs(target, prompt, new, s, range(n))
     with torch.no_grad():
         logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
     p0 = sampling_probs(logits[0, -1], s).double()
@@ -323,8 +331,8 @@ def test_dflash2_ratio_rule_keeps_the_distribution(small_target):
     dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 1], num_target_layers=None)
     proposer = dflash.DrafterProposer(random_drafter(dcfg, 12, torch.float32), target)
     ratio, coupled = Sampling(1.0, draft_rule="ratio"), Sampling(1.0)
-    ar_eng, sp_eng = dflash.Engine(target, None, 1, 16), dflash.Engine(target, proposer, 4, 16)
-    ar = [ar_eng.run(prompt, new, sampling=coupled, seed=i).output_ids for i in range(n)]
+    sp_eng = dflash.Engine(target, proposer, 4, 16)
+    ar = ar_runs(target, prompt, new, coupled, range(n))
     sp_runs = [sp_eng.run(prompt, new, sampling=ratio, seed=n + i) for i in range(n)]
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.1 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # accepts and rejects both occur
