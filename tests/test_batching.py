@@ -285,7 +285,7 @@ def test_bad_requests_name_the_request():
         batching.Batch(target, batching.SlotDrafter(d, target), 0, 2, 30)
 
 
-def test_no_recompiles_across_admissions_and_finishes(tmp_path, monkeypatch):
+def test_no_recompiles_across_admissions_and_finishes(monkeypatch):
     """Compiled with N = 3, DFlash, sliding-window and DFlash2 drafters and the MTP head: requests of other lengths
     arriving and finishing at other times, greedy, never recompile; the tokens are the eager batch's. Dynamo's
     guards decide recompiles, so the steps run traced but without inductor's code (helpers.dynamo_only); the

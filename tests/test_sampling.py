@@ -305,9 +305,9 @@ def ar_runs(target, prompt, new, s, seeds) -> list:
 @pytest.mark.parametrize("s", CONFIGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
 def test_sampled_runs_keep_the_target_distribution(s, small_target):
     """End to end at each temperature / top-k / top-p: the first token of 1500 seeded AR runs (ar_runs) fits the
-    target's distribution (chi-square against sampling_probs of a full forward), and DFlash runs behind a proposer of likely
-    tokens (accepts and rejects both frequent) give each seed's AR text exactly; with the draws' distribution
-    exact (test_position_noise_draws_fit_the_distribution) that is the whole distribution."""
+    target's distribution (chi-square against sampling_probs of a full forward), and DFlash runs behind a proposer
+    of likely tokens (accepts and rejects both frequent) give each seed's AR text exactly; with the draws'
+    distribution exact (test_position_noise_draws_fit_the_distribution) that is the whole distribution."""
     target = small_target
     prompt = [1, 4, 2, 0, 3]
     n, new = 1500, 4
