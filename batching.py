@@ -367,6 +367,15 @@ def draws(requests: list) -> tuple:
     return bool(sampled), any(s.top_k > 0 for s in sampled), any(s.top_p < 1 for s in sampled)
 
 
+def drain(steps):
+    """Run generator `steps` (Batch.steps) to its end -> the value it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 @contextlib.contextmanager
 def gc_paused():
     """Python's cyclic garbage collector off for a run. Every step allocates per-row records (Steps, lists), and
@@ -449,6 +458,14 @@ class Batch(SlotSteps):
     def run(self, requests: list, on_step=None) -> list:
         """Every request to its end, N at a time, admitted in order as slots free -> [Result] in request order.
         on_step(index, step) sees each request's steps as they come."""
+        with torch.inference_mode(), gc_paused():
+            return drain(self.steps(requests, on_step))
+
+    def steps(self, requests: list, on_step=None):
+        """`run` one step at a time: a generator that yields after each step of the batch (with the admissions
+        before it), and returns the [Result] (StopIteration.value; `drain`). The caller holds inference mode (and
+        may pause the collector, gc_paused), as run does: so that two batches can advance in turns, each step timed
+        on its own (bench.py --concurrency)."""
         for i, r in enumerate(requests):
             try:
                 if r.images is not None and list(r.images.ids) != list(r.prompt_ids):
@@ -463,22 +480,22 @@ class Batch(SlotSteps):
         if self.policy is not None:
             self.policy.reset()
         waiting, rows, results = collections.deque(enumerate(requests)), [None] * self.slots, [None] * len(requests)
-        with torch.inference_mode(), gc_paused():
-            while True:
-                for b in range(self.slots):              # free slots take the next waiting requests
-                    while rows[b] is None and waiting:
-                        rows[b] = self.admit(b, *waiting.popleft())
-                        self._emit(rows[b], on_step)
-                        if rows[b].done:
-                            results[rows[b].index], rows[b] = rows[b].result, None
-                if not any(rows):
-                    return results
-                self.step(rows)
-                self._upload(rows)
-                for b, row in enumerate(rows):
-                    self._emit(row, on_step)
-                    if row is not None and row.done:
-                        results[row.index], rows[b] = row.result, None
+        while True:
+            for b in range(self.slots):              # free slots take the next waiting requests
+                while rows[b] is None and waiting:
+                    rows[b] = self.admit(b, *waiting.popleft())
+                    self._emit(rows[b], on_step)
+                    if rows[b].done:
+                        results[rows[b].index], rows[b] = rows[b].result, None
+            if not any(rows):
+                return results
+            self.step(rows)
+            self._upload(rows)
+            for b, row in enumerate(rows):
+                self._emit(row, on_step)
+                if row is not None and row.done:
+                    results[row.index], rows[b] = row.result, None
+            yield
 
     def warm_up(self, requests: list) -> None:
         """A throw-away run that compiles every step kind before timed runs: the first N requests, without stops, run

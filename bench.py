@@ -130,6 +130,13 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
                    help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of a batch (batching.py) kept at "
                         "N requests until the queue runs dry (generated tokens / wall time), speedup, mean acceptance")
+    p.add_argument("--whole-runs", action="store_true",
+                   help="with --concurrency: each arm runs the whole queue alone, the arms alternating per repeat (default: "
+                        "the two arms advance in turns, step by step, the one behind in its own time going next, so that "
+                        "a drift of the machine's speed moves both alike)")
+    p.add_argument("--aa", action="store_true",
+                   help="with --concurrency: an A/A check of the timing itself: the DFlash arm replaced by a second AR "
+                        "batch, so the ratios say how far two identical arms part on this machine")
     p.add_argument("--round-costs", default=None, metavar="C1,C2,...",
                    help="with --replay: also replay at these fixed costs of a round, in plain steps (a look at its measured "
                         "ratio), e.g. 1.2,2,2.5,3: how the policy and pure rounds trade on other devices")
@@ -190,6 +197,8 @@ def parse_args(argv=None):
         refuse_flags(p, "--concurrency runs batches of requests on checkpoints or a --preset", {
             **others, "--compile": False, "--preset": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
             "--vs-pure": args.vs_pure, "--attention flex": args.attention == "flex"})
+    if (args.whole_runs or args.aa) and args.concurrency is None:
+        p.error(f"{'--whole-runs' if args.whole_runs else '--aa'} is for --concurrency")
     if args.profile_decode:
         refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False, "--replay": args.replay,
                      "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})
@@ -509,10 +518,12 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
 
 def concurrency_main(args, device) -> dict:
     """--concurrency N1,N2,...: per N, a batching.Batch of N slots with a DFlash drafter (adaptive unless --no-adaptive)
-    and one without (AR) run the same requests, each prompt --repeat times, alternately (which arm goes first
-    alternates too); N requests are in flight until the queue runs dry (requests: the prompts, repeated up to 3N
-    so that the tail of the queue, when fewer are left, is short). Throughput = generated tokens / wall time of the whole run (admissions' prefills included,
-    the same for both); per-request tok/s = a request's tokens after its first / its decode time."""
+    and one without (AR) run the same requests --repeat times; N requests are in flight until the queue runs dry
+    (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer are left, is short).
+    Throughput = generated tokens / the arm's time (admissions' prefills included, the same for both); per-request
+    tok/s = a request's tokens after its first / its decode time. By default the arms advance in turns (in_turns:
+    an arm's time is the sum of its own steps'); with --whole-runs each runs the whole queue alone, alternately
+    (which goes first alternates too). --aa: the DFlash arm is a second AR batch (the timing's own noise)."""
     dtype = pick_dtype(args.dtype, device)
     target, drafter, window, _, block, prompts, stops, products = load_pair(args, dtype, device)
     print(f"{generate.products_words(products)}; {torch.get_num_threads()} threads", flush=True)
@@ -522,36 +533,69 @@ def concurrency_main(args, device) -> dict:
     for n in args.concurrency:
         reqs = [batching.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
-        policy = None if args.no_adaptive else batching.Policy(block=block)
-        engines = {"ar": batching.Batch(target, None, 1, n, capacity, mode, options),
-                   "dflash": batching.Batch(target, batching.SlotDrafter(drafter, target, window), block, n, capacity,
-                                            mode, options, policy)}
+        policy = None if args.no_adaptive or args.aa else batching.Policy(block=block)
+        second = (batching.Batch(target, None, 1, n, capacity, mode, options) if args.aa else
+                  batching.Batch(target, batching.SlotDrafter(drafter, target, window), block, n, capacity, mode, options, policy))
+        engines = {"ar": batching.Batch(target, None, 1, n, capacity, mode, options), "dflash": second}
         t0 = time.perf_counter()
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
         warm = time.perf_counter() - t0
         runs, given_up = {"ar": [], "dflash": []}, None
         for r in range(args.repeat):        # AR first in even repeats, DFlash first in odd ones: neither arm always
-            for name, eng in list(engines.items())[::1 if r % 2 == 0 else -1]:     # runs on the machine the other left
-                t0 = time.perf_counter()
-                results = eng.run(reqs)
-                runs[name].append((time.perf_counter() - t0, results))
+            order = list(engines.items())[::1 if r % 2 == 0 else -1]     # runs on the machine the other left
+            for name, run in (whole_runs(order, reqs) if args.whole_runs else in_turns(order, reqs)).items():
+                runs[name].append(run)
             if policy is not None and not policy.feeds and given_up is None:
                 given_up = len(runs["dflash"])
         row = concurrency_row(n, runs, warm)
         row["rounds_given_up_in_repeat"] = given_up       # the Policy's verdict (None: rounds were kept all along)
         table.append(row)
-        print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DFlash {row['dflash_tokens_per_s']:8.1f} tok/s  "
-              f"speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x)  per request: AR {row['ar_request_tokens_per_s']:.1f}, DFlash "
-              f"{row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance {row['mean_acceptance']:.2f}  "
-              f"rounds {row['round_share']:.0%} of DFlash steps (verify blocks {row['verify_blocks']})  "
-              f"identical {row['identical']}  rounds given up in repeat {given_up}  ({len(reqs)} requests; "
-              f"warm-up {warm:.1f} s)", flush=True)
+        print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  {'AR again' if args.aa else 'DFlash'} "
+              f"{row['dflash_tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x, "
+              f"repeats {row['paired_range'][0]:.2f}-{row['paired_range'][1]:.2f}x)  per request: AR "
+              f"{row['ar_request_tokens_per_s']:.1f}, DFlash {row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance "
+              f"{row['mean_acceptance']:.2f}  rounds {row['round_share']:.0%} of DFlash steps (verify blocks "
+              f"{row['verify_blocks']})  identical {row['identical']}  rounds given up in repeat {given_up}  "
+              f"({len(reqs)} requests; warm-up {warm:.1f} s)", flush=True)
     out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
-           "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not args.no_adaptive,
+           "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not (args.no_adaptive or args.aa),
+           "timing": "whole_runs" if args.whole_runs else "in_turns", "aa": args.aa,
            "compile": bool(mode), **products, "concurrency": table}
     print(json.dumps(out))
     return out
+
+
+def whole_runs(engines: list, reqs: list) -> dict:
+    """Each (name, Batch) of `engines` runs every request alone, in that order -> {name: (seconds, [Result])}."""
+    out = {}
+    for name, eng in engines:
+        t0 = time.perf_counter()
+        results = eng.run(reqs)
+        out[name] = (time.perf_counter() - t0, results)
+    return out
+
+
+def in_turns(engines: list, reqs: list) -> dict:
+    """The (name, Batch) pairs of `engines` run the same requests in turns, one step (with the admissions before it)
+    at a time, the batch with the least time of its own so far going next (the first on a tie) -> {name: (seconds,
+    [Result])}, seconds = the sum of that batch's steps' times. Both batches go through the same stretch of the
+    machine's time: on a shared CPU whose speed drifts by tens of percent between runs of a few seconds, two
+    identical AR batches measured this way part by about 1% where whole runs alternating part by up to 30%
+    (README: "Many requests at once"). Each batch's own step times (what its policy reads) are unchanged."""
+    steps = {name: eng.steps(reqs) for name, eng in engines}
+    spent, out = {name: 0.0 for name, _ in engines}, {}
+    with torch.inference_mode(), batching.gc_paused():
+        while steps:
+            name = min(steps, key=spent.get)
+            t0 = time.perf_counter()
+            try:
+                next(steps[name])
+            except StopIteration as done:
+                out[name] = done.value
+                del steps[name]
+            spent[name] += time.perf_counter() - t0
+    return {name: (spent[name], out[name]) for name, _ in engines}
 
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
@@ -573,9 +617,11 @@ def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     ar, sp = throughput("ar"), throughput("dflash")
     # each repeat's DFlash / AR, the two runs side by side in time: a machine whose speed drifts over a repeat's
     # few seconds moves both alike, where the ratio of the medians may pair a fast run with a slow one
-    paired = statistics.median(tokens_per_s(d) / tokens_per_s(a) for a, d in zip(runs["ar"], runs["dflash"]))
+    ratios = [tokens_per_s(d) / tokens_per_s(a) for a, d in zip(runs["ar"], runs["dflash"])]
+    paired = statistics.median(ratios)
     identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
     return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar, "paired_speedup": paired,
+            "paired_range": [min(ratios), max(ratios)],
             "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
             "ar_request_tokens_per_s": per_request("ar"), "dflash_request_tokens_per_s": per_request("dflash"),
             "round_share": kinds.count("verify") / len(kinds) if kinds else 0.0, "identical": identical,
