@@ -183,13 +183,14 @@ def choose(logits, at, keys, temperature, top_p, top_k, cuts=(True, True), with_
 class _Row:
     """A request in a slot: what it has committed, and its Result as it grows."""
 
-    def __init__(self, index: int, req: Request, seed, first: int, start: int, prefill_seconds: float):
-        self.index, self.req, self.stops, self.start = index, req, set(req.stop_ids), start
+    def __init__(self, index: int, req: Request, seed, first: int, start: int, prefill_seconds: float,
+                 clock=time.perf_counter):
+        self.index, self.req, self.stops, self.start, self.clock = index, req, set(req.stop_ids), start, clock
         self.result = Result(list(req.prompt_ids), [first], [], [], [Step("prefill", start - 1, [first])],
                              prefill_seconds=prefill_seconds, seed=seed)
         self.done = first in self.stops or req.max_new_tokens <= 1
         self.result.steps[0].stop = self.done
-        self.t_first = time.perf_counter()
+        self.t_first = clock()
 
     def take(self, kind: str, tokens: list, proposals=(), accepted: int = 0, times=(0.0, 0.0)) -> list:
         """Commit what a step produced for this row (cut at a stop token and max_new_tokens) -> the committed tokens."""
@@ -204,7 +205,7 @@ class _Row:
             res.step_kinds.append(kind)
         self.start += len(new)
         if self.done:
-            res.decode_seconds = time.perf_counter() - self.t_first
+            res.decode_seconds = self.clock() - self.t_first
         return new
 
 
@@ -393,7 +394,11 @@ def gc_paused():
 
 class Batch(SlotSteps):
     """Requests through the SlotSteps: admitted into free slots as they come, then steps of every slot (a round, or
-    a plain step, as the policy says) until each request ends; `run` returns one dflash.Result per request."""
+    a plain step, as the policy says) until each request ends; `run` returns one dflash.Result per request.
+    `clock`: what a request's decode seconds are read on (bench.in_turns gives each of two batches stepping in turns
+    a clock of its own steps' time)."""
+
+    clock = staticmethod(time.perf_counter)
 
     def admit(self, b: int, index: int, req: Request) -> _Row:
         """Prefill `req` alone into slot b (its GDN states zeroed; attention slots past the prompt are masked until
@@ -431,7 +436,7 @@ class Batch(SlotSteps):
             self.feat_pos[b] = T0 - self.back + self.span
         self.last[b], self.start[b] = first, T0
         _sync(dev)
-        return _Row(index, req, seed, first, T0, time.perf_counter() - t0)
+        return _Row(index, req, seed, first, T0, time.perf_counter() - t0, self.clock)
 
     def _take_pending(self) -> None:
         """The pending features (a round's, or plain steps') into the drafter's context; plain steps fill plain_buf

@@ -576,26 +576,49 @@ def whole_runs(engines: list, reqs: list) -> dict:
     return out
 
 
+class OwnClock:
+    """A batch's own time under in_turns: the seconds of its steps so far, running only while it steps."""
+
+    def __init__(self):
+        self.spent, self.since = 0.0, None
+
+    def __call__(self) -> float:
+        return self.spent + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def step(self, steps) -> object:
+        """next(steps) on this clock -> what it yields (StopIteration passes through, its time counted)."""
+        self.since = time.perf_counter()
+        try:
+            return next(steps)
+        finally:
+            self.spent, self.since = self.spent + time.perf_counter() - self.since, None
+
+
 def in_turns(engines: list, reqs: list) -> dict:
     """The (name, Batch) pairs of `engines` run the same requests in turns, one step (with the admissions before it)
     at a time, the batch with the least time of its own so far going next (the first on a tie) -> {name: (seconds,
-    [Result])}, seconds = the sum of that batch's steps' times. Both batches go through the same stretch of the
-    machine's time: on a shared CPU whose speed drifts by tens of percent between runs of a few seconds, two
-    identical AR batches measured this way part by about 1% where whole runs alternating part by up to 30%
-    (README: "Many requests at once"). Each batch's own step times (what its policy reads) are unchanged."""
+    [Result])}, seconds = the sum of that batch's steps' times, on which its requests' decode seconds are read too
+    (OwnClock). Both batches go through the same stretch of the machine's time: on a shared CPU whose speed drifts
+    by tens of percent between runs of a few seconds, two identical AR batches measured this way part by about 1%
+    where whole runs alternating part by up to 30% (README: "Many requests at once"). Each batch's own step times
+    (what its policy reads) are unchanged."""
     steps = {name: eng.steps(reqs) for name, eng in engines}
-    spent, out = {name: 0.0 for name, _ in engines}, {}
-    with torch.inference_mode(), batching.gc_paused():
-        while steps:
-            name = min(steps, key=spent.get)
-            t0 = time.perf_counter()
-            try:
-                next(steps[name])
-            except StopIteration as done:
-                out[name] = done.value
-                del steps[name]
-            spent[name] += time.perf_counter() - t0
-    return {name: (spent[name], out[name]) for name, _ in engines}
+    clocks, out = {name: OwnClock() for name, _ in engines}, {}
+    try:
+        for name, eng in engines:
+            eng.clock = clocks[name]
+        with torch.inference_mode(), batching.gc_paused():
+            while steps:
+                name = min(steps, key=lambda n: clocks[n].spent)
+                try:
+                    clocks[name].step(steps[name])
+                except StopIteration as done:
+                    out[name] = done.value
+                    del steps[name]
+    finally:
+        for _, eng in engines:
+            vars(eng).pop("clock", None)
+    return {name: (clocks[name].spent, out[name]) for name, _ in engines}
 
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:

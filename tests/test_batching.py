@@ -12,7 +12,7 @@ import batching
 import dflash
 from dflash import Sampling
 import mtp
-from helpers import kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
+from helpers import HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
@@ -447,6 +447,91 @@ def test_concurrency_needs_a_prompts_file(capsys):
     assert "--concurrency applies to --prompts-file" in capsys.readouterr().err
     assert generate.cli(["--prompts-file", "/no/such/file.jsonl"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+# ---- bench.py --concurrency: the arms in turns ------------------------------------------------------------
+
+
+class Clock:
+    """A fake time.perf_counter that steps of FakeArm advance."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeArm:
+    """A stand-in Batch whose steps(reqs) takes `costs` seconds of the fake clock, one per step, logging its name."""
+
+    def __init__(self, name, costs, clock, log):
+        self.name, self.costs, self.time, self.log = name, costs, clock, log
+
+    def steps(self, reqs):
+        for c in self.costs:
+            self.time.now += c
+            self.log.append(self.name)
+            yield
+        return [self.name] * len(reqs)
+
+    def run(self, reqs):
+        return batching.drain(self.steps(reqs))
+
+
+def test_in_turns_steps_the_arm_behind_in_its_own_time(monkeypatch):
+    """bench.in_turns: the arm with the least time of its own goes next (the first listed on a tie); each arm's time is
+    the sum of its own steps'; each gets its own results."""
+    import bench
+    clock, log = Clock(), []
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    arms = [("a", FakeArm("a", [3, 3, 3], clock, log)), ("b", FakeArm("b", [1] * 7, clock, log))]
+    out = bench.in_turns(arms, [0, 0])
+    # a=0,b=0: a (tie) -> 3; b 1, 2, 3; tie: a -> 6; b 4, 5, 6; tie: a -> 9; b 7; b ends; a ends
+    assert log == ["a", "b", "b", "b", "a", "b", "b", "b", "a", "b"]
+    assert out == {"a": (9, ["a", "a"]), "b": (7, ["b", "b"])}
+    log.clear()
+    assert bench.whole_runs(arms[::-1], [0])["b"][0] == pytest.approx(7) and log == ["b"] * 7 + ["a"] * 3
+
+
+def test_in_turns_reads_each_batch_decode_seconds_on_its_own_time(monkeypatch):
+    """Two batches in turns, one of them slowed (20 ms per step): the other's requests' decode seconds count its own
+    steps only, not the time the slow one stepped between them (and the outputs are those of a run alone)."""
+    import time
+
+    import bench
+    target = random_target(tiny_target_config(), seed=3)
+    reqs = [batching.Request([1, 2, 3], 12), batching.Request([4, 5], 9)]
+    fast, slow = (batching.Batch(target, None, 1, 1, 64) for _ in range(2))
+    alone = fast.run(reqs)
+    step = slow.step
+    monkeypatch.setattr(slow, "step", lambda rows: (time.sleep(0.02), step(rows)))
+    out = bench.in_turns([("fast", fast), ("slow", slow)], reqs)
+    seconds, results = out["fast"]
+    assert [r.output_ids for r in results] == [r.output_ids for r in alone] == [r.output_ids for r in out["slow"][1]]
+    assert out["slow"][0] > 0.02 * 19 > seconds         # 10 + 7 steps of the slow one
+    assert sum(r.decode_seconds for r in results) <= seconds and "clock" not in vars(fast)
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_bench_concurrency_in_turns_whole_runs_and_aa(capsys):
+    """bench.py --concurrency on the embedded pair: in turns (the default) and --whole-runs, the outputs identical to AR's;
+    --aa times two AR batches (no rounds); --whole-runs and --aa need --concurrency."""
+    import bench
+    base = ["--concurrency", "2", "--heldout", "3", "--max-new-tokens", "12", "--threads", "1", "--repeat", "2"]
+    for extra, timing in (([], "in_turns"), (["--whole-runs"], "whole_runs")):
+        res = bench.main(base + extra)
+        (row,) = res["concurrency"]
+        assert res["timing"] == timing and not res["aa"] and row["identical"] and row["mean_acceptance"] > 1
+        assert row["paired_range"][0] <= row["paired_speedup"] <= row["paired_range"][1]
+    res = bench.main(base + ["--aa"])
+    (row,) = res["concurrency"]
+    assert res["aa"] and not res["adaptive"] and row["identical"] and row["round_share"] == 0 and not row["verify_blocks"]
+    capsys.readouterr()
+    for flag in ("--whole-runs", "--aa"):
+        with pytest.raises(SystemExit):
+            bench.parse_args([flag])
+        assert f"{flag} is for --concurrency" in capsys.readouterr().err
 
 
 class FakeRow:
