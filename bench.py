@@ -26,6 +26,7 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
     python bench.py --draft-rules 0.3,0.5,0.8,1.0 --heldout 16      # sampled DFlash2 drafts: coupled vs ratio acceptance
     python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
     python bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
+    python bench.py --concurrency 1,8,32 --aa                       # the same timing, two AR batches: its own noise
     torchrun --nproc-per-node 2 bench.py --heldout 16               # tensor parallel (tp.py): the default mode only
 
 `--parting` (check.parting_main) times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
@@ -644,7 +645,7 @@ def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     paired = statistics.median(ratios)
     identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
     return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar, "paired_speedup": paired,
-            "paired_range": [min(ratios), max(ratios)],
+            "paired_range": [min(ratios), max(ratios)], "paired_ratios": ratios,       # (per repeat, in order)
             "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
             "ar_request_tokens_per_s": per_request("ar"), "dflash_request_tokens_per_s": per_request("dflash"),
             "round_share": kinds.count("verify") / len(kinds) if kinds else 0.0, "identical": identical,
