@@ -674,8 +674,9 @@ class Policy:
     Exploring: until every block has been timed `min_rounds` times, probes and every `explore`-th round re-time the
     block timed least (one timing on a shared machine can be off by 3x: a slow first round of 8 made 2 look best at
     N = 8, and probes of 2 alone could never show that 8 paid). Then, while rounds use a block shorter than the
-    whole, every `explore`-th round uses the next longer block, so that longer blocks' acceptance stays measured;
-    and after `explore` rounds in a row two plain steps re-time a plain step, the second one timed (observe_plain;
+    whole, every `explore`-th round and every other probe use the next longer block, so that longer blocks'
+    acceptance stays measured (with probes of the best block alone, an unlucky stretch's acceptance of 8 and 16
+    stayed for good at N = 1: rounds of 16 worth 1.4 plain steps looked worth 0.4); and after `explore` rounds in a row two plain steps re-time a plain step, the second one timed (observe_plain;
     a median of a few early plain steps, a cold first one among them, had made rounds look 40% better than they
     were at N = 32 on a CPU).
     While rounds lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes
@@ -797,15 +798,15 @@ class Policy:
 
     def _next_block(self, best: int, explore: bool) -> int:
         """The block of the next round: the best, or when exploring (a probe, or every `explore`-th round) a block
-        timed fewer than `min_rounds` times, else while rounds go on the next longer block than the best (its
-        acceptance re-measured: a round of k measures only blocks up to k)."""
+        timed fewer than `min_rounds` times, else while rounds go on, and on every other probe, the next longer
+        block than the best (its acceptance re-measured: a round of k measures only blocks up to k)."""
         if not explore:
             return best
         fewest = self._least_timed()
         if len(self.seconds[fewest]) < self.min_rounds:
             return fewest
         longer = [j for j in self.blocks if j > best]
-        return longer[-1] if longer and self.next_probe == 0 else best
+        return longer[-1] if longer and (self.next_probe == 0 or self.rounds % 2) else best
 
     def _judge(self, gain: float, rows: int, waited: int) -> None:
         """After a round: whether rounds are given up for good (class docstring), from the best block's gain, the

@@ -626,6 +626,19 @@ def test_policy_times_every_block_soon_when_rounds_lose():
     assert len(kinds) < 200 and not p.feeds
 
 
+def test_policy_probes_remeasure_longer_blocks():
+    """A round of k measures the acceptance of blocks up to k only. After a stretch where every block loses and the
+    best is the shortest (2 tokens a round), the text turns easy (12 tokens): probes of the best block alone would
+    never see it (a round of 2 still commits 2); every other probe takes the next longer block, so the acceptance of
+    longer blocks is re-measured, and rounds of 8 and 16 come back."""
+    cost = lambda k: 0.002 + 0.0002 * k                          # 16: 5.2 ms, 8: 3.6, 4: 2.8, 2: 2.4; plain 1 ms
+    p, blocks = batching.Policy(block=16, patience=10**9), []
+    drive(p, 400, round_s=cost, tokens=2, blocks=blocks)
+    assert p.best() == 2 and p.feeds
+    kinds = drive(p, 1500, round_s=cost, tokens=12, blocks=blocks)
+    assert "R" * 16 in kinds and p.best() in (8, 16) and blocks[-20:].count(2) <= 2
+
+
 def test_policy_times_plain_steps_without_the_switch_from_rounds():
     """The first plain step after a round also carries the round's features into the drafter's context (here 3 ms
     against 1 ms). Rounds pay (6 tokens in 5 ms), then cost 7 ms (0.86 plain steps): the plain steps that re-time
