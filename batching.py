@@ -676,9 +676,9 @@ class Policy:
     N = 8, and probes of 2 alone could never show that 8 paid). Then, while rounds use a block shorter than the
     whole, every `explore`-th round and every other probe use the next longer block, so that longer blocks'
     acceptance stays measured (with probes of the best block alone, an unlucky stretch's acceptance of 8 and 16
-    stayed for good at N = 1: rounds of 16 worth 1.4 plain steps looked worth 0.4); and after `explore` rounds in a row two plain steps re-time a plain step, the second one timed (observe_plain;
-    a median of a few early plain steps, a cold first one among them, had made rounds look 40% better than they
-    were at N = 32 on a CPU).
+    stayed for good at N = 1: rounds of 16 worth 1.4 plain steps looked worth 0.4); and after `explore` rounds
+    in a row two plain steps re-time a plain step, the second one timed (observe_plain; a median of a few early
+    plain steps, a cold first one among them, had made rounds look 40% better than they were at N = 32 on a CPU).
     While rounds lose, plain steps, and after `wait` of them a probe round re-measures the acceptance (it changes
     with the text). A probe costs (round seconds / plain seconds - tokens) plain steps, so the wait is set to keep
     that under `budget` of the time: where every verify is compute-bound, rounds are probed rarely. Until the rounds

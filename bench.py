@@ -535,9 +535,9 @@ def concurrency_main(args, device) -> dict:
         reqs = [batching.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
         policy = None if args.no_adaptive or args.aa else batching.Policy(block=block)
-        second = (batching.Batch(target, None, 1, n, capacity, mode, options) if args.aa else
-                  batching.Batch(target, batching.SlotDrafter(drafter, target, window), block, n, capacity, mode, options, policy))
-        engines = {"ar": batching.Batch(target, None, 1, n, capacity, mode, options), "dflash": second}
+        ar = lambda: batching.Batch(target, None, 1, n, capacity, mode, options)     # (--aa: the second arm too)
+        engines = {"ar": ar(), "dflash": ar() if args.aa else batching.Batch(
+            target, batching.SlotDrafter(drafter, target, window), block, n, capacity, mode, options, policy)}
         t0 = time.perf_counter()
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
@@ -600,8 +600,8 @@ def in_turns(engines: list, reqs: list) -> dict:
     at a time, the batch with the least time of its own so far going next (the first on a tie) -> {name: (seconds,
     [Result])}, seconds = the sum of that batch's steps' times, on which its requests' decode seconds are read too
     (OwnClock). Both batches go through the same stretch of the machine's time: on a shared CPU whose speed drifts
-    by tens of percent between runs of a few seconds, two identical AR batches measured this way part by about 1%
-    where whole runs alternating part by up to 30% (README: "Many requests at once"). Each batch's own step times
+    by tens of percent between runs of a few seconds, two identical AR batches measured this way part by 0.99-1.02x
+    where whole runs alternating part by 0.80-1.41x (README: "Many requests at once"). Each batch's own step times
     (what its policy reads) are unchanged."""
     steps = {name: eng.steps(reqs) for name, eng in engines}
     clocks, out = {name: OwnClock() for name, _ in engines}, {}
@@ -624,7 +624,7 @@ def in_turns(engines: list, reqs: list) -> dict:
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     """One N's line of the concurrency table from runs {name: [(seconds, [Result])] per repeat}: medians over repeats."""
-    def tokens_per_s(run):                            # one repeat (seconds, [Result]): generated tokens / wall time
+    def tokens_per_s(run):                  # one repeat (seconds, [Result]): generated tokens / the arm's time
         sec, res = run
         return sum(len(r.output_ids) for r in res) / sec
 
