@@ -720,9 +720,13 @@ class Policy:
         self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
         self.stalled_steps, self.stalled_seconds = 0, 0.0   # and the plain steps between them, and their seconds
         self.feeds = True                                   # plain steps keep features for the drafter's context
-        self.seconds = {k: collections.deque(maxlen=window) for k in self.blocks}   # per round of k
+        # step times, each with the index of its step (`count`): the last 4 x window of each kind, so that a round's
+        # and a plain step's costs are compared over the same stretch of steps (costs)
+        self.seconds = {k: collections.deque(maxlen=4 * window) for k in self.blocks}     # per round of k
+        self.seconds_at = {k: collections.deque(maxlen=4 * window) for k in self.blocks}
+        self.plain, self.plain_at = collections.deque(maxlen=4 * window), collections.deque(maxlen=4 * window)
+        self.count, self._costs = 0, {}                     # steps observed; costs(k) until the next sample
         self.tokens = {k: collections.deque(maxlen=window) for k in self.blocks}    # per row, per round of >= k
-        self.plain = collections.deque(maxlen=window)       # seconds per plain step
         self.k = self.last_k = self.blocks[0]               # the block of the next round; of the last one
         self.rounds = self.rows_seen = 0                    # rounds observed, and the live rows they held
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
@@ -733,9 +737,25 @@ class Policy:
         self.since = 0
 
     def gain(self, k: int) -> float:
-        """Plain steps a round of k is worth: its tokens per row x plain seconds / its seconds (medians of the last
-        steps' times, the mean of the tokens)."""
-        return statistics.mean(self.tokens[k]) * statistics.median(self.plain) / statistics.median(self.seconds[k])
+        """Plain steps a round of k is worth: its tokens per row x plain seconds / its seconds (costs(k); the mean
+        of the last rounds' tokens)."""
+        plain_s, round_s = self.costs(k)
+        return statistics.mean(self.tokens[k]) * plain_s / round_s
+
+    def costs(self, k: int) -> tuple:
+        """(plain step seconds, round-of-k seconds): the medians of each over the same stretch of steps, the
+        stretch both kept samples span (but at least the last 3 of each). While rounds go on a plain step is timed
+        once per `explore` rounds, while plain steps go on a round once per probe: the sparse kind's samples reach
+        far back, the dense kind's are recent, and a shared machine's speed drifts by tens of percent within
+        seconds. Medians of each kind's own last samples compared a plain step timed when the machine was slow
+        with rounds timed when it was fast (at N = 32 on a CPU: rounds worth 0.94 plain steps looked worth 1.4,
+        and ran half the steps)."""
+        if k not in self._costs:
+            plain_at, round_at = self.plain_at, self.seconds_at[k]
+            start = min(max(plain_at[0], round_at[0]), plain_at[-min(3, len(plain_at))], round_at[-min(3, len(round_at))])
+            self._costs[k] = (statistics.median(s for i, s in zip(plain_at, self.plain) if i >= start),
+                              statistics.median(s for i, s in zip(round_at, self.seconds[k]) if i >= start))
+        return self._costs[k]
 
     def best(self) -> int:
         """The block whose round is worth the most plain steps, among those timed."""
@@ -777,6 +797,9 @@ class Policy:
         committed = [len(r.result.steps[-1].tokens) for r in live] or [1]
         k = self.last_k = len(live[0].result.steps[-1].draft_ids) + 1 if live else self.k   # the block it verified
         self.seconds[k].append(seconds)
+        self.seconds_at[k].append(self.count)
+        self.count += 1
+        self._costs.pop(k, None)
         for j in self.blocks:
             if j <= k:          # what a round of j would have committed per row: min(committed, j)
                 self.tokens[j].append(statistics.mean(min(c, j) for c in committed))
@@ -827,8 +850,7 @@ class Policy:
         if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or near):
             self.feeds = False
         # full: a whole block accepted, at the block where that is worth the most
-        plain_s = statistics.median(self.plain)
-        full = max(j * plain_s / statistics.median(self.seconds[j]) for j in self.blocks if self.seconds[j])
+        full = max(j * self.costs(j)[0] / self.costs(j)[1] for j in self.blocks if self.seconds[j])
         if full < 1 - self.margin:                          # not even a full block could pay
             if timed:
                 self.feeds = False
@@ -846,9 +868,13 @@ class Policy:
         at N = 32 on a CPU 5 ms on a round of 50-70)."""
         if self.streak == 0:
             self.plain.append(seconds)
+            self.plain_at.append(self.count)
+            self._costs.clear()
         elif self.plain and self.seconds[self.last_k]:      # the switch's extra is the last round's: within a run of
-            extra = seconds - statistics.median(self.plain)   # rounds each draft takes the features before it
+            extra = seconds - self.costs(self.last_k)[0]      # rounds each draft takes the features before it
             self.seconds[self.last_k][-1] += max(0.0, extra)
+            self._costs.pop(self.last_k, None)
+        self.count += 1
         self.retiming = self.streak >= self.explore
         self.since, self.streak = self.since + 1, 0
 

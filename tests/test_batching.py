@@ -639,6 +639,22 @@ def test_policy_probes_remeasure_longer_blocks():
     assert "R" * 16 in kinds and p.best() in (8, 16) and blocks[-20:].count(2) <= 2
 
 
+def test_policy_compares_costs_timed_over_the_same_stretch():
+    """The machine's speed drifts. Rounds pay while the machine is slow (12 tokens for 6.5 ms against 1.3 ms
+    plain steps), then the text turns hard (4 tokens) as the machine turns fast (rounds 5 ms, plain steps 1 ms):
+    rounds are worth 0.8 plain steps. While rounds go on a plain step is timed once per 16 rounds, so its samples
+    reach far back: set against the fast rounds, the slow plain steps made rounds look worth 1.04 and run on for
+    about 130 rounds. Compared over the same stretch of steps, the costs say 0.8 within a few rounds."""
+    fast = [False]
+    plain = lambda after_round: 0.001 if fast[0] else 0.0013
+    p = batching.Policy(block=16, blocks=(16,))
+    assert drive(p, 300, round_s=0.0065, tokens=12, plain_s=plain).count("R") > 250
+    fast[0] = True
+    kinds = drive(p, 300, round_s=0.005, tokens=4, plain_s=plain)
+    assert kinds.find("." * 20) < 40, kinds[:80]                 # plain steps within a few rounds, and for good
+    assert kinds[40:].count("R") < 10
+
+
 def test_policy_times_plain_steps_without_the_switch_from_rounds():
     """The first plain step after a round also carries the round's features into the drafter's context (here 3 ms
     against 1 ms). Rounds pay (6 tokens in 5 ms), then cost 7 ms (0.86 plain steps): the plain steps that re-time
