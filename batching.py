@@ -665,7 +665,8 @@ class Policy:
     before it were accepted). So at a large N the best block is short, at N = 1 it is long; the policy measures.
 
     Both costs are measured as the batch runs, at its own N: each block's round seconds, a plain step's seconds, and
-    the tokens per live row a round of k commits. A round of K also tells what a round of any k <= K would have
+    the tokens per live row a round of k commits; a round's and a plain step's seconds are compared over the same
+    stretch of steps (costs: the machine's speed drifts). A round of K also tells what a round of any k <= K would have
     committed per row (min(committed, k)). At the start one round of each block times it, the whole block first
     (it estimates every block's acceptance). A round of k is worth `gain(k)` = tokens(k) x plain seconds /
     round seconds(k) plain steps, and rounds use the best k. Rounds go on while its gain >= 1, and come back from
