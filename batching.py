@@ -468,9 +468,10 @@ class Batch(SlotSteps):
 
     def steps(self, requests: list, on_step=None):
         """`run` one step at a time: a generator that yields after each step of the batch (with the admissions
-        before it), and returns the [Result] (StopIteration.value; `drain`). The caller holds inference mode (and
-        may pause the collector, gc_paused), as run does: so that two batches can advance in turns, each step timed
-        on its own (bench.py --concurrency)."""
+        before it) the number of live rows that step ran (N while every slot holds a request), and returns the
+        [Result] (StopIteration.value; `drain`). The caller holds inference mode (and may pause the collector,
+        gc_paused), as run does: so that two batches can advance in turns, each step timed on its own (bench.py
+        --concurrency)."""
         for i, r in enumerate(requests):
             try:
                 if r.images is not None and list(r.images.ids) != list(r.prompt_ids):
@@ -494,13 +495,14 @@ class Batch(SlotSteps):
                         results[rows[b].index], rows[b] = rows[b].result, None
             if not any(rows):
                 return results
+            live = sum(row is not None for row in rows)
             self.step(rows)
             self._upload(rows)
             for b, row in enumerate(rows):
                 self._emit(row, on_step)
                 if row is not None and row.done:
                     results[row.index], rows[b] = row.result, None
-            yield
+            yield live
 
     def warm_up(self, requests: list) -> None:
         """A throw-away run that compiles every step kind before timed runs: the first N requests, without stops, run

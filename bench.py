@@ -42,6 +42,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -521,8 +522,9 @@ def concurrency_main(args, device) -> dict:
     """--concurrency N1,N2,...: per N, a batching.Batch of N slots with a DFlash drafter (adaptive unless --no-adaptive)
     and one without (AR) run the same requests --repeat times; N requests are in flight until the queue runs dry
     (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer are left, is short).
-    Throughput = generated tokens / the arm's time (admissions' prefills included, the same for both); per-request
-    tok/s = a request's tokens after its first / its decode time. By default the arms advance in turns (in_turns:
+    Throughput = generated tokens / the arm's time (admissions' prefills included) while N requests are held in
+    flight (ArmRun: up to the last step with N live rows), and over the whole queue, its tail included (queue_*);
+    per-request tok/s = a request's tokens after its first / its decode time. By default the arms advance in turns (in_turns:
     an arm's time is the sum of its own steps'); with --whole-runs each runs the whole queue alone, alternately
     (which goes first alternates too). --aa: the DFlash arm is a second AR batch (the timing's own noise)."""
     dtype = pick_dtype(args.dtype, device)
@@ -554,7 +556,8 @@ def concurrency_main(args, device) -> dict:
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  {'AR again' if args.aa else 'DFlash'} "
               f"{row['dflash_tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x, "
-              f"repeats {row['paired_range'][0]:.2f}-{row['paired_range'][1]:.2f}x)  per request: AR "
+              f"repeats {row['paired_range'][0]:.2f}-{row['paired_range'][1]:.2f}x; whole queue paired "
+              f"{row['queue_paired_speedup']:.2f}x, N in flight {row['dflash_held_share']:.0%} of DFlash's time)  per request: AR "
               f"{row['ar_request_tokens_per_s']:.1f}, DFlash {row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance "
               f"{row['mean_acceptance']:.2f}  rounds {row['round_share']:.0%} of DFlash steps (verify blocks "
               f"{row['verify_blocks']})  identical {row['identical']}  rounds given up in repeat {given_up}  "
@@ -567,13 +570,30 @@ def concurrency_main(args, device) -> dict:
     return out
 
 
+@dataclass
+class ArmRun:
+    """One batch's run of the requests under in_turns or whole_runs. `held_*`: up to the end of its last step that
+    held a live row in every slot (the N requests in flight that the table is about): once the queue runs dry the
+    slots empty one by one, and a step costs the same for the rows left. AR's rows of equal length advance in
+    lockstep and end together, where DFlash's advance at their own acceptance and leave a tail of steps with few
+    live rows (README: "Many requests at once")."""
+    seconds: float            # the batch's time (in turns: its own steps', the admissions before them included)
+    results: list             # [Result] in request order
+    held_seconds: float       # its time up to the end of the last step with N live rows (the whole: never full)
+    held_tokens: int          # the tokens committed by then (each request's first token, from its prefill, too)
+
+    def tokens_per_s(self, held: bool = True) -> float:
+        """Generated tokens / the batch's time: while N requests were held in flight (held), or the whole queue."""
+        if held:
+            return self.held_tokens / self.held_seconds
+        return sum(len(r.output_ids) for r in self.results) / self.seconds
+
+
 def whole_runs(engines: list, reqs: list) -> dict:
-    """Each (name, Batch) of `engines` runs every request alone, in that order -> {name: (seconds, [Result])}."""
+    """Each (name, Batch) of `engines` runs every request alone, in that order -> {name: ArmRun}."""
     out = {}
     for name, eng in engines:
-        t0 = time.perf_counter()
-        results = eng.run(reqs)
-        out[name] = (time.perf_counter() - t0, results)
+        out.update(in_turns([(name, eng)], reqs))
     return out
 
 
@@ -597,14 +617,22 @@ class OwnClock:
 
 def in_turns(engines: list, reqs: list) -> dict:
     """The (name, Batch) pairs of `engines` run the same requests in turns, one step (with the admissions before it)
-    at a time, the batch with the least time of its own so far going next (the first on a tie) -> {name: (seconds,
-    [Result])}, seconds = the sum of that batch's steps' times, on which its requests' decode seconds are read too
+    at a time, the batch with the least time of its own so far going next (the first on a tie) -> {name: ArmRun},
+    its seconds the sum of that batch's steps' times, on which its requests' decode seconds are read too
     (OwnClock). Both batches go through the same stretch of the machine's time: on a shared CPU whose speed drifts
     by tens of percent between runs of a few seconds, two identical AR batches measured this way part by 0.99-1.02x
     where whole runs alternating part by 0.80-1.41x (README: "Many requests at once"). Each batch's own step times
-    (what its policy reads) are unchanged."""
-    steps = {name: eng.steps(reqs) for name, eng in engines}
-    clocks, out = {name: OwnClock() for name, _ in engines}, {}
+    (what its policy reads) are unchanged. A step that yields its live rows (Batch.steps) equal to the batch's
+    slots marks the held stretch (ArmRun.held_seconds, held_tokens)."""
+    tokens = {name: 0 for name, _ in engines}
+
+    def counter(name):
+        def on_step(index, step):
+            tokens[name] += len(step.tokens)
+        return on_step
+    steps = {name: eng.steps(reqs, counter(name)) for name, eng in engines}
+    slots = {name: getattr(eng, "slots", None) for name, eng in engines}
+    clocks, out, held = {name: OwnClock() for name, _ in engines}, {}, {}
     try:
         for name, eng in engines:
             eng.clock = clocks[name]
@@ -612,45 +640,55 @@ def in_turns(engines: list, reqs: list) -> dict:
             while steps:
                 name = min(steps, key=lambda n: clocks[n].spent)
                 try:
-                    clocks[name].step(steps[name])
+                    live = clocks[name].step(steps[name])
                 except StopIteration as done:
                     out[name] = done.value
                     del steps[name]
+                    continue
+                if live is not None and live == slots[name]:
+                    held[name] = (clocks[name].spent, tokens[name])
     finally:
         for _, eng in engines:
             vars(eng).pop("clock", None)
-    return {name: (clocks[name].spent, out[name]) for name, _ in engines}
+    return {name: ArmRun(clocks[name].spent, out[name], *held.get(name, (clocks[name].spent, tokens[name])))
+            for name, _ in engines}
 
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
-    """One N's line of the concurrency table from runs {name: [(seconds, [Result])] per repeat}: medians over repeats."""
-    def tokens_per_s(run):                  # one repeat (seconds, [Result]): generated tokens / the arm's time
-        sec, res = run
-        return sum(len(r.output_ids) for r in res) / sec
-
-    def throughput(name):
-        return statistics.median(tokens_per_s(run) for run in runs[name])
+    """One N's line of the concurrency table from runs {name: [ArmRun] per repeat}: medians over repeats. The
+    headline throughputs are those with N requests held in flight (ArmRun.held_*); the `queue_*` keys are over the
+    whole queue, its tail included."""
+    def throughput(name, held=True):
+        return statistics.median(run.tokens_per_s(held) for run in runs[name])
 
     def per_request(name):
-        return statistics.median((len(r.output_ids) - 1) / r.decode_seconds for _, res in runs[name] for r in res
+        return statistics.median((len(r.output_ids) - 1) / r.decode_seconds for run in runs[name] for r in run.results
                                  if r.decode_seconds > 0 and len(r.output_ids) > 1)
-    rounds = [a for _, res in runs["dflash"] for r in res for a in r.verify_lengths]
-    kinds = [k for _, res in runs["dflash"] for r in res for k in r.step_kinds]
-    blocks = collections.Counter(len(s.draft_ids) + 1 for _, res in runs["dflash"] for r in res for s in r.steps
+
+    def paired(held=True):
+        # each repeat's DFlash / AR, the two runs side by side in time: a machine whose speed drifts over a
+        # repeat's few seconds moves both alike, where the ratio of the medians may pair a fast run with a slow one
+        return [d.tokens_per_s(held) / a.tokens_per_s(held) for a, d in zip(runs["ar"], runs["dflash"])]
+    dflash = [r for run in runs["dflash"] for r in run.results]
+    rounds = [a for r in dflash for a in r.verify_lengths]
+    kinds = [k for r in dflash for k in r.step_kinds]
+    blocks = collections.Counter(len(s.draft_ids) + 1 for r in dflash for s in r.steps
                                  if s.kind == "verify")        # the verify block of each row's rounds (Policy's choice)
-    ar, sp = throughput("ar"), throughput("dflash")
-    # each repeat's DFlash / AR, the two runs side by side in time: a machine whose speed drifts over a repeat's
-    # few seconds moves both alike, where the ratio of the medians may pair a fast run with a slow one
-    ratios = [tokens_per_s(d) / tokens_per_s(a) for a, d in zip(runs["ar"], runs["dflash"])]
-    paired = statistics.median(ratios)
-    identical = all(a.output_ids == b.output_ids for (_, x), (_, y) in zip(runs["ar"], runs["dflash"]) for a, b in zip(x, y))
-    return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar, "paired_speedup": paired,
-            "paired_range": [min(ratios), max(ratios)], "paired_ratios": ratios,       # (per repeat, in order)
+    ar, sp, ratios, queue_ratios = throughput("ar"), throughput("dflash"), paired(), paired(held=False)
+    identical = all(a.output_ids == b.output_ids for x, y in zip(runs["ar"], runs["dflash"])
+                    for a, b in zip(x.results, y.results))
+    held_share = statistics.median(run.held_seconds / run.seconds for run in runs["dflash"])
+    return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar,
+            "paired_speedup": statistics.median(ratios), "paired_range": [min(ratios), max(ratios)],
+            "paired_ratios": ratios,                                                    # (per repeat, in order)
+            "queue_dflash_tokens_per_s": throughput("dflash", False), "queue_ar_tokens_per_s": throughput("ar", False),
+            "queue_paired_speedup": statistics.median(queue_ratios), "queue_paired_ratios": queue_ratios,
+            "dflash_held_share": held_share,            # of DFlash's time, the share with N requests in flight
             "mean_acceptance": sum(rounds) / len(rounds) if rounds else 0.0,
             "ar_request_tokens_per_s": per_request("ar"), "dflash_request_tokens_per_s": per_request("dflash"),
             "round_share": kinds.count("verify") / len(kinds) if kinds else 0.0, "identical": identical,
             "verify_blocks": {str(k): blocks[k] for k in sorted(blocks)},
-            "requests": len(runs["ar"][0][1]), "warmup_seconds": warm}
+            "requests": len(runs["ar"][0].results), "warmup_seconds": warm}
 
 
 def replay_at_costs(args, looked, rounds, look: float) -> dict:

@@ -468,7 +468,7 @@ class FakeArm:
     def __init__(self, name, costs, clock, log):
         self.name, self.costs, self.time, self.log = name, costs, clock, log
 
-    def steps(self, reqs):
+    def steps(self, reqs, on_step=None):
         for c in self.costs:
             self.time.now += c
             self.log.append(self.name)
@@ -489,9 +489,10 @@ def test_in_turns_steps_the_arm_behind_in_its_own_time(monkeypatch):
     out = bench.in_turns(arms, [0, 0])
     # a=0,b=0: a (tie) -> 3; b 1, 2, 3; tie: a -> 6; b 4, 5, 6; tie: a -> 9; b 7; b ends; a ends
     assert log == ["a", "b", "b", "b", "a", "b", "b", "b", "a", "b"]
-    assert out == {"a": (9, ["a", "a"]), "b": (7, ["b", "b"])}
+    assert {k: (v.seconds, v.results) for k, v in out.items()} == {"a": (9, ["a", "a"]), "b": (7, ["b", "b"])}
+    assert out["a"].held_seconds == 9 and out["a"].held_tokens == 0          # (no live rows yielded: the whole run)
     log.clear()
-    assert bench.whole_runs(arms[::-1], [0])["b"][0] == pytest.approx(7) and log == ["b"] * 7 + ["a"] * 3
+    assert bench.whole_runs(arms[::-1], [0])["b"].seconds == pytest.approx(7) and log == ["b"] * 7 + ["a"] * 3
 
 
 def test_in_turns_reads_each_batch_decode_seconds_on_its_own_time(monkeypatch):
@@ -507,10 +508,28 @@ def test_in_turns_reads_each_batch_decode_seconds_on_its_own_time(monkeypatch):
     step = slow.step
     monkeypatch.setattr(slow, "step", lambda rows: (time.sleep(0.02), step(rows)))
     out = bench.in_turns([("fast", fast), ("slow", slow)], reqs)
-    seconds, results = out["fast"]
-    assert [r.output_ids for r in results] == [r.output_ids for r in alone] == [r.output_ids for r in out["slow"][1]]
-    assert out["slow"][0] > 0.02 * 19 > seconds         # 10 + 7 steps of the slow one
+    seconds, results = out["fast"].seconds, out["fast"].results
+    assert [r.output_ids for r in results] == [r.output_ids for r in alone] == [r.output_ids for r in out["slow"].results]
+    assert out["slow"].seconds > 0.02 * 19 > seconds         # 10 + 7 steps of the slow one
     assert sum(r.decode_seconds for r in results) <= seconds and "clock" not in vars(fast)
+
+
+def test_in_turns_measures_the_stretch_with_every_slot_live():
+    """ArmRun.held_*: two slots, requests of 12, 4 and 4 tokens (AR, a tiny target). Slot 0 runs the first, slot 1
+    the second then the third: steps 1-6 hold two live rows, then the queue is dry and steps 7-11 hold one. The held
+    stretch ends with step 6: 15 tokens (12 + 4 + 4 in all), part of the batch's time; Batch.steps yields each step's
+    live rows."""
+    import bench
+    target = random_target(tiny_target_config(), seed=3)
+    reqs = [batching.Request([1, 2, 3], 12), batching.Request([4, 5], 4), batching.Request([6], 4)]
+    eng = batching.Batch(target, None, 1, 2, 64)
+    with torch.inference_mode():
+        assert list(eng.steps(reqs)) == [2] * 6 + [1] * 5
+    run = bench.in_turns([("ar", eng)], reqs)["ar"]
+    assert [len(r.output_ids) for r in run.results] == [12, 4, 4]
+    assert run.held_tokens == 15 and 0 < run.held_seconds < run.seconds
+    assert run.tokens_per_s() == pytest.approx(15 / run.held_seconds)
+    assert run.tokens_per_s(held=False) == pytest.approx(20 / run.seconds)
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -524,6 +543,7 @@ def test_bench_concurrency_in_turns_whole_runs_and_aa(capsys):
         (row,) = res["concurrency"]
         assert res["timing"] == timing and not res["aa"] and row["identical"] and row["mean_acceptance"] > 1
         assert row["paired_range"][0] <= row["paired_speedup"] <= row["paired_range"][1]
+        assert 0 < row["dflash_held_share"] <= 1 and row["queue_dflash_tokens_per_s"] > 0
     res = bench.main(base + ["--aa"])
     (row,) = res["concurrency"]
     assert res["aa"] and not res["adaptive"] and row["identical"] and row["round_share"] == 0 and not row["verify_blocks"]
