@@ -131,7 +131,8 @@ def parse_args(argv=None):
                         "entries (the compiled graph, dynamo's checks, the gathering of its inputs, ...)")
     p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
                    help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of a batch (batching.py) kept at "
-                        "N requests until the queue runs dry (generated tokens / wall time), speedup, mean acceptance")
+                        "N requests until the queue runs dry (generated tokens / the batch's time while N requests are in "
+                        "flight, and over the whole queue), speedup, mean acceptance")
     p.add_argument("--whole-runs", action="store_true",
                    help="with --concurrency: each arm runs the whole queue alone, the arms alternating per repeat (default: "
                         "the two arms advance in turns, step by step, the one behind in its own time going next, so that "
