@@ -344,22 +344,27 @@ class Pattern:
         pass
 
 
-@pytest.mark.parametrize("kind,block,pattern,slots", [("dflash", 8, [False] * 5 + [True], 2),
-                                                      ("sliding", 8, [False] * 11 + [True, True], 3),
-                                                      ("dflash", 4, [True, False], 2), ("dflash2", 16, [False, True], 2),
-                                                      ("dflash", 8, [False] * 19 + [True], 1),
-                                                      ("dflash", 8, [3, False, 8, 5, 2, False, 1, 4], 2)])
-def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind, block, pattern, slots):
-    """The drafter's context in a batch (a round's features, plain steps' columns taken whole when full, taken early
-    when a request is admitted beside them): every row's every proposal == the drafter run from scratch on
-    full-forward target features of that request's committed prefix."""
+@pytest.mark.parametrize("kind,block,pattern,slots,shortest", [("dflash", 8, [False] * 5 + [True], 2, 3),
+                                                               ("sliding", 8, [False] * 11 + [True, True], 3, 3),
+                                                               ("dflash", 4, [True, False], 2, 3),
+                                                               ("dflash2", 16, [False, True], 2, 3),
+                                                               ("dflash", 8, [False] * 19 + [True], 1, 3),
+                                                               ("dflash", 8, [3, False, 8, 5, 2, False, 1, 4], 2, 3),
+                                                               ("dflash", 8, [False] * 15 + [True], 3, 1)])
+def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind, block, pattern, slots, shortest):
+    """The drafter's context in a batch (a round's features, plain steps' columns taken whole when full, a request
+    admitted beside them joining the pending columns with its prompt's last features, or, with a prompt shorter
+    than the columns before the next plain step's, after they are taken early): every row's every proposal == the
+    drafter run from scratch on full-forward target features of that request's committed prefix. shortest: the
+    shortest prompt (1: prompts of 1..4 tokens, many shorter than a run of plain steps)."""
     from test_spec_equals_ar import scratch_mask
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, 7)
     dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
     drafter = random_drafter(dcfg, 7)
     rng = random.Random(7)
-    reqs = [batching.Request([rng.randrange(40) for _ in range(rng.randint(3, 30))], rng.randint(20, 70)) for _ in range(5)]
+    reqs = [batching.Request([rng.randrange(40) for _ in range(rng.randint(shortest, 30 if shortest > 1 else 4))],
+                             rng.randint(20, 70)) for _ in range(5 if shortest > 1 else 9)]
     results = batching.Batch(target, batching.SlotDrafter(drafter, target), block, slots, 120,
                              policy=Pattern(pattern)).run(reqs)
     rounds = 0
