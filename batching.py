@@ -425,8 +425,10 @@ class Batch(SlotSteps):
             first = int(choose(logits, at, *(t[b:b + 1] for t in (self.keys, self.temperature, self.top_p, self.top_k)),
                                self.cuts)[0, 0])
         if self.feeding:
+            t1 = time.perf_counter()
             self.proposer.admit(b, feats, pos, req.prompt_ids, first)
             self._join_pending(b, feats, req.prompt_ids + [first])
+            self._charge(t1)
         self.last[b], self.start[b] = first, T0
         _sync(dev)
         return _Row(index, req, seed, first, T0, time.perf_counter() - t0, self.clock)
@@ -451,6 +453,13 @@ class Batch(SlotSteps):
             if self.next_ids:       # the token after each: the prompt's next, then (after its last) the first token
                 self.feat_next[b, :c] = torch.tensor(ids[T0 - c + 1:], device=self.device)
         self.feat_pos[b] = T0 - c + self.span
+
+    def _charge(self, since: float) -> None:
+        """The drafter's upkeep since `since` (perf_counter; the device synchronised) to a policy that weighs it
+        (Policy.observe_upkeep): what keeping its context costs outside rounds."""
+        if hasattr(self.policy, "observe_upkeep"):
+            _sync(self.device)
+            self.policy.observe_upkeep(time.perf_counter() - since)
 
     def _take_pending(self) -> None:
         """The pending features (a round's, or plain steps') into the drafter's context; plain steps fill plain_buf
@@ -604,7 +613,11 @@ class Batch(SlotSteps):
         t0 = time.perf_counter()
         tok, pos = self.last[:, None], self.start[:, None]
         if kind == "plain" and feed and self.plain_buf is not None:
-            if self.plain_run in (None, self.block):
+            if self.plain_run == self.block:        # a full run of plain steps' columns: the drafter's upkeep
+                t1 = time.perf_counter()
+                self._take_pending()
+                self._charge(t1)
+            elif self.plain_run is None:            # a round's features (Policy.observe_plain: the switch's cost)
                 self._take_pending()
             column = self.columns[self.plain_run + self.back]
             out = self.plain_step(tok, pos, self.plain_buf, column)
@@ -717,8 +730,15 @@ class Policy:
     one round is one sample, and a round's tokens are bimodal: four unlucky probes would say nothing, so a batch
     of 1 needs 32 probes). Keeping the context for probes that never bring rounds back costs a few percent of the
     time (the features kept, the drafter's appends, each admitted prompt's append: at N = 32 on a CPU an admission
-    took 25.0 ms against AR's 21.4) and buys nothing. Both verdicts are for the life of the Batch: a new workload at
-    this N gets a new Policy.
+    took 25.0 ms against AR's 21.4) and buys nothing. And it does the same when the rounds it took did not pay for
+    the context: the `ledger` adds up, for every round once every block is timed, what it saved over plain steps
+    (its committed tokens per row x a plain step's seconds, less its seconds and its switch back to plain steps),
+    less the upkeep the batch measured (observe_upkeep: a full run of plain steps' features appended, each admitted
+    prompt's append); below 0 after 2 x `explore` such rounds holding 8 x `min_samples` rows, rounds have cost more
+    than they saved. The gain that chooses each round is a mean of the last rounds' tokens, and at N = 32 on a CPU,
+    near break-even, rounds of 8 chosen at an estimated 1.13-1.19 plain steps committed 3.8 tokens per row where
+    the window said 4.7: rounds went on at 0.93 (the ledger reads the tokens rounds did commit). Every verdict is
+    for the life of the Batch: a new workload at this N gets a new Policy.
     The first `first_plain` steps of a batch are plain steps (they time one), then the rounds that time the
     blocks. Timings and acceptance carry over from one run of the Batch to the next (the costs depend on N, which
     a Batch fixes); the output never depends on the choice: every kind of step commits the target's own tokens."""
@@ -737,6 +757,9 @@ class Policy:
         self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
         self.stalled_steps, self.stalled_seconds = 0, 0.0   # and the plain steps between them, and their seconds
         self.feeds = True                                   # plain steps keep features for the drafter's context
+        # what the rounds saved over plain steps (their committed tokens per row x a plain step's seconds, less their
+        # own seconds), less the drafter's upkeep, in seconds, from when every block is timed; and their live rows
+        self.ledger, self.ledger_rows, self.ledger_rounds = 0.0, 0, 0
         # step times, each with the index of its step (`count`): the last 4 x window of each kind, so that a round's
         # and a plain step's costs are compared over the same stretch of steps (costs)
         self.seconds = {k: collections.deque(maxlen=4 * window) for k in self.blocks}     # per round of k
@@ -827,6 +850,9 @@ class Policy:
         if not self.plain:
             self.next_probe = 0
             return
+        if self.timed():
+            self.ledger += statistics.mean(committed) * self.costs(k)[0] - seconds
+            self.ledger_rows, self.ledger_rounds = self.ledger_rows + len(live), self.ledger_rounds + 1
         best = self.best()
         gain, tokens = self.gain(best), statistics.mean(self.tokens[best])
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
@@ -866,6 +892,8 @@ class Policy:
         near = enough and spread
         if self.stalled_rows >= self.min_samples and (self.losing >= self.patience or near):
             self.feeds = False
+        if self.ledger < 0 and self.ledger_rounds >= 2 * self.explore and self.ledger_rows >= 8 * self.min_samples:
+            self.feeds = False          # the rounds taken have not paid for the drafter's context (class docstring)
         # full: a whole block accepted, at the block where that is worth the most
         full = max(j * self.costs(j)[0] / self.costs(j)[1] for j in self.blocks if self.seconds[j])
         if full < 1 - self.margin:                          # not even a full block could pay
@@ -873,6 +901,12 @@ class Policy:
                 self.feeds = False
             else:
                 self.next_probe = min(self.next_probe, self.first_wait)   # re-time soon rather than after a long wait
+
+    def observe_upkeep(self, seconds: float) -> None:
+        """Seconds the drafter's context cost outside rounds (Batch._charge): a full run of plain steps' features
+        appended, an admitted prompt's. Charged to the ledger (_judge)."""
+        if self.timed():
+            self.ledger -= seconds
 
     def observe_plain(self, rows, seconds: float) -> None:
         """A plain step's seconds, except the first after a round: that one also carries the round's verify features
@@ -890,6 +924,8 @@ class Policy:
         elif self.plain and self.seconds[self.last_k]:      # the switch's extra is the last round's: within a run of
             extra = seconds - self.costs(self.last_k)[0]      # rounds each draft takes the features before it
             self.seconds[self.last_k][-1] += max(0.0, extra)
+            if self.timed():
+                self.ledger -= max(0.0, extra)
             self._costs.pop(self.last_k, None)
         self.count += 1
         self.retiming = self.streak >= self.explore
