@@ -132,7 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
                    help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of a batch (batching.py) kept at "
                         "N requests until the queue runs dry (generated tokens / the batch's time while N requests are in "
-                        "flight, and over the whole queue), speedup, mean acceptance")
+                        "flight, each token charged its share of a prefill; and over the whole queue), speedup, mean "
+                        "acceptance")
     p.add_argument("--whole-runs", action="store_true",
                    help="with --concurrency: each arm runs the whole queue alone, the arms alternating per repeat (default: "
                         "the two arms advance in turns, step by step, the one behind in its own time going next, so that "
@@ -523,8 +524,10 @@ def concurrency_main(args, device) -> dict:
     """--concurrency N1,N2,...: per N, a batching.Batch of N slots with a DFlash drafter (adaptive unless --no-adaptive)
     and one without (AR) run the same requests --repeat times; N requests are in flight until the queue runs dry
     (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer are left, is short).
-    Throughput = generated tokens / the arm's time (admissions' prefills included) while N requests are held in
-    flight (ArmRun: up to the last step with N live rows), and over the whole queue, its tail included (queue_*);
+    Throughput = generated tokens / the arm's time while N requests are held in flight (ArmRun: up to the last step
+    with N live rows), each token charged its request's share of a prefill (the headline: what a queue that never
+    runs dry makes), or charged every admission in that stretch (held_*), and over the whole queue, its tail
+    included (queue_*);
     per-request tok/s = a request's tokens after its first / its decode time. By default the arms advance in turns (in_turns:
     an arm's time is the sum of its own steps'); with --whole-runs each runs the whole queue alone, alternately
     (which goes first alternates too). --aa: the DFlash arm is a second AR batch (the timing's own noise)."""
@@ -557,7 +560,9 @@ def concurrency_main(args, device) -> dict:
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  {'AR again' if args.aa else 'DFlash'} "
               f"{row['dflash_tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x, "
-              f"repeats {row['paired_range'][0]:.2f}-{row['paired_range'][1]:.2f}x; whole queue paired "
+              f"repeats {row['paired_range'][0]:.2f}-{row['paired_range'][1]:.2f}x; every admission in the stretch "
+              f"{row['held_paired_speedup']:.2f}x; admissions AR {row['ar_admission_ms']:.1f}, DFlash "
+              f"{row['dflash_admission_ms']:.1f} ms; whole queue paired "
               f"{row['queue_paired_speedup']:.2f}x, N in flight {row['dflash_held_share']:.0%} of DFlash's time)  per request: AR "
               f"{row['ar_request_tokens_per_s']:.1f}, DFlash {row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance "
               f"{row['mean_acceptance']:.2f}  rounds {row['round_share']:.0%} of DFlash steps (verify blocks "
@@ -577,17 +582,32 @@ class ArmRun:
     held a live row in every slot (the N requests in flight that the table is about): once the queue runs dry the
     slots empty one by one, and a step costs the same for the rows left. AR's rows of equal length advance in
     lockstep and end together, where DFlash's advance at their own acceptance and leave a tail of steps with few
-    live rows (README: "Many requests at once")."""
+    live rows (README: "Many requests at once").
+    That stretch holds every admission but not all the tokens of the requests admitted last (DFlash's stretch ends
+    when the first of them ends), so the steady throughput (`steady_tokens_per_s`, the table's headline) charges
+    each token its request's share of a prefill instead: what a batch whose queue never runs dry makes."""
     seconds: float            # the batch's time (in turns: its own steps', the admissions before them included)
     results: list             # [Result] in request order
     held_seconds: float       # its time up to the end of the last step with N live rows (the whole: never full)
     held_tokens: int          # the tokens committed by then (each request's first token, from its prefill, too)
+    held_admissions: int = 0              # the requests admitted by then (each committed its first token)
+    held_admission_seconds: float = 0.0   # their admissions' seconds (prefills, the drafter's context of the prompt)
+    admission_seconds: float = 0.0        # every admission's seconds
 
     def tokens_per_s(self, held: bool = True) -> float:
         """Generated tokens / the batch's time: while N requests were held in flight (held), or the whole queue."""
         if held:
             return self.held_tokens / self.held_seconds
         return sum(len(r.output_ids) for r in self.results) / self.seconds
+
+    def steady_tokens_per_s(self) -> float:
+        """The tokens steps committed while N requests were held in flight / the seconds of those steps plus, per
+        token, the admissions' seconds per token the steps of the whole queue committed (a token's share of its
+        request's prefill)."""
+        step_tokens = sum(len(r.output_ids) - 1 for r in self.results)
+        held = self.held_tokens - self.held_admissions
+        per_token = self.admission_seconds / step_tokens if step_tokens else 0.0
+        return held / (self.held_seconds - self.held_admission_seconds + held * per_token)
 
 
 def whole_runs(engines: list, reqs: list) -> dict:
@@ -625,15 +645,16 @@ def in_turns(engines: list, reqs: list) -> dict:
     where whole runs alternating part by 0.80-1.41x (README: "Many requests at once"). Each batch's own step times
     (what its policy reads) are unchanged. A step that yields its live rows (Batch.steps) equal to the batch's
     slots marks the held stretch (ArmRun.held_seconds, held_tokens)."""
-    tokens = {name: 0 for name, _ in engines}
+    tokens, admitted = {name: 0 for name, _ in engines}, {name: 0 for name, _ in engines}
 
     def counter(name):
         def on_step(index, step):
             tokens[name] += len(step.tokens)
+            admitted[name] += step.kind == "prefill"
         return on_step
     steps = {name: eng.steps(reqs, counter(name)) for name, eng in engines}
     slots = {name: getattr(eng, "slots", None) for name, eng in engines}
-    clocks, out, held = {name: OwnClock() for name, _ in engines}, {}, {}
+    clocks, out, held, arms = {name: OwnClock() for name, _ in engines}, {}, {}, dict(engines)
     try:
         for name, eng in engines:
             eng.clock = clocks[name]
@@ -647,41 +668,57 @@ def in_turns(engines: list, reqs: list) -> dict:
                     del steps[name]
                     continue
                 if live is not None and live == slots[name]:
-                    held[name] = (clocks[name].spent, tokens[name])
+                    held[name] = (clocks[name].spent, tokens[name], admitted[name], admissions(arms[name]))
     finally:
         for _, eng in engines:
             vars(eng).pop("clock", None)
-    return {name: ArmRun(clocks[name].spent, out[name], *held.get(name, (clocks[name].spent, tokens[name])))
-            for name, _ in engines}
+    whole = {name: (clocks[name].spent, tokens[name], admitted[name], admissions(eng)) for name, eng in engines}
+    return {name: ArmRun(clocks[name].spent, out[name], *held.get(name, whole[name]), admissions(eng))
+            for name, eng in engines}
+
+
+def admissions(eng) -> float:
+    """A batch's admissions' seconds so far in its run (Batch.admission_seconds; 0 for an arm without them)."""
+    return getattr(eng, "admission_seconds", 0.0)
 
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
     """One N's line of the concurrency table from runs {name: [ArmRun] per repeat}: medians over repeats. The
-    headline throughputs are those with N requests held in flight (ArmRun.held_*); the `queue_*` keys are over the
-    whole queue, its tail included."""
+    headline throughputs are those with N requests held in flight, each token charged its share of a prefill
+    (ArmRun.steady_tokens_per_s); the `held_*` keys charge that stretch every admission in it; the `queue_*` keys
+    are over the whole queue, its tail included."""
     def throughput(name, held=True):
         return statistics.median(run.tokens_per_s(held) for run in runs[name])
+
+    def steady(name):
+        return statistics.median(run.steady_tokens_per_s() for run in runs[name])
 
     def per_request(name):
         return statistics.median((len(r.output_ids) - 1) / r.decode_seconds for run in runs[name] for r in run.results
                                  if r.decode_seconds > 0 and len(r.output_ids) > 1)
 
-    def paired(held=True):
+    def paired(rate=ArmRun.steady_tokens_per_s):
         # each repeat's DFlash / AR, the two runs side by side in time: a machine whose speed drifts over a
         # repeat's few seconds moves both alike, where the ratio of the medians may pair a fast run with a slow one
-        return [d.tokens_per_s(held) / a.tokens_per_s(held) for a, d in zip(runs["ar"], runs["dflash"])]
+        return [rate(d) / rate(a) for a, d in zip(runs["ar"], runs["dflash"])]
     dflash = [r for run in runs["dflash"] for r in run.results]
     rounds = [a for r in dflash for a in r.verify_lengths]
     kinds = [k for r in dflash for k in r.step_kinds]
     blocks = collections.Counter(len(s.draft_ids) + 1 for r in dflash for s in r.steps
                                  if s.kind == "verify")        # the verify block of each row's rounds (Policy's choice)
-    ar, sp, ratios, queue_ratios = throughput("ar"), throughput("dflash"), paired(), paired(held=False)
+    ar, sp, ratios = steady("ar"), steady("dflash"), paired()
+    held_ratios, queue_ratios = paired(ArmRun.tokens_per_s), paired(lambda run: run.tokens_per_s(held=False))
     identical = all(a.output_ids == b.output_ids for x, y in zip(runs["ar"], runs["dflash"])
                     for a, b in zip(x.results, y.results))
     held_share = statistics.median(run.held_seconds / run.seconds for run in runs["dflash"])
     return {"n": n, "dflash_tokens_per_s": sp, "ar_tokens_per_s": ar, "speedup": sp / ar,
             "paired_speedup": statistics.median(ratios), "paired_range": [min(ratios), max(ratios)],
             "paired_ratios": ratios,                                                    # (per repeat, in order)
+            # while N are held in flight, every admission in that stretch charged to it (ArmRun)
+            "held_dflash_tokens_per_s": throughput("dflash"), "held_ar_tokens_per_s": throughput("ar"),
+            "held_paired_speedup": statistics.median(held_ratios), "held_paired_ratios": held_ratios,
+            **{f"{name}_admission_ms": statistics.median(1e3 * run.admission_seconds / len(run.results) for run in runs[name])
+               for name in ("ar", "dflash")},
             "queue_dflash_tokens_per_s": throughput("dflash", False), "queue_ar_tokens_per_s": throughput("ar", False),
             "queue_paired_speedup": statistics.median(queue_ratios), "queue_paired_ratios": queue_ratios,
             "dflash_held_share": held_share,            # of DFlash's time, the share with N requests in flight

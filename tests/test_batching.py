@@ -535,6 +535,13 @@ def test_in_turns_measures_the_stretch_with_every_slot_live():
     assert run.held_tokens == 15 and 0 < run.held_seconds < run.seconds
     assert run.tokens_per_s() == pytest.approx(15 / run.held_seconds)
     assert run.tokens_per_s(held=False) == pytest.approx(20 / run.seconds)
+    # steady: the 12 tokens steps committed by then (15 less the 3 admissions' first tokens), over those steps'
+    # seconds plus 12 x the admissions' seconds per step token (all 3 admissions / 17 step tokens)
+    firsts = [r.prefill_seconds for r in run.results]
+    assert run.held_admissions == 3 and run.admission_seconds == pytest.approx(sum(firsts))
+    assert run.held_admission_seconds == pytest.approx(sum(firsts))
+    steps = run.held_seconds - sum(firsts)
+    assert steps > 0 and run.steady_tokens_per_s() == pytest.approx(12 / (steps + 12 * sum(firsts) / 17))
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -549,6 +556,7 @@ def test_bench_concurrency_in_turns_whole_runs_and_aa(capsys):
         assert res["timing"] == timing and not res["aa"] and row["identical"] and row["mean_acceptance"] > 1
         assert row["paired_range"][0] <= row["paired_speedup"] <= row["paired_range"][1]
         assert 0 < row["dflash_held_share"] <= 1 and row["queue_dflash_tokens_per_s"] > 0
+        assert row["held_paired_speedup"] > 0 and row["ar_admission_ms"] > 0 and row["dflash_admission_ms"] > 0
     res = bench.main(base + ["--aa"])
     (row,) = res["concurrency"]
     assert res["aa"] and not res["adaptive"] and row["identical"] and row["round_share"] == 0 and not row["verify_blocks"]
