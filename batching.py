@@ -509,12 +509,10 @@ class Batch(SlotSteps):
         if self.policy is not None:
             self.policy.reset()
         waiting, rows, results = collections.deque(enumerate(requests)), [None] * self.slots, [None] * len(requests)
-        self.admission_seconds = 0.0             # this run's admissions so far (bench.in_turns reads it)
         while True:
             for b in range(self.slots):              # free slots take the next waiting requests
                 while rows[b] is None and waiting:
                     rows[b] = self.admit(b, *waiting.popleft())
-                    self.admission_seconds += rows[b].result.prefill_seconds
                     self._emit(rows[b], on_step)
                     if rows[b].done:
                         results[rows[b].index], rows[b] = rows[b].result, None

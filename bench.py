@@ -590,9 +590,18 @@ class ArmRun:
     results: list             # [Result] in request order
     held_seconds: float       # its time up to the end of the last step with N live rows (the whole: never full)
     held_tokens: int          # the tokens committed by then (each request's first token, from its prefill, too)
-    held_admissions: int = 0              # the requests admitted by then (each committed its first token)
-    held_admission_seconds: float = 0.0   # their admissions' seconds (prefills, the drafter's context of the prompt)
-    admission_seconds: float = 0.0        # every admission's seconds
+    held_admissions: int = 0  # the requests admitted by then (each committed its first token): the first ones, as
+    #                           a Batch admits them in order
+
+    @property
+    def admission_seconds(self) -> float:
+        """Every admission's seconds (prefills, the drafter's context of the prompt: Result.prefill_seconds)."""
+        return sum(r.prefill_seconds for r in self.results)
+
+    @property
+    def held_admission_seconds(self) -> float:
+        """The seconds of the admissions in the held stretch."""
+        return sum(r.prefill_seconds for r in self.results[:self.held_admissions])
 
     def tokens_per_s(self, held: bool = True) -> float:
         """Generated tokens / the batch's time: while N requests were held in flight (held), or the whole queue."""
@@ -654,7 +663,7 @@ def in_turns(engines: list, reqs: list) -> dict:
         return on_step
     steps = {name: eng.steps(reqs, counter(name)) for name, eng in engines}
     slots = {name: getattr(eng, "slots", None) for name, eng in engines}
-    clocks, out, held, arms = {name: OwnClock() for name, _ in engines}, {}, {}, dict(engines)
+    clocks, out, held = {name: OwnClock() for name, _ in engines}, {}, {}
     try:
         for name, eng in engines:
             eng.clock = clocks[name]
@@ -668,18 +677,12 @@ def in_turns(engines: list, reqs: list) -> dict:
                     del steps[name]
                     continue
                 if live is not None and live == slots[name]:
-                    held[name] = (clocks[name].spent, tokens[name], admitted[name], admissions(arms[name]))
+                    held[name] = (clocks[name].spent, tokens[name], admitted[name])
     finally:
         for _, eng in engines:
             vars(eng).pop("clock", None)
-    whole = {name: (clocks[name].spent, tokens[name], admitted[name], admissions(eng)) for name, eng in engines}
-    return {name: ArmRun(clocks[name].spent, out[name], *held.get(name, whole[name]), admissions(eng))
-            for name, eng in engines}
-
-
-def admissions(eng) -> float:
-    """A batch's admissions' seconds so far in its run (Batch.admission_seconds; 0 for an arm without them)."""
-    return getattr(eng, "admission_seconds", 0.0)
+    return {name: ArmRun(clocks[name].spent, out[name], *held.get(name, (clocks[name].spent, tokens[name], admitted[name])))
+            for name, _ in engines}
 
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
