@@ -217,6 +217,7 @@ class Eagle3Tree:
     the committed entries at their positions and, past `capacity`, the entries of the nodes it expands."""
 
     wants_next_ids = True                         # it reads the token after each feature row (dflash.Engine)
+    samples_drafts = False
 
     def __init__(self, drafter: Eagle3Drafter, target: Qwen35, tree_depth: int = 6, top_k: int = 4):
         if tree_depth < 1 or top_k < 1:
@@ -225,7 +226,9 @@ class Eagle3Tree:
         self.feature_layers = drafter.feature_layers(target.cfg.num_hidden_layers)
         self.max_block_size, self.window, self.k, self.scores = 1 << 10, None, None, []
 
-    def reset(self, capacity: int, masks) -> None:
+    def reset(self, slots: int, capacity: int, masks) -> None:
+        if slots != 1:
+            raise GenerationError("an EAGLE-3 tree drafts for one request at a time (tree.TreeEngine has one slot)")
         c = self.drafter.cfg
         w = self.drafter.fc.weight
         slots = capacity + self.depth * self.top_k + 1
@@ -247,9 +250,15 @@ class Eagle3Tree:
         x, _ = self.drafter.midlayer.inputs(self.embed(next_ids[None]), self.drafter.fc(feats))
         self._write(x, *self.drafter.rope(pos, x.dtype), pos)
 
-    def prefill(self, feats, pos, next_ids=None) -> None:
-        """The prompt's features [1,T,F] at positions pos [T], and the token after each (next_ids [T])."""
-        self._append(feats, pos, next_ids)
+    def admit(self, row: int, feats, pos, prompt_ids: list, first: int) -> None:
+        """The prompt's features [1,T,F] at positions pos [T], each with the token after it (the prompt shifted by
+        one, then the first generated token)."""
+        self._append(feats, pos, torch.tensor(prompt_ids[1:] + [first], device=pos.device))
+
+    def append(self, feats, pos, next_ids) -> None:
+        """Pending rows [1,P,F] at positions pos [1,P] with their next tokens [1,P] (the rows at positions >= start
+        are stale; they are rewritten before any query reads them)."""
+        self._append(feats, pos[0], next_ids[0])
 
     def _run(self, emb, hid, pos, slots, mask):
         """Entries (emb, hid [1,T,H]) at positions pos [T], written at `slots`, attending by mask [T, all slots]

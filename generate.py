@@ -11,7 +11,7 @@ With a checkpoint that ships a chat template (chat_template.jinja, or tokenizer_
 This is also the oracle interface other engines compare against: with --json the last stdout line is one
 JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timings.
 
-Many requests at once (batching.py: continuous batching, each request's output its own run's):
+Many requests at once (dflash.Engine with N slots: continuous batching, each request's output its own run's):
     python generate.py --prompts-file requests.jsonl --concurrency 8 --json     # one JSON line per request, in order
 
 Past one device (tp.py: tensor and expert parallelism on torch.distributed; rank 0 prints):
@@ -30,7 +30,6 @@ import time
 
 import torch
 
-import batching
 import chat
 import dflash
 import eagle3
@@ -40,6 +39,7 @@ import model as M
 import mtp
 import tp
 import vision
+from policy import Policy
 from sampling import DRAFT_RULES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,6 +59,21 @@ ATTENTION = {"sdpa": M.DenseMasks, "flex": flex.FlexMasks}
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]    # torch.compile's modes
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help of generate.py, bench.py and check.py: each flag's default appended as "(default: ...)", unless its
+    help already says what the default is, or there is none to say (None, off, empty)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text.lower() or not action.option_strings or action.default is argparse.SUPPRESS
+                or action.default is None or action.default is False or action.default in ([], "")):
+            return text
+        return text + " (default: %(default)s)"
+
+
+MAX_SEED = 2 ** 63 - 1      # seeds are 0 .. 2^63-1 (noise.py keys the low 64 bits: 2^64 would be seed 0's text)
+
+
 def shared_flags(p) -> None:
     """The flags generate.py and bench.py share, declared once: the target, the dtype and device, the step settings."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
@@ -76,7 +91,7 @@ def shared_flags(p) -> None:
                         "acceptance collapses. 0 = the whole context)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="pure DFlash: a draft-verify round every step, even where plain decoding is measured faster "
-                        "(default: batching.Policy decodes plainly while speculation loses; the output is the same)")
+                        "(default: policy.Policy decodes plainly while speculation loses; the output is the same)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
@@ -100,7 +115,7 @@ def shared_flags(p) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     shared_flags(p)
     p.add_argument("--draft", default=None, help="DFlash drafter folder or repo id, 'mtp' for the target's own MTP head (mtp.py), "
                                                "or 'none' for plain AR (default: the embedded drafter with the embedded target)")
@@ -128,7 +143,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed: the same seed gives the same text, with or without a drafter, whatever the step "
                         "pattern (position-keyed noise; except a DFlash2 drafter under --draft-rule ratio). Default: a "
-                        "random one, printed with the statistics and in --json")
+                        "random one, printed with the statistics and in --json. 0 .. 2^63-1")
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling): sample i "
                                                              "(from 0) uses seed + i")
     p.add_argument("--draft-rule", choices=DRAFT_RULES, default="coupled",
@@ -321,7 +336,6 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
             f"then {tps:.1f} tok/s")
     if proposer:
         rounds, plain = res.step_kinds.count("verify"), res.step_kinds.count("plain")
-        looks = sum(s.look is not None for s in res.steps)
         if rounds:
             line += (f"; {rounds} draft-verify rounds, mean acceptance length {res.mean_acceptance_length:.2f}, "
                      f"histogram (1..{block_size} tokens/round) {res.histogram(block_size)}")
@@ -330,7 +344,7 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
         else:
             line += "; no draft-verify round"
         if plain:
-            line += (f"; {plain} plain steps" + (f" with {looks} look{'s' if looks != 1 else ''}" if looks else "") +
+            line += (f"; {plain} plain steps" +
                      " (adaptive speculation: it opens "
                      "with plain steps, which time one, and takes them where drafting is judged not to pay; --no-adaptive "
                      "drafts every step)")
@@ -359,8 +373,15 @@ def main(argv=None) -> int:
     dtype = pick_dtype(args.dtype, device)
     batch_flags_check(args)
     tree_flags_check(args, sampling)
+    value_flags_check(args, sampling)
+    if args.prompts_file is not None:    # every line checked before anything loads (run_requests reads them again)
+        read_requests(args.prompts_file, args)
     parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
 
+    # on a terminal, what the next seconds go to (in a log or a pipe, stderr holds only errors and statistics)
+    if getattr(sys.stderr, "isatty", lambda: False)():
+        draft = {"none": "", "mtp": " and its MTP head"}.get(args.draft.lower(), f" and {args.draft}")
+        say(f"loading {args.target}{draft} ...")
     t0 = time.perf_counter()
     target, tokenizer, proposer, products = load(args, device, dtype, parallel)
     load_seconds = time.perf_counter() - t0
@@ -387,7 +408,7 @@ def main(argv=None) -> int:
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size else proposer, round_up=args.compile)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
-    policy = None if (proposer is None or args.no_adaptive or args.tree_size) else batching.Policy(block=block_size)
+    policy = None if (proposer is None or args.no_adaptive or args.tree_size) else Policy(block=block_size)
     policy = parallel.synced(policy) if parallel else policy     # every rank decides from rank 0's step times
     engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
     seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
@@ -395,14 +416,14 @@ def main(argv=None) -> int:
 
     def run(max_new: int, seed: int, on_step=None) -> dflash.Result:
         """One generation of the prompt on either engine (the same call)."""
-        return engine.run(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
+        return engine.generate(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
 
     compile_seconds = 0.0
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
         t0 = time.perf_counter()       # every step kind a policy may take, the sampled ones when sampling
-        engine.warm_up(prompt_ids, args.max_new_tokens, stops, sampling, images)
+        engine.warm_up([dflash.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)])
         compile_seconds = time.perf_counter() - t0
         say(f"compiled in {compile_seconds:.1f} s")
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
@@ -467,7 +488,7 @@ def parallel_fields(parallel: tp.Parallel | None) -> dict:
             "tp_drafter": "sharded" if parallel.shard_drafter else "replicated"}
 
 
-# ---- many requests at once: --prompts-file, --concurrency (batching.py) ------------------------------
+# ---- many requests at once: --prompts-file, --concurrency (dflash.Engine with N slots) ---------------------------
 
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "messages": list, "max_new_tokens": int, "temperature": (int, float),
                 "top_p": (int, float), "top_k": int, "seed": int, "images": list}   # what a line of --prompts-file may hold
@@ -502,14 +523,14 @@ def draft_rule_of(args, proposer) -> str:
 
 
 def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
-    """The generation's engine: a batch of one slot (batching.Single: the same code as --prompts-file), or with
-    --tree-size a tree.TreeEngine over the drafter's trees (a tree's verify is not batched)."""
+    """The generation's engine: dflash.Engine with one slot (the same engine as --prompts-file), or with
+    --tree-size its tree form, tree.TreeEngine, over the drafter's trees (a tree's verify is not batched)."""
     if args.tree_size is not None:      # (--compile is refused with a tree: its engine runs eager)
         import tree
         trees = proposer if hasattr(proposer, "propose_tree") else tree.DFlashTree(proposer, args.tree_top_k or 4)
         return tree.TreeEngine(target, trees, args.tree_size, capacity)
-    return batching.Single(target, proposer, block_size, capacity, args.compile_mode if args.compile else None,
-                           compile_options(args, device), policy and (lambda: policy), ATTENTION[args.attention])
+    return dflash.Engine(target, proposer, block_size, 1, capacity, args.compile_mode if args.compile else None,
+                         compile_options(args, device), policy, ATTENTION[args.attention])
 
 
 def batch_flags_check(args) -> None:
@@ -530,11 +551,41 @@ def batch_flags_check(args) -> None:
         raise dflash.GenerationError(f"{flag} does not go with --prompts-file: {why}")
 
 
-def read_requests(path: str) -> list:
+def value_flags_check(args, sampling) -> None:
+    """Flag values that would be ignored, misread or overflow, each refused before loading with what to do."""
+    if args.max_new_tokens < 1:
+        raise dflash.GenerationError(f"max_new_tokens must be >= 1 (--max-new-tokens), got {args.max_new_tokens}")
+    if args.cache_len is not None and args.cache_len < 1:
+        raise dflash.GenerationError(f"--cache-len must be >= 1 (positions in the static caches), got {args.cache_len}; "
+                                     "or drop it to size the caches to the request")
+    if args.block_size is not None and args.draft.lower() == "none":
+        raise dflash.GenerationError("--block-size applies to a drafter's draft-verify rounds, and --draft none decodes one "
+                                     "token per step (a --target other than the embedded one needs --draft DIR); drop "
+                                     "--block-size or give a drafter")
+    if args.num_samples > 1 and sampling.greedy:
+        raise dflash.GenerationError(f"--num-samples {args.num_samples} applies to sampling only: greedy decoding "
+                                     "(--temperature 0) gives the same text every time; set --temperature > 0 or drop --num-samples")
+    if args.seed is not None:
+        if not 0 <= args.seed <= MAX_SEED:
+            raise dflash.GenerationError(f"--seed must be in 0 .. 2^63-1 ({MAX_SEED}), got {args.seed}")
+        if args.seed + args.num_samples - 1 > MAX_SEED:
+            raise dflash.GenerationError(f"--seed {args.seed} + --num-samples {args.num_samples} - 1 exceeds 2^63-1 (sample i "
+                                         f"uses seed + i); use a --seed of at most {MAX_SEED - args.num_samples + 1}")
+
+
+def read_requests(path: str, args=None) -> list:
     """--prompts-file -> [(line number, the line's object)], each checked: exactly one of prompt, prompt_ids and
     messages; only REQUEST_KEYS, each of its type."""
+    if os.path.isdir(path):
+        raise dflash.GenerationError(f"--prompts-file {path} is a directory; give a JSON-lines file (one request per line)")
     if not os.path.isfile(path):
         raise dflash.GenerationError(f"--prompts-file {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise dflash.GenerationError(f"--prompts-file {path} cannot be read as UTF-8 text "
+                                     f"({getattr(e, 'strerror', None) or getattr(e, 'reason', e)})") from None
     lines = []
     with open(path, encoding="utf-8") as fh:
         for n, text in enumerate(fh, 1):
@@ -558,14 +609,38 @@ def read_requests(path: str) -> list:
                 raise dflash.GenerationError(f"{path} line {n}: images must be a list of image file paths (strings)")
             if sum(k in line for k in PROMPT_KEYS) != 1:
                 raise dflash.GenerationError(f"{path} line {n}: give exactly one of {', '.join(PROMPT_KEYS)}")
+            if args is not None:
+                try:
+                    request_values_check(line, len(lines), args)
+                except dflash.GenerationError as e:
+                    raise dflash.GenerationError(f"{path} line {n}: {e}") from None
             lines.append((n, line))
     if not lines:
         raise dflash.GenerationError(f"--prompts-file {path} holds no requests")
     return lines
 
 
+def request_values_check(line: dict, index: int, args) -> None:
+    """The values of a --prompts-file line as its request will take them (the flags' where the line has none),
+    checked before anything loads: an empty prompt, max_new_tokens < 1, sampling settings that dflash.Sampling
+    refuses, a seed outside 0 .. 2^63-1 (or --seed + the line's index past it)."""
+    if line.get("prompt_ids") == [] or line.get("messages") == []:
+        raise dflash.GenerationError("the prompt is empty")
+    new = line.get("max_new_tokens", args.max_new_tokens)
+    if new < 1:
+        raise dflash.GenerationError(f"max_new_tokens must be >= 1, got {new}")
+    dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p), line.get("top_k", args.top_k),
+                    args.draft_rule)
+    if "seed" in line:
+        if not 0 <= line["seed"] <= MAX_SEED:
+            raise dflash.GenerationError(f"seed must be in 0 .. 2^63-1 ({MAX_SEED}), got {line['seed']}")
+    elif args.seed is not None and args.seed + index > MAX_SEED:
+        raise dflash.GenerationError(f"--seed {args.seed} + the request's index {index} exceeds 2^63-1 (a line without "
+                                     "\"seed\" takes --seed + its index); give a smaller --seed, or the line its own \"seed\"")
+
+
 def request_of(line: dict, index: int, args, tokenizer, template, specials, tools, stops: list, vision_of) -> tuple:
-    """One line -> (batching.Request, whether it is a chat turn). A "prompt" is a user turn rendered by the chat
+    """One line -> (dflash.Request, whether it is a chat turn). A "prompt" is a user turn rendered by the chat
     template as --prompt is (unless --no-chat), "messages" a whole conversation, "prompt_ids" used as is; the
     line's settings override the flags'; the seed is the line's, else --seed + index, else a random one. "images":
     files for the line's image pads as --image gives them to a single run (a chat "prompt" opens with them);
@@ -595,14 +670,18 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
     seed = line.get("seed", None if args.seed is None else args.seed + index)
     images = None
     if files:           # each <|image_pad|> becomes its image's tokens; the request's ids are the expanded ones
-        images = vision.encode_images(*vision_of(), ids, [vision.load_image(f) for f in files])
+        try:
+            tower, processor = vision_of()
+        except M.CheckpointError as e:    # a text-only target: the line's "images" are what to drop (run_requests names the line)
+            raise dflash.GenerationError(str(e).replace("drop --image", "drop the line's \"images\"")) from None
+        images = vision.encode_images(tower, processor, ids, [vision.load_image(f) for f in files])
         ids = images.ids
-    return (batching.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed, images),
+    return (dflash.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed, images),
             as_chat)
 
 
 def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel=None) -> int:
-    """--prompts-file: every line's request through a batching.Batch of --concurrency slots; the outputs in input order
+    """--prompts-file: every line's request through a dflash.Engine of --concurrency slots; the outputs in input order
     (with --json one line per request: a single run's fields plus its index), then the run's throughput."""
     template, specials = chat.load_chat_template(target.path)
     tools = chat.read_tools(args.tools) if args.tools else None
@@ -630,13 +709,12 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                                                          proposer, round_up=args.compile))
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
-    drafts = batching.slot_proposer(proposer, target)
-    policy = None if (proposer is None or args.no_adaptive) else batching.Policy(block=block)
+    policy = None if (proposer is None or args.no_adaptive) else Policy(block=block)
     if parallel is not None:          # rank 0's step times and seeds on every rank (Parallel.synced, .same)
         policy = parallel.synced(policy)
         seeds = parallel.same([secrets.randbits(63) for _ in reqs])
         reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
-    engine = batching.Batch(target, drafts, block, slots, capacity, args.compile_mode if args.compile else None,
+    engine = dflash.Engine(target, proposer, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy, ATTENTION[args.attention])
     compile_seconds = warm_up(engine, reqs) if args.compile else 0.0
     t0 = time.perf_counter()

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 import checkpoint as ckpt
-from model import AttnCache, CheckpointError, DecoderLayer, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
+from dflash import Draft
+from model import AttnCache, CheckpointError, DecoderLayer, GenerationError, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
 
 MTP_MAX_STEPS = 15      # a verify of K + 1 <= 16 tokens: the GDN caches keep at most 16 writes per call
 
@@ -74,63 +75,7 @@ class _MTPCache:
 
 def check_steps(steps: int) -> None:
     if not 1 <= steps <= MTP_MAX_STEPS:
-        from dflash import GenerationError
         raise GenerationError(f"--mtp-steps must be between 1 and {MTP_MAX_STEPS}, got {steps}")
-
-
-class MTPProposer:
-    """The MTP head through dflash.Engine's proposer interface (module doc of dflash.py), with `steps` = K chained
-    steps per draft (the Engine's block size is K + 1). Besides the target's features it reads, for each feature
-    row at position p, the committed token at p + 1 (`next_ids`, kept aligned by the Engine: `wants_next_ids`)."""
-
-    wants_next_ids = True
-    compilable = True           # propose is one static-shape graph: K - 1 chained steps unrolled
-
-    def __init__(self, head: MTPHead, target: Qwen35, steps: int = 3):
-        check_steps(steps)
-        self.head, self.target, self.steps = head, target, steps
-        self.cache = None
-        self.window = None          # no draft window: the head sees the whole context, as published engines run it
-
-    @property
-    def max_block_size(self) -> int:
-        return self.steps + 1
-
-    @property
-    def feature_layers(self) -> tuple:
-        return (self.target.cfg.num_hidden_layers - 1,)     # the last layer's output after the final norm
-
-    def reset(self, capacity: int, masks) -> None:
-        if self.cache is None or self.cache.capacity != capacity:
-            w = self.head.fc.weight
-            self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device)
-        self.masks = DenseMasks(capacity)       # the head is one causal layer: SDPA's dense mask whatever the target uses
-
-    samples_drafts = False                      # greedy drafts (one-hot q) at any temperature
-
-    def _rows(self, ids, hidden, pos):
-        """The head over rows at positions pos [T]: ids [T] the next tokens, hidden [1,T,H]; writes the KV cache."""
-        return head_rows(self.head, self.target, ids[None], hidden, pos, self.masks, self.cache.layers[0])
-
-    def prefill(self, feats: torch.Tensor, pos: torch.Tensor, next_ids: torch.Tensor = None) -> None:
-        """Every committed row into the KV cache: feats [1,T,H] post-norm hidden states at positions pos [T], next_ids
-        [T] the token after each (rows whose next token is not committed yet sit at positions the next call rewrites)."""
-        self._rows(next_ids, feats, pos)
-
-    def propose(self, last, start, feats, feat_pos, n: int, next_ids=None):
-        """last [1] at position start [1]; feats [1,R,H] hidden states at feat_pos [R] (contiguous, including the
-        position start - 1; rows at >= start are stale and rewritten here or later), next_ids [R] -> proposals [n]
-        for positions start+1 .. start+n, and None (one-hot drafts). The first call over the R rows rewrites their
-        KV entries and yields the step at start - 1 (its next token is `last`); n - 1 one-row steps follow."""
-        out = self._rows(next_ids, feats, feat_pos)                                  # [1,R,H]
-        h = out.index_select(1, (start - 1 - feat_pos[:1]).reshape(1))              # the row at start - 1
-        tok = self.target.lm_head(h)[0, -1].argmax(-1, keepdim=True)                # [1]
-        proposals = [tok]
-        for k in range(1, n):
-            h = self._rows(tok, h, (start + k - 1).reshape(1))
-            tok = self.target.lm_head(h)[0, -1].argmax(-1, keepdim=True)
-            proposals.append(tok)
-        return torch.cat(proposals), None
 
 
 def head_rows(head: MTPHead, target: Qwen35, ids, hidden, pos, masks, cache: AttnCache):
@@ -142,11 +87,15 @@ def head_rows(head: MTPHead, target: Qwen35, ids, hidden, pos, masks, cache: Att
     return head(emb, hidden.to(emb.dtype), cos, sin, pos, masks.target(pos), cache)
 
 
-class SlotMTP:
-    """The MTP head for N slots (batching.BatchProposer): its KV cache has a row per slot, and each row drafts from
-    its own row at start - 1 (the Batch keeps that row among the pending features: `wants_next_ids`)."""
+class MTPProposer:
+    """The MTP head as the Engine's proposer (dflash.Proposer), with `steps` = K chained steps per draft (the
+    Engine's block size is K + 1). Its KV cache has a row per slot, and each row drafts from its own row at
+    start - 1: besides the target's features it reads, for each feature row at position p, the committed token at
+    p + 1 (`wants_next_ids`: the Engine keeps them, and the row at start - 1, among the pending features)."""
 
     wants_next_ids = True
+    samples_drafts = False      # greedy drafts (one-hot q) at any temperature
+    window = None               # no draft window: the head sees the whole context, as published engines run it
 
     def __init__(self, head: MTPHead, target: Qwen35, steps: int = 3):
         check_steps(steps)
@@ -156,7 +105,7 @@ class SlotMTP:
         self.cache = self.masks = None
 
     def reset(self, slots: int, capacity: int, masks=None) -> None:
-        """(masks: the batch's; the head is one causal layer and keeps SDPA's dense mask whatever the target uses)"""
+        """(masks: the engine's; the head is one causal layer and keeps SDPA's dense mask whatever the target uses)"""
         w = self.head.fc.weight
         self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device, batch=slots)
         self.masks = DenseMasks(capacity)
@@ -173,9 +122,9 @@ class SlotMTP:
         """Rows feats [N,R,H] at positions pos [N,R] with their next tokens next_ids [N,R] into the KV cache."""
         head_rows(self.head, self.target, next_ids, feats, pos, self.masks, self.cache.layers[0])
 
-    def propose(self, last, start, feats, feat_pos, n: int, next_ids) -> torch.Tensor:
-        """MTPProposer.propose for every row: the pending rows (re)written, then from each row's output at start - 1
-        n chained one-row steps -> proposals [N,n]."""
+    def propose(self, last, start, feats, feat_pos, n: int, next_ids, rows=None, temperature=None):
+        """dflash.Proposer.propose: the pending rows' KV entries (re)written, then from each row's output at start - 1
+        n chained one-row steps -> Draft(proposals [N,n]) (greedy: no q)."""
         out = head_rows(self.head, self.target, next_ids, feats, feat_pos, self.masks, self.cache.layers[0])
         at = (start - 1 - feat_pos[:, 0]).clamp(0, feats.shape[1] - 1)                  # (a free row: any row)
         h = out.gather(1, at[:, None, None].expand(-1, 1, out.shape[-1]))                # [N,1,H]
@@ -185,7 +134,7 @@ class SlotMTP:
             h = head_rows(self.head, self.target, tok, h, (start + k - 1)[:, None], self.masks, self.cache.layers[0])
             tok = self.target.lm_head(h).argmax(-1)
             proposals.append(tok)
-        return torch.cat(proposals, 1)
+        return Draft(torch.cat(proposals, 1))
 
 
 MTP_PREFIXES = ("mtp.", "model.mtp.")

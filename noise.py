@@ -7,7 +7,7 @@ verify row, prefill. So
 
 - a seed gives one text whatever the step pattern (rounds, plain steps, looks, other requests beside it);
 - a verify row draws exactly the token that plain decoding draws at its position, so accepting a proposal iff it
-  equals that draw (sampling.matched) commits AR's own sampled text for the seed, token for token;
+  equals that draw (the coupled rule, dflash.Engine._verify) commits AR's own sampled text for the seed, token for token;
 - the numbers are the same on a CPU and a GPU, and another engine can reproduce them from the definition below,
   which makes a sampled trace as checkable as a greedy one (check.py reads the trace's `seed`).
 

@@ -371,31 +371,37 @@ class Parallel:
 
 
 class Synced:
-    """An adaptive policy whose step times are rank 0's on every rank. The policies decide from measured times,
-    which differ between processes; ranks that decided differently would issue different collectives and hang.
-    So each observed step's times are broadcast from rank 0 (one small broadcast per step), and every rank's policy
-    sees the same inputs and takes the same decisions. Tokens need no broadcast: every rank computes the same."""
+    """An adaptive policy that decides once, on rank 0, for every rank. Every rank runs the same steps or the
+    collectives of different steps meet and the run aborts; a policy decides from measured times, which differ
+    between processes (a rank descheduled on a busy machine). So rank 0's policy decides each step (a round of k or
+    a plain step, and whether plain steps keep feeding the drafter) and the decision is broadcast, one small
+    broadcast per step; every rank's own policy still observes its own times, but only rank 0's decides. Tokens
+    need no broadcast: every rank computes the same."""
 
     def __init__(self, policy, parallel: Parallel):
         self.policy, self.parallel = policy, parallel
+        self.blocks, self.feeds = policy.blocks, True
 
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
+    def reset(self) -> None:
+        self.policy.reset()
 
-    def _rank0(self, *seconds) -> list:
-        t = torch.tensor(seconds, dtype=torch.float64, device=self.parallel.device)
+    def speculate(self) -> int:
+        """Rank 0's decision on every rank: 0 (a plain step) or the block k of a round."""
+        mine = [self.policy.speculate(), int(self.policy.feeds)]
+        t = torch.tensor(mine, dtype=torch.long, device=self.parallel.device)
         dist.broadcast(t, src=0, group=self.parallel.group)
-        return t.tolist()
+        k, feeds = t.tolist()
+        self.feeds = bool(feeds)
+        return k
 
-    def observe(self, step) -> None:                  # adaptive.Adaptive (one sequence)
-        step.draft_seconds, step.verify_seconds = self._rank0(step.draft_seconds, step.verify_seconds)
-        self.policy.observe(step)
+    def observe_round(self, committed: list, k: int, seconds: float) -> None:
+        self.policy.observe_round(committed, k, seconds)
 
-    def observe_round(self, rows, seconds: float) -> None:          # batching.Policy (many requests)
-        self.policy.observe_round(rows, *self._rank0(seconds))
+    def observe_plain(self, seconds: float) -> None:
+        self.policy.observe_plain(seconds)
 
-    def observe_plain(self, rows, seconds: float) -> None:
-        self.policy.observe_plain(rows, *self._rank0(seconds))
+    def observe_upkeep(self, seconds: float) -> None:
+        self.policy.observe_upkeep(seconds)
 
 
 def launch(device: str | None, backend: str | None = None, expert_parallel: bool = False,

@@ -22,7 +22,7 @@ How each kind of layer reads a tree:
     verify_tree(...)     -> logits [T,V], the per-node GDN states (TreeKept)
     accept(tree, post)   -> the accepted path: node indices from the root
     commit_path(...)     the caches as a chain of the path's tokens would leave them
-    TreeEngine           dflash.Engine whose rounds verify a proposer's trees (greedy)
+    TreeEngine           the dflash.Engine with a round that verifies a proposer's trees (greedy, one slot)
     DFlashTree           a DFlash drafter's block as a tree: the most probable paths through its per-position top-k
     (eagle3.Eagle3Tree   an EAGLE-3 drafter's dynamic trees)
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from dflash import Engine, GenerationError, Step
-from model import GDNCache, Qwen35, TargetCache
+from dflash import Engine, GenerationError
+from model import DenseMasks, GDNCache, Qwen35, TargetCache
 
 
 class Tree:
@@ -173,45 +173,46 @@ def commit_path(cache: TargetCache, kept: TreeKept, path: list, start: int) -> N
 
 
 class TreeEngine(Engine):
-    """An Engine whose rounds verify trees: proposer.propose_tree(last, start, n, feats, feat_pos) -> (tokens, parents)
-    of at most n nodes after the root (parents index the whole tree, 0 being the root; feats [1,B,F] at feat_pos
-    [B]: the target features its context has not taken yet, as DrafterProposer.propose gets them; with
-    wants_next_ids also next_ids=, the token after each of those rows). Greedy only:
-    sampling with a tree would need the multi-draft rejection rule, which is not built. Eager."""
+    """The Engine whose rounds verify trees: the same admission, plain steps, pending features and commit bookkeeping,
+    with its own round. proposer.propose_tree(last, start, n, feats, feat_pos, next_ids) -> (tokens, parents) of at
+    most n nodes after the root (parents index the whole tree, 0 being the root; feats [1,P,F] at feat_pos [P]
+    and next_ids [P]: the pending features, as Proposer.propose gets them for one row). One slot, greedy, eager:
+    a tree's verify is one request's (the tree mask and per-node GDN states are the reference, not batched), and
+    sampling with a tree would need the multi-draft rejection rule, which is not built."""
 
-    def __init__(self, target: Qwen35, proposer, tree_size: int, capacity: int, **kw):
+    def __init__(self, target: Qwen35, proposer, tree_size: int, capacity: int, masks=DenseMasks):
         if tree_size < 1:
             raise GenerationError(f"--tree-size must be >= 1, got {tree_size}")
-        super().__init__(target, proposer, tree_size + 1, capacity, **kw)
+        super().__init__(target, proposer, tree_size + 1, 1, capacity, masks=masks)
         self.tree_size = tree_size
 
-    def generate(self, prompt_ids, max_new_tokens, stop_ids=(), *, sampling=None, **kw):
-        if sampling is not None and not sampling.greedy:
+    def check(self, requests: list) -> None:
+        super().check(requests)
+        if any(not r.sampling.greedy for r in requests):
             raise GenerationError("sampling with a draft tree is not supported (greedy only); drop --temperature or the tree")
-        return super().generate(prompt_ids, max_new_tokens, stop_ids, sampling=sampling, **kw)
 
-    def round(self, seq) -> Step:
-        start, t0 = seq.start, time.perf_counter()
-        last = int(seq.last)
-        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size, seq.feats, seq.feat_pos,
-                                                     **self._next_kw(seq))
+    def round(self, rows: list, k: int) -> list:
+        """Draft a tree, verify it in one forward, accept the path the target's tokens follow, commit it as a chain
+        (the caches as a chain of the path's tokens would leave them)."""
+        row, pending, t0 = rows[0], self.pending, time.perf_counter()
+        start, last = row.start, row.result.output_ids[-1]
+        tokens, parents = self.proposer.propose_tree(last, start, self.tree_size, pending.feats[:1], pending.feat_pos[0],
+                                                     pending.feat_next[0])
         tree = Tree([last] + list(tokens), [-1] + list(parents))
         t1 = time.perf_counter()
         logits, kept, feats = verify_tree(self.target, tree, start, self.cache, self.feature_layers)
         posterior = logits.argmax(-1).tolist()
         path = accept(tree, posterior)
-        new = seq.take([tree.tokens[i] for i in path[1:]] + [posterior[path[-1]]])
-        commit_path(self.cache, kept, path[:len(new)], start)
-        seq.advance(len(new), new[-1])
-        if feats is not None:   # the committed nodes' features for the next draft, at positions start, start + 1, ...;
-            kept_rows = feats[:, path[:len(new)]]           # the placeholder rows after them are hidden from it
-            seq.feats = torch.cat([kept_rows, kept_rows.new_zeros(1, self.block - len(new), kept_rows.shape[2])], 1)
-            seq.feat_pos = start + self.offsets
-            if self._next_ids:                              # the token after each of those rows (eagle3.Eagle3Tree)
-                seq.feat_next = torch.tensor(new + [0] * (self.block - len(new)), device=seq.feat_pos.device)
         drafts = [tree.tokens[i] for i in path[1:]]       # the accepted path, then the rejected first child, if any
         drafts += [tree.tokens[c] for c, p in enumerate(tree.parents) if p == path[-1]][:1]
-        return Step("verify", start, new, drafts, len(path) - 1, seq.done, t1 - t0, time.perf_counter() - t1)
+        new = row.take("verify", [tree.tokens[i] for i in path[1:]] + [posterior[path[-1]]], drafts, len(path) - 1,
+                       (t1 - t0, time.perf_counter() - t1))
+        commit_path(self.cache, kept, path[:len(new)], start)
+        # the committed nodes' features (and the token after each) pending for the next draft, at start, start + 1, ..
+        dev = self.device
+        pending.after_round(None if feats is None else feats[:, path[:len(new)]],
+                            torch.tensor([new], device=dev), len(new), torch.tensor([start], device=dev))
+        return [len(new)]
 
 
 class DFlashTree:
@@ -222,6 +223,8 @@ class DFlashTree:
     is its row's most probable token, so the first branch is a prefix of the chain's greedy block (all of it with
     top_k 1)."""
 
+    wants_next_ids, samples_drafts = False, False
+
     def __init__(self, inner, top_k: int = 4):
         """inner: a dflash.DrafterProposer (its context cache and masks are used as they are)."""
         if top_k < 1:
@@ -230,17 +233,20 @@ class DFlashTree:
         self.window, self.feature_layers = inner.window, inner.feature_layers
         self.max_block_size = 1 << 10                 # any tree size (the tree's depth is the block's)
 
-    def reset(self, capacity: int, masks) -> None:
-        self.inner.reset(capacity, masks)
+    def reset(self, slots: int, capacity: int, masks) -> None:
+        self.inner.reset(slots, capacity, masks)
 
-    def prefill(self, feats, pos) -> None:
-        self.inner.prefill(feats, pos)
+    def admit(self, row: int, feats, pos, prompt_ids: list, first: int) -> None:
+        self.inner.admit(row, feats, pos, prompt_ids, first)
+
+    def append(self, feats, pos, next_ids=None) -> None:
+        self.inner.append(feats, pos)
 
     @torch.inference_mode()
-    def propose_tree(self, last: int, start: int, n: int, feats, feat_pos) -> tuple:
+    def propose_tree(self, last: int, start: int, n: int, feats, feat_pos, next_ids=None) -> tuple:
         p, d = self.inner, self.inner.drafter
         dev = d.fc.weight.device
-        d.append_context(feats, feat_pos, p.cache)
+        p.append(feats, feat_pos[None])
         rows = d.cfg.block_size - 1
         hidden = d.draft_block(torch.tensor([last], device=dev), torch.tensor([start], device=dev), rows,
                                p.target.embed_tokens, p.cache, p.masks)
