@@ -41,13 +41,12 @@ import collections
 import json
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-import adaptive
-import batching
 import chat
 import check
 import checkpoint as ckpt
@@ -59,13 +58,14 @@ import prompts as P
 import tables
 import tp
 from generate import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_onednn
+from policy import Policy
 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=generate.HelpFormatter)
     generate.shared_flags(p)
-    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="the DFlash drafter: folder or Hugging Face repo id")
     p.add_argument("--prompt", action="append", default=[], help="a prompt text; repeat for several")
     p.add_argument("--prompts", help="a file with one prompt per line")
     p.add_argument("--heldout", type=int, default=64,
@@ -117,10 +117,6 @@ def parse_args(argv=None):
     p.add_argument("--selector-top-k", type=int, default=8, help="with --draft-rules: candidates per row of the DFlash2 form")
     p.add_argument("--top-p", type=float, default=1.0, help="with --draft-rules: nucleus sampling mass (1 = off)")
     p.add_argument("--tau", type=float, default=presets.MMFLASH_TAU, help="with --preset: acceptance length for the projected tok/s")
-    p.add_argument("--replay", action="store_true",
-                   help="instead of timing the policy: record each prompt's drafts at every position (a look at every step) "
-                        "and pure rounds once, then replay adaptive speculation on the recording at the run's median step "
-                        "costs (adaptive.replay): its decisions without the timing noise, per prompt, against AR and pure rounds")
     p.add_argument("--vs-pure", action="store_true",
                    help="instead of AR vs DFlash: adaptive speculation against pure rounds on one engine, each prompt in turn "
                         "(--repeat times each, medians): their ratio per prompt, side by side (separate runs drift apart "
@@ -130,7 +126,7 @@ def parse_args(argv=None):
                         "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
                         "entries (the compiled graph, dynamo's checks, the gathering of its inputs, ...)")
     p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
-                   help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of a batch (batching.py) kept at "
+                   help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of an Engine of N slots kept at "
                         "N requests until the queue runs dry (generated tokens / the batch's time while N requests are in "
                         "flight, each token charged its share of a prefill; and over the whole queue), speedup, mean "
                         "acceptance")
@@ -141,24 +137,10 @@ def parse_args(argv=None):
     p.add_argument("--aa", action="store_true",
                    help="with --concurrency: an A/A check of the timing itself: the DFlash arm replaced by a second AR "
                         "batch, so the ratios say how far two identical arms part on this machine")
-    p.add_argument("--round-costs", default=None, metavar="C1,C2,...",
-                   help="with --replay: also replay at these fixed costs of a round, in plain steps (a look at its measured "
-                        "ratio), e.g. 1.2,2,2.5,3: how the policy and pure rounds trade on other devices")
-    p.add_argument("--policy", default="",
-                   help="with --replay: adaptive.Adaptive settings, e.g. first_wait=16,confidence=0.5 (default: the defaults)")
     args = p.parse_args(argv)
+    prompt_flags_check(args)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
-    try:
-        args.policy_kw = policy_settings(args.policy)
-    except ValueError as e:
-        p.error(str(e))
-    if args.policy and not args.replay:
-        p.error("--policy is for --replay")
-    if args.round_costs is not None:
-        args.round_costs = positive_numbers(args.round_costs)
-        if not args.replay or not args.round_costs:
-            p.error("--round-costs takes positive numbers, comma-separated, with --replay")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
     if args.dataset is not None:
@@ -181,17 +163,15 @@ def parse_args(argv=None):
         p.error("--preset needs --random-weights (no checkpoint is loaded for a preset)")
     others = {"--compile": args.compile, "--preset": args.preset, "--parting": args.parting, "--methods": args.methods,
               "--vs-reference": args.vs_reference}
-    if args.replay:
-        refuse_flags(p, "--replay runs the eager DFlash engine on checkpoints", {**others, "--no-adaptive": args.no_adaptive})
     if args.draft_rules:
-        refuse_flags(p, "--draft-rules measures acceptance with eager pure rounds on checkpoints", {**others, "--replay": args.replay})
+        refuse_flags(p, "--draft-rules measures acceptance with eager pure rounds on checkpoints", others)
         temps = positive_numbers(args.draft_rules)
         if not temps:
             p.error(f"--draft-rules takes temperatures > 0, comma-separated (e.g. 0.3,0.8), got {args.draft_rules!r}")
         args.draft_rules = temps
     if args.vs_pure:
         refuse_flags(p, "--vs-pure runs adaptive speculation and pure rounds on one DFlash engine", {
-            **others, "--compile": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
+            **others, "--compile": False, "--draft-rules": args.draft_rules,
             "--no-adaptive": args.no_adaptive})
     if args.concurrency is not None:
         ns = positive_numbers(args.concurrency)
@@ -199,19 +179,31 @@ def parse_args(argv=None):
             p.error(f"--concurrency takes whole numbers >= 1, comma-separated (e.g. 1,8,32), got {args.concurrency!r}")
         args.concurrency = [int(n) for n in ns]
         refuse_flags(p, "--concurrency runs batches of requests on checkpoints or a --preset", {
-            **others, "--compile": False, "--preset": False, "--replay": args.replay, "--draft-rules": args.draft_rules,
+            **others, "--compile": False, "--preset": False, "--draft-rules": args.draft_rules,
             "--vs-pure": args.vs_pure, "--attention flex": args.attention == "flex"})
     if (args.whole_runs or args.aa) and args.concurrency is None:
         p.error(f"{'--whole-runs' if args.whole_runs else '--aa'} is for --concurrency")
     if args.profile_decode:
-        refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False, "--replay": args.replay,
+        refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False,
                      "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})
     return args
 
 
+def prompt_flags_check(args) -> None:
+    """--heldout and --prompts refused in one 'error:' line (bench.cli) before anything loads: a count < 1, a
+    prompts file that is missing or a directory."""
+    if args.heldout < 1:
+        raise dflash.GenerationError(f"--heldout must be >= 1 (held-out prompts to run), got {args.heldout}")
+    if args.prompts is not None:
+        if os.path.isdir(args.prompts):
+            raise dflash.GenerationError(f"--prompts {args.prompts} is a directory; give a text file with one prompt per line")
+        if not os.path.isfile(args.prompts):
+            raise dflash.GenerationError(f"--prompts {args.prompts}: no such file (a text file with one prompt per line)")
+
+
 def other_mode(args) -> bool:
     """A mode other than the table was asked for (--dataset then only chooses its prompts)."""
-    return any((args.preset, args.parting, args.replay, args.draft_rules, args.vs_pure, args.profile_decode,
+    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.profile_decode,
                 args.concurrency))
 
 
@@ -275,7 +267,7 @@ def main(argv=None) -> dict:
 def mode_of(args):
     """The mode's function, each (args, device) -> dict: the first mode flag given, else AR vs DFlash side by side."""
     modes = ((args.preset, presets.preset_main), (args.parting, check.parting_main), (args.methods, tables.table_main),
-             (args.replay, replay_main), (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
+             (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
              (args.profile_decode, profile_decode_main), (args.concurrency, concurrency_main))
     return next((mode_main for chosen, mode_main in modes if chosen), side_by_side_main)
 
@@ -298,7 +290,7 @@ def side_by_side_main(args, device) -> dict:
     # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
     eager_engine = tables.single_engine(args, target, proposer, block, capacity, False, eager=True) if mode else None
     if eager_engine is not None:
-        eager_engine.run(prompts[0], 3 * block, stops)
+        eager_engine.generate(prompts[0], 3 * block, stops)
 
     def tps(res):
         return (len(res.output_ids) - 1) / res.decode_seconds
@@ -308,12 +300,12 @@ def side_by_side_main(args, device) -> dict:
     for i, p in enumerate(prompts):
         a_t, s_t, e_t, same = [], [], [], True
         for _ in range(args.repeat):
-            ar = ar_engine.run(p, args.max_new_tokens, stops, profile=True)
-            sp = sp_engine.run(p, args.max_new_tokens, stops, profile=True)
+            ar = ar_engine.generate(p, args.max_new_tokens, stops, profile=True)
+            sp = sp_engine.generate(p, args.max_new_tokens, stops, profile=True)
             a_t.append(tps(ar)), s_t.append(tps(sp)), ar_all.append(ar), sp_all.append(sp)
             same = same and ar.output_ids == sp.output_ids
             if eager_engine is not None:
-                ea = eager_engine.run(p, args.max_new_tokens, stops, profile=True)
+                ea = eager_engine.generate(p, args.max_new_tokens, stops, profile=True)
                 e_t.append(tps(ea))
                 same = same and ea.output_ids == sp.output_ids
         ar_tps, sp_tps = statistics.median(a_t), statistics.median(s_t)
@@ -323,10 +315,10 @@ def side_by_side_main(args, device) -> dict:
             extra = f"  eager DFlash {eager_tps[-1]:8.1f} tok/s"
         rows.append((ar_tps, sp_tps, sp.mean_acceptance_length, same))
         ar_res.append(ar), sp_res.append(sp)
-        plain, looks = sp.step_kinds.count("plain"), sum(s.look is not None for s in sp.steps)
+        plain = sp.step_kinds.count("plain")
         print(f"prompt {i}: {len(p)} tokens -> {len(sp.output_ids)}  AR {ar_tps:8.1f} tok/s  DFlash {sp_tps:8.1f} tok/s  "
               f"speedup {sp_tps / ar_tps:5.2f}x  tau {sp.mean_acceptance_length:5.2f}  plain steps {plain:3d} "
-              f"(looks {looks})  identical {same}{extra}", flush=True)
+              f" identical {same}{extra}", flush=True)
 
     ar_med = statistics.median(r[0] for r in rows)
     sp_med = statistics.median(r[1] for r in rows)
@@ -340,14 +332,12 @@ def side_by_side_main(args, device) -> dict:
     hist = [all_acc.count(k) for k in range(1, block + 1)]
     decode_ms, draft_ms, verify_ms = tables.step_ms(ar_all, "decode", "verify_seconds"), tables.step_ms(sp_all, "verify", "draft_seconds"), tables.step_ms(sp_all, "verify", "verify_seconds")
     plain_ms = tables.step_ms(sp_all, "plain", "verify_seconds")         # a decode that also feeds the drafter's context
-    look_ms = 1000 * statistics.median(looks) if (looks := [s.draft_seconds for r in sp_all for s in r.steps if s.look is not None]) else None
     print(f"median: AR {ar_med:.1f} tok/s, DFlash {sp_med:.1f} tok/s, median per-prompt speedup {statistics.median(speedups):.2f}x "
           f"(quartiles {quart[0]:.2f} / {quart[2]:.2f}, min {min(speedups):.2f}, max {max(speedups):.2f}); "
           f"whole run (all tokens / all decode time) {agg:.2f}x")
     print(f"mean acceptance length {tau:.2f} (block {block}); histogram of tokens per verify step 1..{block}: {hist}")
     print(f"ms per step (median): decode {decode_ms:.2f}, draft {draft_ms:.2f}, verify {verify_ms:.2f}"
-          + (f", plain (decode + the drafter's context) {plain_ms:.2f}" if plain_ms else "")
-          + (f", look (a draft alone) {look_ms:.2f}" if look_ms else ""))
+          + (f", plain (decode + the drafter's context) {plain_ms:.2f}" if plain_ms else ""))
     wbytes, achieved, bw_line, fraction = presets.bandwidth(target, decode_ms, peak)
     print(bw_line)
     print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
@@ -374,16 +364,12 @@ def side_by_side_main(args, device) -> dict:
         "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved, "peak_copy_gb_s": peak,
         "bandwidth_fraction": fraction, "identical_outputs": sum(r[3] for r in rows), "compile_seconds": warmup_seconds if mode else 0.0,
         "compile_mode": mode, "attention": args.attention, **products, "cpp_wrapper": bool(mode and args.cpp_wrapper),
-        "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "look_ms": look_ms, "prompt_len": args.prompt_len,
-        "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "looks": sum(s.look is not None for r in sp_res for s in r.steps), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
+        "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "prompt_len": args.prompt_len,
+        "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
     }
     print(json.dumps(out))
     return out
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# --replay: the adaptive policy without the timing noise
-# ---------------------------------------------------------------------------------------------------------------
 
 def tp_fields(target, drafter, block: int, dtype, parallel) -> dict:
     """The JSON's tensor-parallel record: the degree, and the payload all-reduced per decode step and per round
@@ -394,68 +380,6 @@ def tp_fields(target, drafter, block: int, dtype, parallel) -> dict:
     draft = (drafter.cfg.num_hidden_layers, block) if parallel.shard_drafter else (0, 0)
     return {**generate.parallel_fields(parallel), "allreduce_bytes_per_decode": tp.allreduce_bytes(target.cfg, 1, size),
             "allreduce_bytes_per_round": tp.allreduce_bytes(target.cfg, block, size, *draft)}
-
-
-def policy_settings(text: str) -> dict:
-    """"first_wait=16,confidence=0.5" -> keyword arguments of adaptive.Adaptive (numbers of its defaults' types),
-    checked by name."""
-    import inspect
-    known = {k: type(p.default) for k, p in inspect.signature(adaptive.Adaptive).parameters.items()}
-    kw = {}
-    for item in filter(None, text.split(",")):
-        key, eq, value = item.partition("=")
-        if key not in known or not eq:
-            raise ValueError(f"--policy: {item!r} is not NAME=NUMBER with NAME one of {', '.join(known)}")
-        try:
-            kw[key] = known[key](value)
-        except ValueError:
-            raise ValueError(f"--policy: {key} must be a number, got {value!r}") from None
-    return kw
-
-
-def replay_main(args, device) -> dict:
-    """Per prompt: one generation with a look at every step (adaptive.Pattern(["look"])) records the drafter's
-    proposals after every output token, and one generation of pure rounds measures a round; then
-    adaptive.replay runs the policy on the recording at the run's median costs of a plain step, a look and a
-    round. A plain step stands for an AR step (the same target call). The machine's noise moves the costs, not the
-    decisions, so policies can be compared prompt by prompt; the real timing is bench.py without --replay."""
-    dtype = pick_dtype(args.dtype, device)
-    target, _, _, proposer, block, prompts, stops, _ = load_pair(args, dtype, device)
-    engine = dflash.Engine(target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block))
-    adaptive.warm_up(engine, prompts[0], stops, True)
-    looked, rounds = [], []
-    for p in prompts:
-        engine.policy = adaptive.Pattern(["look"])
-        looked.append(engine.run(p, args.max_new_tokens, stops))
-        engine.policy = None
-        rounds.append(engine.run(p, args.max_new_tokens, stops))
-        if rounds[-1].output_ids != looked[-1].output_ids:      # a float32 near-tie between two kernels' rounding
-            print(f"note: prompt {len(rounds) - 1}: rounds and plain steps part at a near-tie; replayed on the plain output")
-    plain_s = statistics.median(s.verify_seconds for r in looked for s in r.steps if s.kind == "plain")
-    look_s = statistics.median(s.draft_seconds for r in looked for s in r.steps if s.look is not None)
-    round_s = statistics.median(s.draft_seconds + s.verify_seconds for r in rounds for s in r.steps if s.kind == "verify")
-    print(f"costs (medians): plain step {1000 * plain_s:.2f} ms, look {1000 * look_s:.2f} ms, round {1000 * round_s:.2f} ms")
-    adaptive_x, rounds_x = [], []
-    for i, (lk, rd) in enumerate(zip(looked, rounds)):
-        drafts = [s.look or [] for s in lk.steps[1:]]
-        x, kinds = adaptive.replay(adaptive.Adaptive(**args.policy_kw), lk.output_ids, drafts, plain_s, look_s, round_s)
-        pure = (len(rd.output_ids) - 1) * plain_s / (len(rd.acceptance_lengths) * round_s) if rd.acceptance_lengths else 1.0
-        adaptive_x.append(x), rounds_x.append(pure)
-        print(f"prompt {i}: {len(lk.prompt_ids)} tokens  adaptive {x:5.2f}x  pure rounds {pure:5.2f}x (tau {rd.mean_acceptance_length:5.2f})  "
-              f"rounds {kinds.count('R')}, plain steps {kinds.count('.') + kinds.count('L')}, looks {kinds.count('L')}  {kinds[:60]}"
-              f"{'...' if len(kinds) > 60 else ''}", flush=True)
-    summary = {"replay": True, "policy": args.policy_kw, "prompts": len(prompts), "prompt_len": args.prompt_len,
-               "max_new_tokens": args.max_new_tokens, "plain_ms": 1000 * plain_s, "look_ms": 1000 * look_s,
-               "round_ms": 1000 * round_s, "adaptive_speedup": statistics.median(adaptive_x), "adaptive_min": min(adaptive_x),
-               "adaptive_geomean": statistics.geometric_mean(adaptive_x), "rounds_speedup": statistics.median(rounds_x),
-               "rounds_min": min(rounds_x), "adaptive_below_1": sum(x < 1 for x in adaptive_x)}
-    print(f"replayed speedup over AR: adaptive median {summary['adaptive_speedup']:.2f}x (min {summary['adaptive_min']:.3f}, "
-          f"geometric mean {summary['adaptive_geomean']:.2f}, {summary['adaptive_below_1']} below 1), pure rounds median "
-          f"{summary['rounds_speedup']:.2f}x (min {summary['rounds_min']:.2f})")
-    if args.round_costs:
-        summary["by_round_cost"] = replay_at_costs(args, looked, rounds, look_s / plain_s)
-    print(json.dumps(summary))
-    return summary
 
 
 def vs_pure_main(args, device) -> dict:
@@ -471,8 +395,8 @@ def vs_pure_main(args, device) -> dict:
         tps = {"adaptive": [], "pure": []}
         for _ in range(args.repeat):
             for name in ("pure", "adaptive"):
-                tables.adapt(engine, name == "adaptive")
-                res = engine.run(p, args.max_new_tokens, stops, profile=True)
+                tables.adapt_(engine, name == "adaptive")
+                res = engine.generate(p, args.max_new_tokens, stops, profile=True)
                 tps[name].append((len(res.output_ids) - 1) / res.decode_seconds)
                 plain += res.step_kinds.count("plain") if name == "adaptive" else 0
         ratios.append(statistics.median(tps["adaptive"]) / statistics.median(tps["pure"]))
@@ -499,15 +423,20 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
     target = ckpt.load_target(args.target, dtype, device)
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     mode = args.compile_mode if args.compile else None
-    engine = dflash.Engine(target, None, 1, bench_capacity(prompts, args.max_new_tokens, 1), mode,
+    engine = dflash.Engine(target, None, 1, 1, bench_capacity(prompts, args.max_new_tokens, 1), mode,
                            masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
-    engine.run(prompts[0], 8)                                         # warm-up: compilation
-    res = [engine.run(p, args.max_new_tokens, profile=True) for _ in range(args.repeat) for p in prompts]
+    engine.generate(prompts[0], 8)                                    # warm-up: compilation
+    res = [engine.generate(p, args.max_new_tokens, profile=True) for _ in range(args.repeat) for p in prompts]
     decode_ms = tables.step_ms(res, "decode", "verify_seconds")
-    steps = engine.generate(prompts[0], args.max_new_tokens)
-    next(steps)                                                       # the prefill, not profiled
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        n = sum(1 for _ in steps)
+    prof = profile(activities=[ProfilerActivity.CPU])
+
+    def start_after_prefill(step):                                    # the prefill is not profiled
+        if step.kind == "prefill":
+            prof.__enter__()
+    try:
+        n = len(engine.generate(prompts[0], args.max_new_tokens, on_step=start_after_prefill).output_ids) - 1
+    finally:
+        prof.__exit__(None, None, None)
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     print(f"decode step, median over {len(res)} generations: {decode_ms:.3f} ms ({'compiled, ' + mode if mode else 'eager'}, "
           f"{torch.get_num_threads()} threads)\nunder torch.profiler, {n} decode steps, self CPU time per step:")
@@ -521,7 +450,7 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
 
 
 def concurrency_main(args, device) -> dict:
-    """--concurrency N1,N2,...: per N, a batching.Batch of N slots with a DFlash drafter (adaptive unless --no-adaptive)
+    """--concurrency N1,N2,...: per N, a dflash.Engine of N slots with a DFlash drafter (adaptive unless --no-adaptive)
     and one without (AR) run the same requests --repeat times; N requests are in flight until the queue runs dry
     (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer are left, is short).
     Throughput = generated tokens / the arm's time while N requests are held in flight (ArmRun: up to the last step
@@ -538,12 +467,12 @@ def concurrency_main(args, device) -> dict:
     options = compile_options(args, target.embed_tokens.weight.device)
     table = []
     for n in args.concurrency:
-        reqs = [batching.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
+        reqs = [dflash.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
-        policy = None if args.no_adaptive or args.aa else batching.Policy(block=block)
-        ar = lambda: batching.Batch(target, None, 1, n, capacity, mode, options)     # (--aa: the second arm too)
-        engines = {"ar": ar(), "dflash": ar() if args.aa else batching.Batch(
-            target, batching.SlotDrafter(drafter, target, window), block, n, capacity, mode, options, policy)}
+        policy = None if args.no_adaptive or args.aa else Policy(block=block)
+        ar = lambda: dflash.Engine(target, None, 1, n, capacity, mode, options)     # (--aa: the second arm too)
+        engines = {"ar": ar(), "dflash": ar() if args.aa else dflash.Engine(
+            target, dflash.DrafterProposer(drafter, target, window), block, n, capacity, mode, options, policy)}
         t0 = time.perf_counter()
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
@@ -627,62 +556,93 @@ def whole_runs(engines: list, reqs: list) -> dict:
     return out
 
 
-class OwnClock:
-    """A batch's own time under in_turns: the seconds of its steps so far, running only while it steps."""
+class Turn(dflash.Observer):
+    """One arm of in_turns, the Engine's observer: `clock()` is the arm's own time (the seconds of its steps so far,
+    running only while it holds the turn), on which its requests' decode seconds are read; after each step
+    (`stepped`) the arm notes the held stretch and hands the turn to the arm with the least time of its own."""
 
-    def __init__(self):
+    def __init__(self, name: str, slots: int, turns: "Turns"):
+        self.name, self.slots, self.turns = name, slots, turns
         self.spent, self.since = 0.0, None
+        self.tokens = self.admitted = 0
+        self.held = None                      # (seconds, tokens, admissions) at the last step with every slot live
+        self.results, self.error = None, None
 
-    def __call__(self) -> float:
+    def clock(self) -> float:
         return self.spent + (time.perf_counter() - self.since if self.since is not None else 0.0)
 
-    def step(self, steps) -> object:
-        """next(steps) on this clock -> what it yields (StopIteration passes through, its time counted)."""
-        self.since = time.perf_counter()
+    def on_step(self, index, step) -> None:
+        self.tokens += len(step.tokens)
+        self.admitted += step.kind == "prefill"
+
+    def stepped(self, live: int) -> None:
+        self.spent, self.since = self.clock(), None
+        if live == self.slots:
+            self.held = (self.spent, self.tokens, self.admitted)
+        self.turns.hand_over(self)
+
+    def run(self, engine, reqs: list) -> None:
+        """The arm's thread: its engine runs the requests, stepping only while this arm holds the turn."""
+        self.turns.wait_for(self)
         try:
-            return next(steps)
+            self.since = time.perf_counter()
+            self.results = engine.run(reqs, self.on_step, observer=self)
+            self.spent, self.since = self.clock(), None
+        except BaseException as e:          # re-raised by in_turns in the main thread
+            self.error = e
         finally:
-            self.spent, self.since = self.spent + time.perf_counter() - self.since, None
+            self.turns.finish(self)
+
+
+class Turns:
+    """The baton of in_turns: one arm steps at a time, the one with the least time of its own next (the first on a
+    tie)."""
+
+    def __init__(self):
+        self.cond, self.arms, self.turn = threading.Condition(), [], None
+
+    def _next(self) -> None:
+        live = [arm for arm in self.arms if arm.results is None and arm.error is None]
+        self.turn = min(live, key=lambda arm: arm.spent) if live else None
+        self.cond.notify_all()
+
+    def wait_for(self, arm) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn is arm)
+
+    def hand_over(self, arm) -> None:
+        with self.cond:
+            self._next()
+            self.cond.wait_for(lambda: self.turn is arm)
+        arm.since = time.perf_counter()
+
+    def finish(self, arm) -> None:
+        with self.cond:
+            self._next()
 
 
 def in_turns(engines: list, reqs: list) -> dict:
-    """The (name, Batch) pairs of `engines` run the same requests in turns, one step (with the admissions before it)
-    at a time, the batch with the least time of its own so far going next (the first on a tie) -> {name: ArmRun},
-    its seconds the sum of that batch's steps' times, on which its requests' decode seconds are read too
-    (OwnClock). Both batches go through the same stretch of the machine's time: on a shared CPU whose speed drifts
-    by tens of percent between runs of a few seconds, two identical AR batches measured this way part by 0.99-1.02x
-    where whole runs alternating part by 0.80-1.41x (README: "Many requests at once"). Each batch's own step times
-    (what its policy reads) are unchanged. A step that yields its live rows (Batch.steps) equal to the batch's
-    slots marks the held stretch (ArmRun.held_seconds, held_tokens)."""
-    tokens, admitted = {name: 0 for name, _ in engines}, {name: 0 for name, _ in engines}
-
-    def counter(name):
-        def on_step(index, step):
-            tokens[name] += len(step.tokens)
-            admitted[name] += step.kind == "prefill"
-        return on_step
-    steps = {name: eng.steps(reqs, counter(name)) for name, eng in engines}
-    slots = {name: getattr(eng, "slots", None) for name, eng in engines}
-    clocks, out, held = {name: OwnClock() for name, _ in engines}, {}, {}
-    try:
-        for name, eng in engines:
-            eng.clock = clocks[name]
-        with torch.inference_mode(), batching.gc_paused():
-            while steps:
-                name = min(steps, key=lambda n: clocks[n].spent)
-                try:
-                    live = clocks[name].step(steps[name])
-                except StopIteration as done:
-                    out[name] = done.value
-                    del steps[name]
-                    continue
-                if live is not None and live == slots[name]:
-                    held[name] = (clocks[name].spent, tokens[name], admitted[name])
-    finally:
-        for _, eng in engines:
-            vars(eng).pop("clock", None)
-    return {name: ArmRun(clocks[name].spent, out[name], *held.get(name, (clocks[name].spent, tokens[name], admitted[name])))
-            for name, _ in engines}
+    """The (name, Engine) pairs of `engines` run the same requests in turns, one step (with the admissions before it)
+    at a time, the arm with the least time of its own so far going next -> {name: ArmRun}, its seconds the sum of
+    that engine's steps' times, on which its requests' decode seconds are read too (Turn, the engine's observer).
+    Both engines go through the same stretch of the machine's time: on a shared CPU whose speed drifts by tens of
+    percent between runs of a few seconds, two identical AR batches measured this way part by 0.99-1.02x where
+    whole runs alternating part by 0.80-1.41x (docs/measurements.md). Each engine's own step times (what its policy
+    reads) are unchanged. Each engine runs in a thread of its own, and only the arm holding the turn steps."""
+    turns = Turns()
+    arms = [Turn(name, eng.slots, turns) for name, eng in engines]
+    turns.arms = list(arms)
+    threads = [threading.Thread(target=arm.run, args=(eng, reqs), daemon=True) for arm, (_, eng) in zip(arms, engines)]
+    with turns.cond:
+        turns.turn = arms[0]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for arm in arms:
+        if arm.error is not None:
+            raise arm.error
+    return {arm.name: ArmRun(arm.spent, arm.results, *(arm.held or (arm.spent, arm.tokens, arm.admitted))) for arm in arms}
 
 
 def concurrency_row(n: int, runs: dict, warm: float) -> dict:
@@ -732,22 +692,6 @@ def concurrency_row(n: int, runs: dict, warm: float) -> dict:
             "requests": len(runs["ar"][0].results), "warmup_seconds": warm}
 
 
-def replay_at_costs(args, looked, rounds, look: float) -> dict:
-    """--round-costs: the recordings replayed with a plain step = 1, a look = `look` and a round = each given cost;
-    per cost the per-prompt speedups over AR of the policy and of pure rounds, and their medians, minima and the
-    geometric mean of policy / pure rounds."""
-    out = {}
-    print("\n| round / plain step | pure rounds: median, min | adaptive: median, min | adaptive / pure (geometric mean) |\n|---|---|---|---|")
-    for cost in args.round_costs:
-        ad = [adaptive.replay(adaptive.Adaptive(**args.policy_kw), lk.output_ids, [s.look or [] for s in lk.steps[1:]],
-                              1.0, look, cost)[0] for lk in looked]
-        pure = [(len(rd.output_ids) - 1) / (len(rd.acceptance_lengths) * cost) if rd.acceptance_lengths else 1.0 for rd in rounds]
-        rel = statistics.geometric_mean([a / p for a, p in zip(ad, pure)])
-        out[str(cost)] = {"adaptive": ad, "pure_rounds": pure, "adaptive_over_pure": rel}
-        print(f"| {cost:g} | {statistics.median(pure):.2f}x, {min(pure):.2f}x | {statistics.median(ad):.2f}x, {min(ad):.2f}x | {rel:.3f} |")
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # --methods: DFlash and the MTP head side by side
 # ---------------------------------------------------------------------------------------------------------------
@@ -791,20 +735,20 @@ def draft_rules_main(args, device) -> dict:
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     greedy_draft = drafter if not drafter.cfg.dflash2 else None
     sampled_draft = dflash2_form(drafter, args.selector_top_k)
-    ar = batching.Single(target, None, 1, capacity)            # (generate.py's engine: a batch of one slot)
+    ar = dflash.Engine(target, None, 1, 1, capacity)
     arms = {"sampled, coupled": (sampled_draft, "coupled"), "sampled, ratio": (sampled_draft, "ratio")}
     if greedy_draft is not None:
         arms = {"greedy draft": (greedy_draft, "coupled"), **arms}
-    engines = {k: batching.Single(target, dflash.DrafterProposer(d, target, window), block, capacity) for k, (d, _) in arms.items()}
+    engines = {k: dflash.Engine(target, dflash.DrafterProposer(d, target, window), block, 1, capacity) for k, (d, _) in arms.items()}
     table = {}
     for T in args.draft_rules:
         row = {}
         for name, (_, rule) in arms.items():
             s, lengths, same = dflash.Sampling(T, args.top_p, draft_rule=rule), [], 0
             for i, p in enumerate(prompts):
-                res = engines[name].run(p, args.max_new_tokens, stops, sampling=s, seed=i)
+                res = engines[name].generate(p, args.max_new_tokens, stops, sampling=s, seed=i)
                 lengths += res.verify_lengths
-                same += res.output_ids == ar.run(p, args.max_new_tokens, stops, sampling=s, seed=i).output_ids
+                same += res.output_ids == ar.generate(p, args.max_new_tokens, stops, sampling=s, seed=i).output_ids
             row[name] = {"tau": sum(lengths) / len(lengths), "rounds": len(lengths), "same_as_ar": same}
         table[T] = row
         print(f"T={T}: " + ", ".join(f"{k} {v['tau']:.2f} ({v['same_as_ar']}/{len(prompts)} = AR)" for k, v in row.items()), flush=True)

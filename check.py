@@ -238,6 +238,7 @@ class Report:
     first_divergence: int | None = None
     steps_after_partial: int | None = None                 # steps from the last partial acceptance to it
     plain_after_partial: int | None = None                 # how many of those were plain steps (no drafts)
+    rollback_signature: bool = False                       # it is the first token after a partial round (right_after_partial)
     wrong_acceptances: list = field(default_factory=list)  # {step, accepted, expected, at_least}
     contradictions: list = field(default_factory=list)     # {step, index, draft_token, output_token}
     impossible: list = field(default_factory=list)          # output indices
@@ -315,7 +316,7 @@ def steps_after_partial(case: Case, index: int) -> tuple | None:
     holding output token `index` came, and how many of those were plain steps (adaptive speculation's: no drafts,
     nothing rejected); None without step information or without an earlier partial round. A divergence a step or
     two after a partial acceptance, in a run that was exact until then, points at state that was not rolled back
-    (a hybrid target's linear-attention layers)."""
+    (a hybrid target's linear-attention layers): right_after_partial says whether it is the first token there."""
     if case.acceptance_lengths is None or (case.draft_ids is None and case.block_size is None):
         return None
     c, last_partial, plain_since = 1, None, 0
@@ -330,6 +331,23 @@ def steps_after_partial(case: Case, index: int) -> tuple | None:
             last_partial, plain_since = s, 0
         c += a
     return None
+
+
+def right_after_partial(case: Case, index: int) -> bool:
+    """Whether output token `index` is the first one after a round that rejected a draft (a partial acceptance):
+    the first token computed on the state that round left behind, where a linear-attention state that was not
+    rolled back shows. A divergence later on, or inside a round, is no sign of it (a wrong token in the trace, a
+    near-tie, another fault), so the hint says nothing there."""
+    if case.acceptance_lengths is None or (case.draft_ids is None and case.block_size is None):
+        return False
+    c = 1
+    for s, a in enumerate(case.acceptance_lengths):
+        c += a                                                  # step s committed output[c - a : c]
+        if c >= index:
+            plain = case.step_kinds is not None and s < len(case.step_kinds) and case.step_kinds[s] == "plain"
+            drafts = len(case.draft_ids[s]) if case.draft_ids is not None else case.block_size - 1
+            return c == index and not plain and a < drafts + 1
+    return False
 
 
 def judge_sampled(j: Judge, case: Case, rep: Report) -> None:
@@ -384,6 +402,7 @@ def check_case(target: M.Qwen35, case: Case, tolerance: float | None, engine_dty
             judge_drafts(j, case, rep)
         if rep.first_divergence is not None:
             rep.steps_after_partial, rep.plain_after_partial = steps_after_partial(case, rep.first_divergence) or (None, None)
+            rep.rollback_signature = right_after_partial(case, rep.first_divergence)
     rep.judge = j                                   # for the readable report; not part of the JSON
     return rep
 
@@ -392,7 +411,7 @@ def check_case(target: M.Qwen35, case: Case, tolerance: float | None, engine_dty
 
 def report_json(rep: Report) -> dict:
     keys = ("name", "tokens", "sampled", "matches", "ties", "divergences", "first_divergence", "steps_after_partial",
-            "plain_after_partial", "wrong_acceptances", "contradictions", "impossible", "log_prob")
+            "plain_after_partial", "rollback_signature", "wrong_acceptances", "contradictions", "impossible", "log_prob")
     return {k: getattr(rep, k) for k in keys} | {"ok": rep.ok}
 
 
@@ -428,11 +447,9 @@ def report_text(rep: Report, case: Case, tok) -> str:
                      f"margin {j.margin(t, out[t]):.5f} logits = {j.steps(t, j.margin(t, out[t])):.1f} steps (tolerance {j.tolerance(t):.5f})")
         lines.append(f"  text before it: ...{show(tok, (case.prompt_ids + out)[max(0, len(case.prompt_ids) + t - 12):len(case.prompt_ids) + t])}")
         lines.append("  our top-5 logits: " + ", ".join(f"{int(i)} {show(tok, [int(i)])} {float(v):.4f}" for v, i in zip(vals, idx)))
-        if rep.steps_after_partial is not None:
-            n, plain = rep.steps_after_partial, rep.plain_after_partial
-            kinds = f" ({n - plain} round{'s' if n - plain != 1 else ''}, {plain} plain)" if plain else ""
-            lines.append(f"  it came {n} step{'s' if n != 1 else ''}{kinds} after the last partial acceptance: the "
-                         "signature of a linear-attention state not rolled back after a rejected draft")
+        if rep.rollback_signature:
+            lines.append("  it is the first token after a round that rejected a draft: the signature of a linear-attention "
+                         "state not rolled back after a rejected draft")
     for w in rep.wrong_acceptances[:3]:
         lines.append(f"  step {w['step']}: committed {w['accepted']} tokens, the target accepts "
                      f"{'at least ' if w['at_least'] else ''}{w['expected']}")
@@ -666,8 +683,8 @@ def parting_main(args, device) -> dict:
     print("|---|---|---|---|---|---|---|---|---|---|")
     partings, margins, tops, ar_gaps, errors, compared = [], [], [], [], [], 0    # compared: token positions up to a parting
     for i, p in enumerate(prompts):
-        ar = ar_engine.run(p, args.max_new_tokens, stops).output_ids
-        sp = sp_engine.run(p, args.max_new_tokens, stops).output_ids
+        ar = ar_engine.generate(p, args.max_new_tokens, stops).output_ids
+        sp = sp_engine.generate(p, args.max_new_tokens, stops).output_ids
         parts = {name: parting(ref, p, ar, sp) for name, ref in refs.items()}
         if parts["float32"] is not None:
             partings.append((i, parts))
@@ -731,7 +748,8 @@ def parting_summary(args, dtype, block, prompts, partings, compared, margins, to
 # ---- Command line ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    import generate
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=generate.HelpFormatter)
     p.add_argument("trace", nargs="*", help="trace files (JSON object, list, or JSON lines)")
     p.add_argument("--target", default=None, help="the Qwen3.5 checkpoint the engine ran (folder or Hugging Face repo id; "
                                                   "default: the embedded tiny target)")

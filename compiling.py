@@ -100,7 +100,7 @@ def model_state(*modules) -> list:
 class ModelGuard:
     """What stands in for the model checks compile_step drops: the models an engine's compiled steps read (the
     target and the proposer's modules: a drafter, an MTP head), their model_state when it compiled, and `check`,
-    which an engine calls once per generation (dflash.Engine) or per run of requests (batching.Batch)."""
+    which the engine calls once per run of requests (dflash.Engine.check)."""
 
     def __init__(self, target: torch.nn.Module, proposer, owner: str):
         held = [target, *(vars(proposer).values() if proposer is not None else ())]

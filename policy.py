@@ -20,6 +20,7 @@ there, with the measurements behind it: docs/method.md#adaptive-speculation.
     Costs      each step kind's measured seconds and each block's tokens per row: gain(k), best()
     Policy     the decisions: speculate() -> 0 (a plain step) or k; observe_round / observe_plain / observe_upkeep
     Alternate  a warm-up cycle through every step kind a Policy may take (compiles them all)
+    PerRun     a fresh policy for every run (a benchmark's single requests, each as its own generate.py run)
 """
 from __future__ import annotations
 
@@ -258,3 +259,32 @@ class Alternate:
 
     def observe_upkeep(self, seconds: float) -> None:
         pass
+
+
+class PerRun:
+    """A policy that starts over for every run of the Engine: make() -> a new policy at each reset(), as each
+    generate.py process starts its own (a benchmark's single requests, each timed as its own run)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.inner = make()
+        self.blocks = self.inner.blocks
+
+    @property
+    def feeds(self) -> bool:
+        return self.inner.feeds
+
+    def reset(self) -> None:
+        self.inner = self.make()
+
+    def speculate(self) -> int:
+        return self.inner.speculate()
+
+    def observe_round(self, committed: list, k: int, seconds: float) -> None:
+        self.inner.observe_round(committed, k, seconds)
+
+    def observe_plain(self, seconds: float) -> None:
+        self.inner.observe_plain(seconds)
+
+    def observe_upkeep(self, seconds: float) -> None:
+        self.inner.observe_upkeep(seconds)

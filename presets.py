@@ -16,7 +16,6 @@ import time
 
 import torch
 
-import batching
 import checkpoint as ckpt
 import dflash
 import model as M
@@ -180,8 +179,8 @@ def preset_main(args, device) -> dict:
           f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
     # Random weights: the drafter's proposals are rejected, so every round commits ~1 token, but each still
     # runs a full B-token verify and a full draft: the per-step costs are the real ones.
-    ar = ar_engine.run(prompt, new, profile=True)
-    sp = sp_engine.run(prompt, new, profile=True)
+    ar = ar_engine.generate(prompt, new, profile=True)
+    sp = sp_engine.generate(prompt, new, profile=True)
     decode_ms = tables.step_ms([ar], "decode", "verify_seconds")
     verify_ms = tables.step_ms([sp], "verify", "verify_seconds")
     draft_ms = tables.step_ms([sp], "verify", "draft_seconds")
@@ -216,7 +215,7 @@ def preset_main(args, device) -> dict:
 
 
 def preset_concurrency(args, device, dtype) -> dict:
-    """--preset with --concurrency N1,...: per N, a batching.Batch's AR decode step and DFlash round (draft, verify of
+    """--preset with --concurrency N1,...: per N, a dflash.Engine's AR decode step and DFlash round (draft, verify of
     N x block tokens, commit; pure rounds) on the preset's shapes with random weights, N requests of --prompt-len
     random tokens in flight. The step costs are measured; DFlash's tok/s is PROJECTED at --tau (random weights
     accept nothing): N * tau / round seconds, against AR's measured N / decode seconds."""
@@ -229,11 +228,11 @@ def preset_concurrency(args, device, dtype) -> dict:
     g = torch.Generator().manual_seed(0)
     table = []
     for n in args.concurrency:
-        reqs = [batching.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
+        reqs = [dflash.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
                                  args.max_new_tokens) for _ in range(n)]
         capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
-        ar = batching.Batch(target, None, 1, n, capacity, mode, options)
-        sp = batching.Batch(target, batching.SlotDrafter(drafter, target), block, n, capacity, mode, options)
+        ar = dflash.Engine(target, None, 1, n, capacity, mode, options)
+        sp = dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, n, capacity, mode, options)
         t0 = time.perf_counter()
         for eng in (ar, sp):
             eng.warm_up(reqs)

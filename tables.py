@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-import batching
 import chat
 import checkpoint as ckpt
 import dflash
 import prompts as P
+from policy import PerRun, Policy
 
 
 def cpu_model() -> str:
@@ -79,38 +79,32 @@ def method_proposers(args, target, dtype, device) -> dict:
 
 
 def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool, parallel=None, eager: bool = False):
-    """The engine a benchmark runs single requests on: generate.py's, a batch of one slot (batching.Single) with a
-    fresh batching.Policy per request when `adapt`, and the --attention masks. AR: proposer None. parallel: under
-    torchrun, every rank's policy decides from rank 0's step times (tp.Synced). eager: not compiled whatever
+    """The engine a benchmark runs single requests on: generate.py's, a dflash.Engine of one slot, with a fresh
+    policy.Policy for every request when `adapt` (policy.PerRun), and the --attention masks. AR: proposer None.
+    parallel: under torchrun, rank 0's policy decides for every rank (tp.Synced). eager: not compiled whatever
     --compile says."""
     from generate import ATTENTION, compile_options
     mode = args.compile_mode if args.compile and not eager else None
     options = compile_options(args, target.embed_tokens.weight.device)
-    make = policy_maker(block, parallel) if adapt and proposer is not None else None
-    return batching.Single(target, proposer, block, capacity, mode, options, make,
+    engine = dflash.Engine(target, proposer, block, 1, capacity, mode, options, None,
                            ATTENTION[getattr(args, "attention", "sdpa")])
+    adapt_(engine, adapt and proposer is not None, parallel)
+    return engine
 
 
-def policy_maker(block: int, parallel=None):
-    """() -> a fresh batching.Policy, each request its own as each generate.py run (under torchrun, tp.Synced)."""
+def adapt_(engine, on: bool, parallel=None) -> None:
+    """An engine's next runs with a fresh adaptive policy each (on; under torchrun rank 0's decides: tp.Synced) or
+    pure rounds (off)."""
     def make():
-        policy = batching.Policy(block=block)
+        policy = Policy(block=engine.block)
         return parallel.synced(policy) if parallel else policy
-    return make
+    engine.policy = PerRun(make) if on else None
 
 
 def warm_up(engine, prompt: list, stops, max_new_tokens: int) -> None:
     """A throw-away run of a single_engine (or a tree.TreeEngine) that compiles every step kind its policy may take
     (excluded from timings)."""
-    if isinstance(engine, batching.Single):
-        engine.warm_up(prompt, max_new_tokens, stops)
-    else:
-        engine.run(prompt, 8, stops)
-
-
-def adapt(engine, on: bool) -> None:
-    """A single_engine's next runs with a fresh adaptive policy each (on) or pure rounds (off)."""
-    engine.make_policy = policy_maker(engine.block) if on else None
+    engine.warm_up([dflash.Request(list(prompt), max_new_tokens, tuple(stops))])
 
 
 def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops, parallel=None) -> tuple:
@@ -193,7 +187,7 @@ class Runner:
             if hasattr(proposer, "propose_tree"):        # pure tree rounds, eager (the tree verify is the reference)
                 import tree
                 eng = self.engines[name] = tree.TreeEngine(self.target, proposer, block - 1, self.capacity)
-                eng.run(warm_prompt, 8, self.stops)
+                eng.generate(warm_prompt, 8, self.stops)
                 continue
             eng = self.engines[name] = single_engine(self.args, self.target, proposer, block, self.capacity,
                                                      not self.args.no_adaptive)
@@ -202,7 +196,7 @@ class Runner:
     def run(self, name: str, ids: list, images=None):
         """The median run of --repeat (by decode seconds) of one engine on one prompt -> dflash.Result."""
         self.fit(len(ids) + self.args.max_new_tokens + self.widest, ids)
-        runs = [self.engines[name].run(ids, self.args.max_new_tokens, self.stops, profile=True, images=images)
+        runs = [self.engines[name].generate(ids, self.args.max_new_tokens, self.stops, profile=True, images=images)
                 for _ in range(self.args.repeat)]
         return sorted(runs, key=lambda r: r.decode_seconds)[len(runs) // 2]
 
