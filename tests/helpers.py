@@ -11,6 +11,7 @@ import torch
 
 import checkpoint as ckpt
 from check import zlab_module
+import dflash
 import kernels
 import model as M
 
@@ -94,35 +95,49 @@ def verify_kernel(target: M.Qwen35, kernel: str):
 
 
 class OracleProposer:
-    """Stand-in drafter: offers the true continuation (known from an AR run) with one corruption at a chosen
-    index, so a verify step accepts exactly that many proposals. The acceptance length of step i cycles
-    through a seeded permutation of 0..n (n = full acceptance), so every length occurs."""
+    """Stand-in dflash.Proposer: for each row, the true continuation of the request in it (known from an AR run alone)
+    with one corruption at an index drawn per row and per round, so every row accepts exactly what its own plan
+    says, independently of the other rows; each row's plan cycles through a seeded shuffle of 0..n (n = all
+    accepted), so every acceptance length occurs. continuations: {tuple(prompt ids): the AR output ids}.
+    `asked`: (prompt, start, planned acceptance) per live row and round."""
 
     feature_layers = ()
+    wants_next_ids = False
+    samples_drafts = False
+    window = None
 
-    def __init__(self, prompt_len: int, continuation: list, vocab: int, seed: int = 0, max_block_size: int = 16):
-        self.T0, self.cont, self.V = prompt_len, list(continuation), vocab
-        self.rng = random.Random(seed)
+    def __init__(self, continuations: dict, vocab: int, seed: int = 0, max_block_size: int = 16):
+        self.cont, self.V, self.rng = continuations, vocab, random.Random(seed)
         self.max_block_size = max_block_size
-        self.plan, self.asked = [], []
+        self.asked = []
 
-    def reset(self, capacity, masks):
-        self.plan = []
+    def reset(self, slots, capacity, masks=None):
+        self.rows, self.plans = [None] * slots, [[] for _ in range(slots)]
 
-    def prefill(self, feats, pos):
+    def admit(self, row, feats, pos, prompt_ids, first):
+        self.rows[row] = tuple(prompt_ids)
+
+    def append(self, feats, pos, next_ids):
         pass
 
-    def propose(self, last, start, feats, feat_pos, n):
-        if not self.plan:
-            self.plan = list(range(n + 1))
-            self.rng.shuffle(self.plan)
-        a = self.plan.pop()
-        i = int(start) - self.T0 + 1                 # index in the continuation of the token after `last`
-        out = (self.cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
-        if a < n:
-            out[a] = (out[a] + 1 + self.rng.randrange(self.V - 1)) % self.V   # anything but the true token
-        self.asked.append(a)
-        return torch.tensor(out, dtype=torch.long)
+    def propose(self, last, start, feats, feat_pos, n, next_ids, rows=None, temperature=None):
+        out = []
+        for b, prompt in enumerate(self.rows):
+            if prompt is None or int(start[b]) < len(prompt):      # a free slot (it rides along at position 0)
+                out.append([0] * n)
+                continue
+            cont = self.cont[prompt]
+            if not self.plans[b]:
+                self.plans[b] = list(range(n + 1))
+                self.rng.shuffle(self.plans[b])
+            a = self.plans[b].pop()
+            i = int(start[b]) - len(prompt) + 1                 # index in the continuation of the token after last
+            row = (cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
+            if a < n:
+                row[a] = (row[a] + 1 + self.rng.randrange(self.V - 1)) % self.V   # anything but the true token
+            self.asked.append((prompt, int(start[b]), a))
+            out.append(row)
+        return dflash.Draft(torch.tensor(out, dtype=torch.long, device=last.device))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
