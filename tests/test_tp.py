@@ -6,7 +6,7 @@
   degrees 2 and 4 == one process (logits within 1e-10 in float64, the same bits on every rank, greedy and sampled
   outputs identical, every acceptance length), the bytes all-reduced, compiled steps, the policies' shared times.
 - The refusals. (The command lines under torchrun: test_torchrun.py.)"""
-import types
+import datetime
 
 import pytest
 import torch
@@ -219,7 +219,7 @@ def sequence(target, comm=None) -> dict:
             start += len(ids)
     ar = dflash.run(target, PROMPT, 60)
     from helpers import OracleProposer
-    oracle = dflash.run(target, PROMPT, 60, proposer=OracleProposer(len(PROMPT), ar.output_ids, target.cfg.vocab_size, 1, 8),
+    oracle = dflash.run(target, PROMPT, 60, proposer=OracleProposer({tuple(PROMPT): ar.output_ids}, target.cfg.vocab_size, 1, 8),
                         block_size=8)
     return dict(logits=logits, sent=sent, ar=ar.output_ids, oracle=oracle.output_ids, oracle_lengths=oracle.acceptance_lengths)
 
@@ -252,22 +252,68 @@ def tree_run(target, drafter) -> list:
     import dflash
     import tree
     trees = tree.DFlashTree(dflash.DrafterProposer(drafter, target), 3)
-    return tree.TreeEngine(target, trees, 6, 64).run(PROMPT, 20).output_ids
+    return tree.TreeEngine(target, trees, 6, 64).generate(PROMPT, 20).output_ids
 
 
-class Seen:
-    """A policy that records the times it observes."""
+class Recording:
+    """A policy.Policy that records what it would decide itself (every rank's own, from its own times)."""
 
-    def __init__(self):
-        self.seen = []
+    def __init__(self, block: int):
+        import policy
+        self.inner, self.own = policy.Policy(block=block, first_wait=1, min_samples=4, explore=4), []
+        self.blocks = self.inner.blocks
 
-    def observe_round(self, rows, seconds):
-        self.seen.append(seconds)
+    @property
+    def feeds(self):
+        return self.inner.feeds
 
-    observe_plain = observe_round
+    def reset(self):
+        self.inner.reset()
 
-    def observe(self, step):
-        self.seen.append((step.draft_seconds, step.verify_seconds))
+    def speculate(self):
+        self.own.append(self.inner.speculate())
+        return self.own[-1]
+
+    def observe_round(self, committed, k, seconds):
+        self.inner.observe_round(committed, k, seconds)
+
+    def observe_plain(self, seconds):
+        self.inner.observe_plain(seconds)
+
+    def observe_upkeep(self, seconds):
+        self.inner.observe_upkeep(seconds)
+
+
+class Skewed:
+    """time for dflash.py on a rank whose clock disagrees: every reading a random 0-50 ms later than the last
+    (a rank descheduled at random on a busy machine), so its policy measures other step costs than rank 0's."""
+
+    def __init__(self, seed: int):
+        import random
+        self.rng, self.offset = random.Random(seed), 0.0
+
+    def perf_counter(self) -> float:
+        import time
+        self.offset += self.rng.uniform(0.0, 0.05)
+        return time.perf_counter() + self.offset
+
+
+def decided_once(target, drafter, rank: int, par) -> dict:
+    """24 requests at 3 slots under the default policy, rank 1's clock skewed: every rank must take rank 0's steps
+    (else the ranks' collectives part and the run aborts) and give the same outputs; `own`: what each rank's policy
+    would have decided alone."""
+    import dflash
+    requests = [dflash.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]
+    policy = Recording(8)
+    engine = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 8, 3, 64, policy=par.synced(policy))
+    real = dflash.time
+    if rank == 1:
+        dflash.time = Skewed(rank)
+    try:
+        results = engine.run(requests)
+    finally:
+        dflash.time = real
+    return {"outputs": [r.output_ids for r in results], "kinds": [r.step_kinds for r in results], "own": policy.own}
 
 
 def rank_main(rank: int, world: int, store: str) -> None:
@@ -275,7 +321,8 @@ def rank_main(rank: int, world: int, store: str) -> None:
     import torch.distributed as dist
     import dflash
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))     # a mismatch fails, never hangs
     out = {}
     for name in AT[world]:
         _, _, expert_parallel, shard_drafter = CASES[name]
@@ -284,12 +331,12 @@ def rank_main(rank: int, world: int, store: str) -> None:
         par.shard(target, dflash.DrafterProposer(drafter, target))
         out[name] = {**sequence(target, par.comm), **generations(target, drafter), "cfg": target.cfg,
                      "drafter_kv": drafter.cfg.num_key_value_heads}
-    par = tp.Parallel(rank, world, dist.group.WORLD, "cpu")          # what every rank's policy sees: rank 0's times
-    synced = par.synced(Seen())
-    synced.observe_round(None, rank + 1.0)
-    synced.observe_plain(None, rank + 2.0)
-    synced.observe(types.SimpleNamespace(draft_seconds=rank + 3.0, verify_seconds=rank + 4.0))
-    out["synced"], out["same"] = synced.policy.seen, par.same(rank + 10)
+    par = tp.Parallel(rank, world, dist.group.WORLD, "cpu")
+    out["same"] = par.same(rank + 10)                   # rank 0's value (a random seed) on every rank
+    if world == 2:      # the policy decides on rank 0 only, whatever the other ranks' clocks say
+        target, drafter = build("dense", world)
+        tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, dflash.DrafterProposer(drafter, target))
+        out["decided"] = decided_once(target, drafter, rank, par)
     if world == 2:      # the MTP head, cut as the target's layers are (its cache from the shard's config)
         target, proposer = mtp_pair()
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, proposer)
@@ -300,8 +347,8 @@ def rank_main(rank: int, world: int, store: str) -> None:
     if world == 2:      # compile on each rank: the all-reduces traced into the compiled decode step
         target, _ = build("dense", world)
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, None)
-        engine = dflash.Engine(target, None, 1, 64, compile_mode="default")
-        out["compiled_ar"] = engine.run(PROMPT, 12).output_ids
+        engine = dflash.Engine(target, None, 1, 1, 64, compile_mode="default")
+        out["compiled_ar"] = engine.generate(PROMPT, 12).output_ids
     torch.save(out, f"{store}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -343,12 +390,25 @@ def test_ranks_equal_one_process(ranks, name):
                [2 * L * T * H * size for T in (9, 6, 1, 1)]
 
 
-def test_every_rank_sees_rank_0s_step_times_and_seed(ranks):
-    """tp.Synced: the adaptive policies of all ranks observe rank 0's times (else they could choose different steps
-    and issue different collectives); Parallel.same: rank 0's value (a seed drawn at random) everywhere."""
+def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
+    """tp.Synced: rank 0's policy decides every step (a round of k or a plain step, and whether plain steps feed the
+    drafter) for every rank, so a rank whose clock disagrees (rank 1's skewed at random) still takes the same steps
+    and the run completes with the outputs of one process; Parallel.same: rank 0's value everywhere."""
     world, results = ranks
-    assert [r["synced"] for r in results] == [[1.0, 2.0, (3.0, 4.0)]] * world
     assert [r["same"] for r in results] == [10] * world
+    if world != 2:
+        return
+    decided = [r["decided"] for r in results]
+    assert decided[0]["kinds"] == decided[1]["kinds"] and decided[0]["outputs"] == decided[1]["outputs"]
+    kinds = [k for run in decided[0]["kinds"] for k in run]
+    assert "verify" in kinds and "plain" in kinds                # the policy did choose, both ways
+    # the skewed rank's own policy would have taken other steps: the disagreement the broadcast overrides
+    assert decided[1]["own"] != decided[0]["own"]
+    import dflash
+    target, drafter = build("dense", 2)
+    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
+             for r in [dflash.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]]
+    assert decided[0]["outputs"] == alone
 
 
 def test_the_mtp_head_under_tp(ranks):
