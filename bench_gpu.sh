@@ -10,6 +10,8 @@
 #                                      MODE=max-autotune for autotuned kernels, slower to compile)
 # The same script on a CPU, as tests/test_bench_preset.py runs it (no bars there: they are GPU bars):
 #   DEVICE=cpu PRESET=tiny-9b-shape COMPILE=0 bash bench_gpu.sh
+# (MAX_NEW=N and PROMPT_LEN=N shrink the timed generations: default 64 new tokens, 32 in the concurrency table, and
+# prompts of 512 tokens on CUDA, 64 on a CPU; the test sets them small, since it checks the script, not the numbers.)
 # Then the concurrency table of the same preset (CONCURRENCY=1,8,32; none skips it).
 # The JSON lines go to ${OUT:-.}/bench_gpu_<attention>.json and bench_gpu_concurrency.json; the exit code is 1
 # when a bar is missed.
@@ -21,21 +23,22 @@ DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-qwen3.5-9b}
 COMPILE=${COMPILE:-1}
 OUTDIR=${OUT:-.}
+MAX_NEW=${MAX_NEW:-64}
 if [ "$DEVICE" = cuda ]; then
-    DTYPE=bfloat16 PROMPT_LEN=512
+    DTYPE=bfloat16 PROMPT_LEN=${PROMPT_LEN:-512}
     nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
     TESTS=PASS
     timeout 180 python -m pytest -q tests/test_gpu.py 2>&1 | tee "$OUTDIR/test_gpu.log" || TESTS=FAIL
     echo "  $TESTS  tests/test_gpu.py (one sync per round, DFlash == AR on the GPU)"
 else
-    DTYPE=float32 PROMPT_LEN=64 TESTS=PASS
+    DTYPE=float32 PROMPT_LEN=${PROMPT_LEN:-64} TESTS=PASS
     echo "  SKIP  tests/test_gpu.py (needs CUDA)"
 fi
 FLAGS=()
 [ "$COMPILE" = 1 ] && FLAGS=(--compile --compile-mode "$MODE")
 timeout 390 python bench.py --preset "$PRESET" --random-weights --device "$DEVICE" --dtype "$DTYPE" \
-    "${FLAGS[@]}" --attention "$ATTENTION" --max-new-tokens 64 --prompt-len "$PROMPT_LEN" \
+    "${FLAGS[@]}" --attention "$ATTENTION" --max-new-tokens "$MAX_NEW" --prompt-len "$PROMPT_LEN" \
     | tee "$OUTDIR/bench_gpu_$ATTENTION.log"
 tail -n 1 "$OUTDIR/bench_gpu_$ATTENTION.log" > "$OUTDIR/bench_gpu_$ATTENTION.json"
 python -c 'import presets, sys; sys.exit(presets.preset_summary(sys.argv[1]))' "$OUTDIR/bench_gpu_$ATTENTION.json"
@@ -44,7 +47,7 @@ python -c 'import presets, sys; sys.exit(presets.preset_summary(sys.argv[1]))' "
 CONCURRENCY=${CONCURRENCY:-1,8,32}
 if [ "$ATTENTION" = sdpa ] && [ "$CONCURRENCY" != none ]; then
     timeout 240 python bench.py --preset "$PRESET" --random-weights --device "$DEVICE" --dtype "$DTYPE" \
-        "${FLAGS[@]}" --max-new-tokens 32 --prompt-len "$PROMPT_LEN" --concurrency "$CONCURRENCY" \
+        "${FLAGS[@]}" --max-new-tokens $(( (MAX_NEW + 1) / 2 )) --prompt-len "$PROMPT_LEN" --concurrency "$CONCURRENCY" \
         | tee "$OUTDIR/bench_gpu_concurrency.log" || echo "  FAIL  --concurrency $CONCURRENCY (time limit or error)"
     tail -n 1 "$OUTDIR/bench_gpu_concurrency.log" > "$OUTDIR/bench_gpu_concurrency.json"
 fi

@@ -154,6 +154,8 @@ def to_cases(obj, where: str) -> list:
     seed = obj.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise CheckError(f"{where}: seed must be an integer, got {seed!r}")
+    if seed is not None and not 0 <= seed <= 2 ** 63 - 1:     # (noise.py keys the low 64 bits: 2^64 reads as seed 0)
+        raise CheckError(f"{where}: seed must be in 0 .. 2^63-1, as generate.py's are, got {seed}")
     sampling = dict(temperature=float(obj.get("temperature") or 0.0), top_p=float(obj.get("top_p") or 1.0),
                     top_k=int(obj.get("top_k") or 0), dtype=obj.get("dtype"), draft_rule=obj.get("draft_rule") or "coupled")
     if obj.get("samples"):

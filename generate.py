@@ -65,7 +65,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text.lower() or not action.option_strings or action.default is argparse.SUPPRESS
+        if (re.search(r"(\(|^|\. |; )default\b|\bdefault[:;]", text, re.IGNORECASE) or not action.option_strings
+                or action.default is argparse.SUPPRESS
                 or action.default is None or action.default is False or action.default in ([], "")):
             return text
         return text + " (default: %(default)s)"
@@ -141,9 +142,9 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed: the same seed gives the same text, with or without a drafter, whatever the step "
+                   help="sampling seed, 0 .. 2^63-1: the same seed gives the same text, with or without a drafter, whatever the step "
                         "pattern (position-keyed noise; except a DFlash2 drafter under --draft-rule ratio). Default: a "
-                        "random one, printed with the statistics and in --json. 0 .. 2^63-1")
+                        "random one, printed with the statistics and in --json")
     p.add_argument("--num-samples", type=int, default=1, help="independent generations in one run (sampling): sample i "
                                                              "(from 0) uses seed + i")
     p.add_argument("--draft-rule", choices=DRAFT_RULES, default="coupled",
@@ -328,29 +329,27 @@ def say(msg: str) -> None:
 
 
 def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "", products: dict | None = None) -> str:
-    """The statistics of one generation, as one bracketed stderr line that says what the steps were (and, with
-    use_onednn's record `products`, whether their few-row products went through oneDNN)."""
+    """The statistics of one generation as one short bracketed stderr line: tokens, load, first-token latency, decode
+    tok/s; with a drafter its draft-verify rounds and their mean acceptance length, and the plain steps adaptive
+    speculation took (why: --no-adaptive's help); whether the few-row products went through oneDNN (use_onednn's
+    record `products`); the seed. Per-round detail is --json's (acceptance_lengths, step_kinds)."""
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
-    line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token after {res.prefill_seconds * 1e3:.0f} ms, "
+    line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token {res.prefill_seconds * 1e3:.0f} ms, "
             f"then {tps:.1f} tok/s")
     if proposer:
         rounds, plain = res.step_kinds.count("verify"), res.step_kinds.count("plain")
         if rounds:
-            line += (f"; {rounds} draft-verify rounds, mean acceptance length {res.mean_acceptance_length:.2f}, "
-                     f"histogram (1..{block_size} tokens/round) {res.histogram(block_size)}")
+            line += f"; {rounds} draft-verify rounds, mean acceptance length {res.mean_acceptance_length:.2f}"
         elif not plain:
             line += "; no draft-verify round: the generation ended with its first token"
         else:
             line += "; no draft-verify round"
         if plain:
-            line += (f"; {plain} plain steps" +
-                     " (adaptive speculation: it opens "
-                     "with plain steps, which time one, and takes them where drafting is judged not to pay; --no-adaptive "
-                     "drafts every step)")
+            line += f"; {plain} plain steps"
     if products and products["onednn"]:
         measured = products["onednn_measured"]
-        line += "; oneDNN products" + (f" (measured at load: {measured:.2f}x the time of MKL's)" if measured else "")
+        line += "; oneDNN" + (f" ({measured:.2f}x MKL's time at load)" if measured else "")
     if res.seed is not None:
         line += f"; seed {res.seed}"
     return line + "]"
@@ -510,6 +509,7 @@ def tree_flags_check(args, sampling, loaded: bool = False) -> None:
         ("--compile", args.compile, "the tree verify is the eager reference"),
         ("--image", args.image, "tree rounds serve text prompts"),
         ("--attention flex", args.attention == "flex", "tree masks are boolean (sdpa)"),
+        ("--block-size", args.block_size is not None, "a tree round verifies --tree-size + 1 tokens"),
         ("--prompts-file", args.prompts_file is not None, "a batch verifies chains")) if on]
     if refused:
         flag, why = refused[0]

@@ -110,8 +110,15 @@ def from_args(args, tok, path: str) -> list:
         return first_turns(args.dataset, args.limit, tok, path, not args.no_think)
     texts = list(args.prompt)
     if args.prompts:
-        with open(args.prompts) as fh:
-            texts += [line.rstrip("\n") for line in fh if line.strip()]
+        try:
+            with open(args.prompts, encoding="utf-8") as fh:
+                lines = [line.rstrip("\n") for line in fh if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerationError(f"--prompts {args.prompts} cannot be read as UTF-8 text "
+                                  f"({getattr(e, 'strerror', None) or getattr(e, 'reason', e)})") from None
+        if not lines:
+            raise GenerationError(f"--prompts {args.prompts} holds no prompt (one per line)")
+        texts += lines
     if texts:
         if tok is None:
             raise GenerationError(f"{path} has no tokenizer.json to encode the prompts")

@@ -123,7 +123,7 @@ def test_planted_impossible_sampled_token(pair):
     """A sampled trace (top-k 3) checks clean with a finite log-probability; a token ranked last is impossible."""
     target, proposer, p1, _ = pair
     s = dflash.Sampling(0.8, 1.0, 3)
-    res = dflash.Engine(target, proposer, 16, 256).run(p1, 30, sampling=s, seed=3)
+    res = dflash.Engine(target, proposer, 16, 1, 256).generate(p1, 30, sampling=s, seed=3)
     case = check.Case(res.prompt_ids, res.output_ids, temperature=0.8, top_k=3)
     rep = judge(target, case)
     assert rep.ok and rep.sampled and rep.impossible == [] and -1e3 < rep.log_prob < 0
@@ -212,6 +212,33 @@ def test_steps_after_a_partial_acceptance_name_plain_steps():
     assert check.steps_after_partial(plain, 9) == (4, 2)
 
 
+def test_rollback_hint_fires_only_right_after_a_partial_round(pair, runs):
+    """The hint that a linear-attention state was not rolled back is given for a divergence at the first token after
+    a round that rejected a draft (the first computed on the state it left), and for no other: not for one six steps
+    after the last partial acceptance, nor for a token changed by hand inside the round after it. The trace: AR's
+    greedy output cut into a block-4 run whose step 0 commits 2 tokens (a partial round), then full rounds of 4."""
+    target = pair[0]
+    res, accepted = runs[("ar", 0)], [2] + [4] * 11            # step s >= 1 commits output[3 + 4 (s - 1) : 3 + 4 s]
+    out = res.output_ids[:1 + sum(accepted)]
+
+    def planted(k):
+        bad = worst_token(target, res.prompt_ids, out[:k])
+        case = check.Case(res.prompt_ids, out[:k] + [bad] + out[k + 1:], None, accepted, dtype="float32", block_size=4)
+        rep = judge(target, case)
+        assert rep.first_divergence == k
+        return rep, check.report_text(rep, case, None)
+    rep, text = planted(3)                                       # the first token of step 1: the true case
+    assert rep.rollback_signature and rep.steps_after_partial == 1 and "not rolled back" in text
+    assert check.report_json(rep)["rollback_signature"] is True
+    rep, text = planted(3 + 4 * 5)                               # the first token of step 6: six steps later
+    assert rep.steps_after_partial == 6 and not rep.rollback_signature and "rolled back" not in text
+    rep, text = planted(5)                                       # a token edited by hand inside step 1
+    assert rep.steps_after_partial == 1 and not rep.rollback_signature and "rolled back" not in text
+    # plain steps (adaptive speculation) between: the first token after the partial round is still the one
+    plain = check.Case([1], [5] * 12, None, [2, 1, 1, 4, 4], block_size=4, step_kinds=["verify", "plain", "plain", "verify", "verify"])
+    assert [i for i in range(12) if check.right_after_partial(plain, i)] == [3]
+
+
 def test_zlab_loop_divergences_are_found_where_it_leaves_greedy(pair):
     """The z-lab package's `dflash_generate` over transformers rolls back only the conv state of Qwen3.5's
     linear-attention layers after a partial acceptance, so its output leaves transformers' greedy output. The
@@ -268,6 +295,7 @@ def test_jsonl_and_generate_output_with_text_before(tmp_path):
     ('{"prompt_ids": ' + json.dumps([1] * 4096) + ', "output_ids": [2]}', "exceed the target's max_position_embeddings"),
     ('{"prompt_ids": [1], "output_ids": [2, 3], "draft_ids": [[3]], "acceptance_lengths": [2]}', "1 + sum(acceptance_lengths)"),
     ('{"prompt_ids": [1], "output_ids": "12"}', "list of integer token ids"),
+    ('{"prompt_ids": [1], "output_ids": [2], "temperature": 1, "seed": 18446744073709551616}', "seed must be in 0 .. 2^63-1"),
 ])
 def test_bad_trace_is_one_error_line(tmp_path, capsys, content, says):
     path = tmp_path / "bad.json"

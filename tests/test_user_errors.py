@@ -239,3 +239,158 @@ def test_ctrl_c_stops_cleanly():
     assert first.startswith(b"def fibonacci(n):") and len(first + out) > len(first), out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("interrupted after ") and "Traceback" not in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# flag and request values: refused in one line, before anything loads where the value alone says so
+# --------------------------------------------------------------------------------------------------
+
+def never_loads(monkeypatch):
+    """generate.load made to fail the test: the refusal must come before any checkpoint is read."""
+    def load(*a, **kw):
+        raise AssertionError("the model was loaded before the bad input was refused")
+    monkeypatch.setattr(generate, "load", load)
+
+
+def requests_file(tmp_path, *lines) -> str:
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--num-samples", "3"], "--num-samples 3 applies to sampling only: greedy decoding (--temperature 0) gives the same text"),
+    (["--draft", "none", "--block-size", "4"], "--block-size applies to a drafter's draft-verify rounds, and --draft none"),
+    (["--cache-len", "-5"], "--cache-len must be >= 1 (positions in the static caches), got -5"),
+    (["--cache-len", "0"], "--cache-len must be >= 1"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1 (--max-new-tokens), got 0"),
+    (["--temperature", "1e308"], "temperature must be finite and at most 3.403e+38 (float32's largest), got 1e+308"),
+    (["--temperature", "inf"], "temperature must be finite"),
+    (["--temperature", "1e-40"], "temperature must be 0 (greedy) or at least 1e-30"),
+    (["--temperature", "1", "--top-k", str(10 ** 20)], "top_k must be >= 0 (0 = no limit) and below 2^63, got 100000000000000000000"),
+    (["--temperature", "1", "--top-p", "1e-50"], "top_p must be > 0 in float32, got 1e-50"),
+    (["--temperature", "1", "--seed", str(2 ** 64)], f"--seed must be in 0 .. 2^63-1 (9223372036854775807), got {2 ** 64}"),
+    (["--temperature", "1", "--seed", "-1"], "--seed must be in 0 .. 2^63-1"),
+    (["--temperature", "1", "--seed", str(2 ** 63 - 1), "--num-samples", "2"],
+     "--seed 9223372036854775807 + --num-samples 2 - 1 exceeds 2^63-1 (sample i uses seed + i); use a --seed of at most 9223372036854775806"),
+    (["--tree-size", "4", "--block-size", "4"], "--block-size does not go with a draft tree"),
+])
+def test_bad_flag_values_are_refused_before_loading(capsys, monkeypatch, args, says):
+    never_loads(monkeypatch)
+    line = one_error_line(*run_cli(capsys, "--prompt-ids", "1,2,3", *args)[::2])
+    assert says in line, line
+
+
+def test_prompts_file_that_is_a_directory_is_said_to_be_one(tmp_path, capsys, monkeypatch):
+    never_loads(monkeypatch)
+    line = one_error_line(*run_cli(capsys, "--prompts-file", tmp_path)[::2])
+    assert line == f"error: --prompts-file {tmp_path} is a directory; give a JSON-lines file (one request per line)"
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"prompt_ids": [1, 2], "temperature": 1e39}, "temperature must be finite and at most 3.403e+38"),
+    ('{"prompt_ids": [1, 2], "temperature": NaN}', "temperature must be >= 0, got nan"),
+    ({"prompt_ids": [1, 2], "temperature": 1, "top_k": 10 ** 20}, "top_k must be >= 0 (0 = no limit) and below 2^63"),
+    ({"prompt_ids": [1, 2], "temperature": 1, "top_p": 1e-50}, "top_p must be > 0 in float32"),
+    ({"prompt_ids": [1, 2], "temperature": 1, "seed": 2 ** 64}, f"seed must be in 0 .. 2^63-1 (9223372036854775807), got {2 ** 64}"),
+    ({"prompt_ids": [1, 2], "temperature": 1, "seed": -3}, "seed must be in 0 .. 2^63-1"),
+    ({"prompt_ids": [1, 2], "max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ({"prompt_ids": []}, "the prompt is empty"),
+])
+def test_a_bad_line_is_named_and_refused_before_loading(tmp_path, capsys, monkeypatch, bad, says):
+    """Every line is checked (types, sampling values, seed range, max_new_tokens) before the model loads, so a bad
+    line 3 loses nothing: the error names the file and the line."""
+    never_loads(monkeypatch)
+    path = requests_file(tmp_path, {"prompt_ids": [1, 2]}, "", bad)
+    line = one_error_line(*run_cli(capsys, "--prompts-file", path)[::2])
+    assert line.startswith(f"error: {path} line 3: ") and says in line, line
+
+
+def test_seed_plus_index_past_the_range_names_the_line(tmp_path, capsys, monkeypatch):
+    """A line without "seed" takes --seed + its index: the second line of --seed 2^63-1 is past the range."""
+    never_loads(monkeypatch)
+    path = requests_file(tmp_path, {"prompt_ids": [1, 2]}, {"prompt_ids": [3]})
+    line = one_error_line(*run_cli(capsys, "--prompts-file", path, "--temperature", "1", "--seed", str(2 ** 63 - 1))[::2])
+    assert line.startswith(f"error: {path} line 2: --seed 9223372036854775807 + the request's index 1 exceeds 2^63-1"), line
+
+
+def test_images_on_a_text_only_target_name_the_line(pair, tmp_path, capsys):
+    path = requests_file(tmp_path, {"prompt_ids": [1, 2]}, {"prompt_ids": [1, 2], "images": ["cat.png"]})
+    line = one_error_line(*run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompts-file", path,
+                                   "--max-new-tokens", "2")[::2])
+    assert line.startswith(f"error: {path} line 2: this checkpoint has no vision_config (a text-only model)"), line
+    assert "drop the line's \"images\"" in line and "--image" not in line
+
+
+def test_tiny_top_p_keeps_the_greedy_token(pair, capsys):
+    """top_p 1e-30 (representable in float32) keeps the most likely token alone: the sampled text is the greedy one."""
+    base = ["--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8", "--max-new-tokens", "12", "--json"]
+    greedy = json.loads(run_cli(capsys, *base)[1].strip().splitlines()[-1])
+    tiny = json.loads(run_cli(capsys, *base, "--temperature", "1", "--top-p", "1e-30", "--seed", "3")[1].strip().splitlines()[-1])
+    assert tiny["output_ids"] == greedy["output_ids"] and tiny["top_p"] == 1e-30 and tiny["seed"] == 3
+
+
+def test_loading_is_said_on_a_terminal(pair, capsys, monkeypatch):
+    """On a terminal one line says what loads before the seconds of loading; in a pipe or a log (as under capsys) stderr
+    holds errors and statistics only. stdout stays the --json line either way."""
+    base = ["--target", pair / "target", "--draft", pair / "draft", *ARGS]
+    rc, out, err = run_cli(capsys, *base)
+    assert rc == 0 and "loading" not in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    rc, out, err = run_cli(capsys, *base)
+    assert rc == 0 and err.splitlines()[0] == f"loading {pair / 'target'} and {pair / 'draft'} ..." and len(err.splitlines()) == 1
+    assert json.loads(out.strip().splitlines()[-1])["output_ids"]
+    rc, _, err = run_cli(capsys, "--target", pair / "target", "--draft", "none", "--prompt-ids", "1", "--max-new-tokens", "1")
+    assert err.splitlines()[0] == f"loading {pair / 'target'} ..."
+
+
+def test_stats_lines_are_short(pair, tmp_path, capsys):
+    """The statistics: one short line per generation (tokens, tok/s, rounds and their mean acceptance, plain steps, seed),
+    no per-request explanation, with a single request and with every request of a prompts file."""
+    base = ["--target", pair / "target", "--draft", pair / "draft", "--no-onednn", "--max-new-tokens", "24"]
+    rc, _, err = run_cli(capsys, *base, "--prompt-ids", "5,17,42,8", "--temperature", "0.9", "--seed", str(2 ** 63 - 1))
+    lines = err.strip().splitlines()
+    assert rc == 0 and len(lines) == 1 and len(lines[0]) < 160 and lines[0].endswith(f"; seed {2 ** 63 - 1}]"), lines
+    path = requests_file(tmp_path, {"prompt_ids": [5, 17, 42, 8]}, {"prompt_ids": [9, 9, 3]}, {"prompt_ids": [1, 2, 3, 4, 5]})
+    rc, _, err = run_cli(capsys, *base, "--prompts-file", path, "--concurrency", "2")
+    stats = [x for x in err.strip().splitlines() if x.startswith("[request ")]
+    assert rc == 0 and len(stats) == 3 and all(len(x) < 160 for x in stats), err
+    assert "adaptive speculation:" not in err and "histogram" not in err
+
+
+@pytest.mark.parametrize("module", ["generate", "bench", "check"])
+def test_help_shows_defaults(capsys, module):
+    import importlib
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).cli(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    wanted = {"generate": ["(default: 128)", "(default: 0.0)", "(default: 1.0)", "(default: 0)", "(default: True)"],
+              "bench": ["(default: 128)", "(default: 64)", "(default: 5.6)"],
+              "check": ["(default: float32)", "(default: bfloat16)"]}[module]
+    assert all(w in text for w in wanted), text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--heldout", "0"], "error: --heldout must be >= 1 (held-out prompts to run), got 0"),
+    (["--prompts", "missing.txt"], "error: --prompts missing.txt: no such file (a text file with one prompt per line)"),
+    (["--prompts", "{tmp}"], "error: --prompts {tmp} is a directory; give a text file with one prompt per line"),
+])
+def test_bench_prompt_flags_are_one_error_line(tmp_path, capsys, monkeypatch, args, says):
+    import bench
+    import checkpoint
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checkpoint, "load_target", lambda *a, **kw: pytest.fail("loaded before the flags were checked"))
+    assert bench.cli([a.format(tmp=tmp_path) for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [says.format(tmp=tmp_path)], err
+
+
+def test_bench_empty_prompts_file_is_refused(tmp_path, capsys):
+    """An empty --prompts file is refused, not replaced by the held-out prompts."""
+    import bench
+    (tmp_path / "p.txt").write_text("\n  \n")
+    assert bench.cli(["--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "2", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --prompts {tmp_path / 'p.txt'} holds no prompt (one per line)"], err
