@@ -197,8 +197,8 @@ def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
     full = json.loads(run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
                               "--max-new-tokens", "30", "--json", *extra)[1].strip().splitlines()[-1])
     calls = {"n": 0}
-    import batching                                 # (a single request runs on a batch of one slot)
-    real_round, real_decode = batching.Batch.round, batching.Batch.decode
+    import dflash
+    real_round, real_plain = dflash.Engine.round, dflash.Engine.plain
 
     def third_interrupts(real):
         def step(self, seq, *a, **kw):
@@ -207,8 +207,8 @@ def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
                 raise KeyboardInterrupt
             return real(self, seq, *a, **kw)
         return step
-    monkeypatch.setattr(batching.Batch, "round", third_interrupts(real_round))
-    monkeypatch.setattr(batching.Batch, "decode", third_interrupts(real_decode))
+    monkeypatch.setattr(dflash.Engine, "round", third_interrupts(real_round))
+    monkeypatch.setattr(dflash.Engine, "plain", third_interrupts(real_plain))
     rc, out, err = run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
                            "--max-new-tokens", "30", "--json", *extra)
     part = json.loads(out.strip().splitlines()[-1])
