@@ -16,10 +16,8 @@ The last stdout line is one JSON object. Machines are noisy: compare ratios meas
     python bench.py --preset qwen3.5-35b-a3b --random-weights      # mixture of experts: a GPU (about 70 GB of bf16 weights)
     python bench.py --preset tiny-35b-a3b-shape --random-weights   # its layers, experts and routing at 1/32 width, CPU
 
-`--preset` (presets.py) builds the model shapes with random weights on the device (step times do not depend on the weight
-values, so no download is needed) and times AR decode, verify and draft steps; it reports the achieved weight
-bandwidth of a decode step against a measured device-to-device copy (CUDA), and the PROJECTED DFlash tok/s at
-a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on Qwen3.5-9B).
+`--preset` (presets.py) times AR decode, verify and draft steps at a model's shapes with random weights (no
+download), with the achieved weight bandwidth and the PROJECTED DFlash tok/s at a published acceptance (`--tau`).
 
     python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
     python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
@@ -29,10 +27,8 @@ a published mean acceptance length (`--tau`, default 5.60: MMFlash's average on 
     python bench.py --concurrency 1,8,32 --aa                       # the same timing, two AR batches: its own noise
     torchrun --nproc-per-node 2 bench.py --heldout 16               # tensor parallel (tp.py): the default mode only
 
-`--parting` (check.parting_main) times nothing: per prompt it runs greedy DFlash and greedy AR in --dtype, finds the first output token
-where they differ, re-runs the target teacher-forced in float32 and float64 over the prompt + the agreed tokens,
-and reports the gap between the two tokens' logits there, in rounding steps of --dtype (a parting is legitimate
-only at a near-tie: docs/method.md#exactness-and-precision), and the float32 top-2 margins at every AR position.
+`--parting` (check.parting_main) times nothing: where greedy DFlash and AR part in --dtype, the two tokens' logit gap
+in rounding steps of --dtype (legitimate only at a near-tie: docs/method.md#exactness-and-precision).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """How dflash.Engine compiles its step functions: the inductor options per device, the checks dynamo skips
 before each call, and what stands in for them.
 
-What it holds:
     inductor_options  the options of a --compile-mode, with the changes the steps get on a CPU (below).
     compile_step      torch.compile(fullgraph=True, dynamic=False) of one step function, over a copy of its code
                       of its own and without dynamo's per-call checks of the models.
@@ -9,14 +8,10 @@ What it holds:
     ModelGuard        the models an engine's compiled steps read, their model_state, and that comparison.
     mark_static_      a cache's tensors as static addresses (CUDA graphs replay steps that write them).
 
-One-row products on a CPU. A decode (or plain) step multiplies one row by every weight matrix. MKL's sgemm,
-which torch calls for them, streams the weights at 8-12 GB/s on one core of the AMD EPYC this was measured on;
-inductor's own vectorised multiply-and-sum loops, which its `decompose_mm_pass` writes for products of one row,
-read them at about twice that (and scale with threads, where sgemm of one row hardly does). The pass's size
-limit on a CPU (both other dimensions <= 2048) is a module variable of inductor's, read from its config once at
-import, so `inductor_options` raises it: every product of one row is written as loops (the loops were faster
-on every shape measured, up to 12288 x 4096 and the embedded target's 4096-row lm_head, at 1 and 2 threads,
-except 4096 x 12288 at 1 thread: 0.89x). The limit matters only to compiles that turn the pass on, i.e. these.
+One-row products on a CPU. MKL's sgemm of one row streams the weights at about half the rate of inductor's own
+vectorised loops, which its `decompose_mm_pass` writes for products of one row; the pass's CPU size limit (both
+other dimensions <= 2048, read once at import) is raised by `inductor_options`, so every product of one row is
+written as loops (faster on every shape measured: docs/measurements.md).
 
 Dynamo's checks. Before every call of a compiled step dynamo checks everything the step read: for the embedded
 target's decode step 641 checks, 531 of them of the models (each parameter's dtype, shape and strides, each

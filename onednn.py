@@ -1,7 +1,6 @@
 """Optional, chosen by measurement: float32 CPU matrix products of a few rows (the verify block, the drafter's
 queries) through oneDNN with prepacked weights, applied to a loaded model by swapping its linear layers.
 
-What it holds:
     PackedLinear      an nn.Linear (the same Parameters, the same state-dict names) that also keeps a copy of
                       its weight reordered once into oneDNN's blocked layout, and uses it for float32 CPU
                       products of 2..FEW_ROWS rows outside autograd; every other product is F.linear.
@@ -14,14 +13,11 @@ What it holds:
     measure           times one step's few-row products both ways, on the models' own linear shapes, now.
     pays              whether the packed products are clearly faster here (the default choice of the command lines).
 
-Why it is chosen by measurement: torch's float32 products on a CPU run MKL's sgemm. On some CPUs oneDNN's
-kernel on a prepacked weight is much faster for products of a few rows (and no faster for a single row, which
-is why AR decode stays in F.linear); on others it is no faster, or slower (the README's table of measurements
-names the CPUs). Whether it pays depends on the CPU, and the copies cost the weights' size in memory again, so
-generate.py and bench.py time both kinds of product at warm-up (`pays`) and swap only where the packed ones
-win by a margin; --onednn / --no-onednn force the choice. The maths is the same float32 maths summed in another
-order (the last bits differ, as between any two GEMM kernels). Only the command lines import this file:
-deleting it and their flag leaves a working project (with MKL's products everywhere).
+Why by measurement: on some CPUs oneDNN's kernel on a prepacked weight is much faster than MKL's sgemm for
+products of a few rows, on others not (docs/measurements.md names the CPUs), and the copies cost the weights'
+size again; so the command lines time both at load (`pays`) and swap only where packed products win by a margin
+(--onednn / --no-onednn force it). The same float32 maths summed in another order. Deleting this file and the
+flag leaves a working project.
 
 Staleness: a packed copy must never serve a weight it was not made from. Each copy remembers the weight
 tensor it was made from (a weak reference), that tensor's data_ptr and its version counter (which every

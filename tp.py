@@ -7,30 +7,13 @@ classes with fewer heads. The ranks' partial sums meet in all-reduces issued by 
 functional collectives (traceable by torch.compile), on the gloo backend on a CPU and NCCL on CUDA. No transport
 of our own.
 
-The layout is the one vLLM (`model_executor/models/qwen3_next.py`, `qwen3_5.py`) and SGLang
-(`srt/models/qwen3_5.py`) use:
-- Gated DeltaNet (`shard_gdn`): rank r holds key heads r*hk/w .. and the value heads that read them (value head h
-  reads key head h // (hv/hk), so a contiguous split keeps each group whole). in_proj_qkv and the depthwise
-  conv are split per segment (its q rows, its k rows, its v rows), in_proj_z / in_proj_b / in_proj_a, A_log and
-  dt_bias by value head; the gated norm is per head (replicated weight, no communication); out_proj is split by
-  its input columns (row-parallel): the ranks' outputs sum to the layer's. The recurrent and conv states, and the
-  rollback, are per head: each rank keeps its own heads' (the caches are built from `shard_config`).
-- Gated attention (`shard_attention`): query heads split, each head's query and gate rows together (q_proj
-  interleaves them per head); KV heads split when the degree divides them, else replicated so that each rank
-  holds the KV head its query heads read; q_norm / k_norm replicated; o_proj row-parallel.
-- MLP (`shard_mlp`): gate_proj / up_proj by output rows (column-parallel), down_proj by input columns
-  (row-parallel).
-- Mixture of experts (`shard_moe`): the router is replicated (every rank routes every token alike); the shared
-  expert is cut as an MLP. The routed experts either tensor-parallel (default, as vLLM without
-  --enable-expert-parallel: every expert's intermediate channels split) or expert-parallel (`expert_parallel`:
-  rank r holds whole experts r*E/w .., a token's chosen experts that live elsewhere give zero here, and one
-  all-reduce adds them: the "masked local compute plus all-reduce" form, which needs no all-to-all).
-- The embedding and lm_head stay replicated: every rank computes the whole logits, so every rank chooses the same
-  token with no broadcast per step (the all-reduced hidden states are the same bits on every rank). At 9B shapes
-  that costs each rank the lm_head's 1.0 GB of bf16 reads per step, which vocab-parallel would cut by w.
-- Two all-reduces per layer: after the mixer and after the MLP ([B, T, H] each).
-- The drafter is replicated by default (it reads the all-reduced features, the same on every rank). `shard_drafter`
-  cuts its attention and MLP the same way (two all-reduces per drafter layer); docs/method.md measures both.
+The layout is vLLM's (`model_executor/models/qwen3_next.py`, `qwen3_5.py`) and SGLang's (`srt/models/qwen3_5.py`),
+each function's docstring says how it cuts its layer: GDN by key head with the value heads that read it, attention
+by query head (KV heads split or replicated), MLPs column- then row-parallel, routed experts by channel or whole
+(expert parallel: masked local compute plus one all-reduce). Two all-reduces per layer (after the mixer and the
+MLP). The embedding and lm_head stay replicated, so every rank chooses the same token with no broadcast per step;
+the drafter is replicated by default, or cut like the target (`shard_drafter`). The adaptive policy decides on
+rank 0 for every rank (`Synced`): ranks whose steps differed would issue different collectives.
 
     shard_gdn(layer, rank, world)        -> GatedDeltaNet with 1/world of the heads
     shard_attention(layer, rank, world)  -> GatedAttention with 1/world of the query heads
