@@ -21,10 +21,8 @@ download), with the achieved weight bandwidth and the PROJECTED DFlash tok/s at 
 
     python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
     python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
-    python bench.py --draft-rules 0.3,0.5,0.8,1.0 --heldout 16      # sampled DFlash2 drafts: coupled vs ratio acceptance
     python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
     python bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
-    python bench.py --concurrency 1,8,32 --aa                       # the same timing, two AR batches: its own noise
     torchrun --nproc-per-node 2 bench.py --heldout 16               # tensor parallel (tp.py): the default mode only
 
 `--parting` (check.parting_main) times nothing: where greedy DFlash and AR part in --dtype, the two tokens' logit gap

@@ -23,22 +23,21 @@ def test_each_distinct_layer_compiles_once(wrapper, tmp_path, monkeypatch):
     """Both inductor wrappers (cppwrapper.py's C++ one is the CPU default of the command lines): in the compiled
     decode step of the embedded target each distinct decoder layer is compiled once and called per layer
     (torch.compiler.nested_compile_region), and the tokens are the eager batch's. One step kind: the regions are
-    the model's, whichever step calls it (recompiles and the other kinds: test_batching.py, the tests below)."""
+    the model's, whichever step calls it (recompiles and the other kinds: the tests below)."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
-    import batching
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # fresh code, not a cached graph
     torch._dynamo.reset()
     target, _, p1, _ = embedded_pair()
     options = cppwrapper.options() if wrapper == "cpp" else {}
     assert options.get("cpp_wrapper", False) == (wrapper == "cpp")
-    eng = batching.Batch(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
-    request = [batching.Request(p1, 12)]
+    eng = dflash.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
+    request = [dflash.Request(p1, 12)]
     got, codes = run_and_get_code(eng.run, request)
     assert len(codes) == 1                                                # the decode step (admission is eager)
     bodies, calls = region_bodies_and_calls(codes[0], wrapper)
     assert len(bodies) == len(set(target.cfg.layer_types)) and calls == target.cfg.num_hidden_layers, (bodies, calls)
-    assert got[0].output_ids == batching.Batch(target, None, 1, 1, 256).run(request)[0].output_ids
+    assert got[0].output_ids == dflash.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -46,20 +45,21 @@ def test_compiled_sampling_equals_eager_and_follows_new_settings():
     """Sampling constants are compiled into the sampling step: a generation with other constants must run a
     graph made for them (dynamo's guards), never the previous one. Same seed -> the eager engine's tokens, and
     plain eager sampled decoding's (the position-keyed noise computed inside the compiled steps is the eager one),
-    with pure rounds and with rounds, plain steps and looks."""
-    import adaptive
+    with pure rounds and with rounds, plain steps feeding the drafter's context and plain steps that do not."""
+    import policy
     target, drafter, p1, p2 = embedded_pair()
-    proposer = dflash.DrafterProposer(drafter, target)
-    compiled = dflash.Engine(target, proposer, 16, 256, compile_mode="default")
-    eager = dflash.Engine(target, proposer, 16, 256)
+    compiled = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256, compile_mode="default")
+    eager = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256)
     for s in (dflash.Sampling(0.7, 0.9, 0), dflash.Sampling(1.3, 1.0, 5), dflash.Sampling(0.7, 0.9, 0)):
         for p in (p1, p2):
-            got = compiled.run(p, 40, sampling=s, seed=7)
-            want = eager.run(p, 40, sampling=s, seed=7)
+            got = compiled.generate(p, 40, sampling=s, seed=7)
+            want = eager.generate(p, 40, sampling=s, seed=7)
             assert got.output_ids == want.output_ids, s
     ar = dflash.run(target, p1, 40, sampling=s, seed=7)
-    compiled.policy = adaptive.Pattern([False, "look", True, False])
-    assert compiled.run(p1, 40, sampling=s, seed=7).output_ids == eager.run(p1, 40, sampling=s, seed=7).output_ids == ar.output_ids
+    compiled.policy = policy.Alternate((16,))          # a plain step, a round, a plain step not feeding, in turn
+    mixed = compiled.generate(p1, 40, sampling=s, seed=7)
+    assert set(mixed.step_kinds) == {"plain", "verify"}
+    assert mixed.output_ids == eager.generate(p1, 40, sampling=s, seed=7).output_ids == ar.output_ids
 
 
 def test_mark_static_covers_every_cache_tensor():
@@ -92,24 +92,24 @@ def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
     import random
     import torch
     import torch._dynamo
-    import batching
+    import policy
     from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
     dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
     drafter = random_drafter(dcfg, 12, torch.float32)
-    make = lambda: batching.SlotDrafter(drafter, target)
+    make = lambda: dflash.DrafterProposer(drafter, target)
     rng = random.Random(3)
 
     def requests(k):
-        return [batching.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24)) for _ in range(k)]
-    eng = batching.Batch(target, make(), 4, 2, 64, compile_mode="default", policy=batching.Alternate((True,)))
-    eng.run(requests(2))                                                     # warm-up: every step kind
+        return [dflash.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24)) for _ in range(k)]
+    eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default", policy=policy.Alternate((4,)))
+    eng.warm_up(requests(2))                                                 # every step kind
     later = requests(3)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = eng.run(later)
-    eager = batching.Batch(target, make(), 4, 2, 64, policy=batching.Alternate((True,))).run(later)
+    eager = dflash.Engine(target, make(), 4, 2, 64, policy=policy.Alternate((4,))).run(later)
     assert any(r.verify_lengths for r in got)
     for a, b in zip(got, eager):
         assert a.output_ids == b.output_ids and a.draft_ids == b.draft_ids
@@ -163,14 +163,14 @@ def test_compiled_steps_check_the_models_once_per_generation(tmp_path, monkeypat
     torch._dynamo.reset()
     prompt = list(range(3, 20))
     models = [random_target(tiny_target_config(rms_norm_eps=eps), 21, torch.float32) for eps in (1e-6, 4.0)]
-    engines = [dflash.Engine(m, None, 1, 64, compile_mode="default") for m in models]
-    outs = [e.run(prompt, 12).output_ids for e in engines]
+    engines = [dflash.Engine(m, None, 1, capacity=64, compile_mode="default") for m in models]
+    outs = [e.generate(prompt, 12).output_ids for e in engines]
     wants = [dflash.run(m, prompt, 12).output_ids for m in models]
     assert outs == wants and wants[0] != wants[1]
     target, engine = models[0], engines[0]
     with torch.no_grad():
         target.layers[0].mlp.down_proj.weight.mul_(-3.0)                 # values: read by every call
-    assert engine.run(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids
+    assert engine.generate(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids
     hook = []
     changes = [(lambda: setattr(target.norm, "eps", 0.5), lambda: setattr(target.norm, "eps", 1e-6)),
                (lambda: target.to(torch.float64), lambda: target.to(torch.float32)),
@@ -178,7 +178,7 @@ def test_compiled_steps_check_the_models_once_per_generation(tmp_path, monkeypat
     for change, undo in changes:
         change()
         with pytest.raises(dflash.GenerationError, match="the models changed .* build a new Engine") as e:
-            engine.run(prompt, 4)
+            engine.generate(prompt, 4)
         assert "\n" not in str(e.value)
         undo()
-        assert engine.run(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids     # as compiled
+        assert engine.generate(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids     # as compiled

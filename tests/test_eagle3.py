@@ -96,7 +96,7 @@ def test_the_tree_shape(tmp_path):
         prop = E.Eagle3Tree(random_eagle(cfg, 5), target, depth, top_k)
         eng = TR.TreeEngine(target, prop, size, 96)
         seen = recorded(prop)
-        eng.run(prompt, 12)
+        eng.generate(prompt, 12)
         for (tokens, parents), _ in seen:
             t = TR.Tree([0] + tokens, [-1] + parents)            # (Tree checks the order)
             assert len(tokens) <= size and max(t.depth) <= depth
@@ -115,7 +115,7 @@ def test_eagle3_tree_rounds_equal_ar(seed, moe, size, depth, top_k, plen, own):
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(plen)]
     ar = dflash.run(target, prompt, 30).output_ids
     prop = E.Eagle3Tree(random_eagle(cfg, seed % 991, own_embedding=own), target, depth, top_k)
-    assert TR.TreeEngine(target, prop, size, plen + 30 + size + 1).run(prompt, 30).output_ids == ar
+    assert TR.TreeEngine(target, prop, size, plen + 30 + size + 1).generate(prompt, 30).output_ids == ar
 
 
 def test_a_one_token_draft_vocabulary():
@@ -126,7 +126,7 @@ def test_a_one_token_draft_vocabulary():
     d = random_eagle(cfg, 8, draft_vocab=1)
     prompt = [3, 4, 5]
     ar = dflash.run(target, prompt, 20).output_ids
-    res = TR.TreeEngine(target, E.Eagle3Tree(d, target, 4, 1), 4, 40).run(prompt, 20)
+    res = TR.TreeEngine(target, E.Eagle3Tree(d, target, 4, 1), 4, 40).generate(prompt, 20)
     assert res.output_ids == ar
     tok = int(d.to_target(torch.tensor([0])))
     for s in res.steps:
@@ -165,7 +165,7 @@ def test_first_chain_equals_the_unrolled_drafter():
     prop = E.Eagle3Tree(d, target, 5, 1)
     prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 10, 11]
     seen = recorded(prop)
-    TR.TreeEngine(target, prop, 5, 64).run(prompt, 2)
+    TR.TreeEngine(target, prop, 5, 64).generate(prompt, 2)
     logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), feature_layers=prop.feature_layers)
     first = int(logits[0, -1].argmax())
     mid = d.midlayer
@@ -201,7 +201,7 @@ def test_training_unrolls_what_inference_drafts():
     prompt = [7, 3, 9, 1, 4, 4, 2, 8]
     prop = E.Eagle3Tree(d, target, 4, 1)
     seen = recorded(prop)
-    res = TR.TreeEngine(target, prop, 4, 64).run(prompt, 2)
+    res = TR.TreeEngine(target, prop, 4, 64).generate(prompt, 2)
     (tokens, _), scores = seen[0]
     seq = torch.tensor([prompt + [res.output_ids[0]] + tokens + [0]])          # (one more row: steps + 1 labels)
     outs = train.eagle3_hidden(d, target, seq, 4)                              # [1, steps, R, H]
@@ -254,7 +254,7 @@ def test_drafts_equal_the_speculators_layer_unrolled(norm_first):
     prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6]
     prop = E.Eagle3Tree(d, target, 5, 1)
     seen = recorded(prop)
-    TR.TreeEngine(target, prop, 5, 64).run(prompt, 2)
+    TR.TreeEngine(target, prop, 5, 64).generate(prompt, 2)
     logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), feature_layers=prop.feature_layers)
     emb = target.embed_tokens(torch.tensor([prompt[1:] + [int(logits[0, -1].argmax())]]))
     hid = d.fc(feats)
@@ -294,4 +294,4 @@ def test_train_py_eagle3_writes_a_head_that_loads_and_drafts(tmp_path):
     prop = E.Eagle3Tree(head, target, 3, 2)
     assert prop.feature_layers == (0, 1, 3)
     prompt = list(range(10, 30))
-    assert TR.TreeEngine(target, prop, 6, 64).run(prompt, 16).output_ids == dflash.run(target, prompt, 16).output_ids
+    assert TR.TreeEngine(target, prop, 6, 64).generate(prompt, 16).output_ids == dflash.run(target, prompt, 16).output_ids

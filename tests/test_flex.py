@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-import batching
 import dflash
 import flex
 import model as M
+import policy
 from helpers import (OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
                      tiny_target_config)
 from test_spec_equals_ar import first_divergence_is_near_tie
@@ -173,10 +173,10 @@ def test_every_acceptance_length(block):
     prompt = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     n_new = 1 + sum(range(1, block + 1)) + block                 # enough for one whole plan: lengths 0..B-1 each once
     ar = dflash.run(target, prompt, n_new)
-    oracle = OracleProposer(len(prompt), ar.output_ids, cfg.vocab_size, seed=block)
+    oracle = OracleProposer({tuple(prompt): ar.output_ids}, cfg.vocab_size, seed=block)
     sp = dflash.run(target, prompt, n_new, proposer=oracle, block_size=block, masks=flex.FlexMasks)
     assert sp.output_ids == ar.output_ids
-    assert set(oracle.asked) == set(range(block))
+    assert {a for _, _, a in oracle.asked} == set(range(block))
 
 
 def test_masks_built_once_per_engine(monkeypatch):
@@ -187,9 +187,9 @@ def test_masks_built_once_per_engine(monkeypatch):
     cfg = tiny_target_config()
     target = random_target(cfg, 0)
     proposer = dflash.DrafterProposer(random_drafter(tiny_draft_config(cfg), 1), target)
-    eng = dflash.Engine(target, proposer, 8, 100, masks=flex.FlexMasks)
+    eng = dflash.Engine(target, proposer, 8, capacity=100, masks=flex.FlexMasks)
     for n in (5, 20):
-        eng.run([1, 2, 3], n)
+        eng.generate([1, 2, 3], n)
     assert sorted(calls) == ["causal_block_mask", "draft_block_mask"]
 
 
@@ -216,19 +216,19 @@ def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypat
     rng = random.Random(2)
 
     def requests(lengths):
-        return [batching.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
+        return [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
     early, later = requests((30, 9)), requests((140, 3, 121))
-    for proposer, block in ((None, 1), (batching.SlotDrafter(drafter, target), 4)):
-        kw = dict(policy=batching.Alternate((True,))) if proposer is not None else {}
-        eng = batching.Batch(target, proposer, block, 2, 256, "default", options, masks=flex.FlexMasks, **kw)
+    for proposer, block in ((None, 1), (dflash.DrafterProposer(drafter, target), 4)):
+        kw = dict(policy=policy.Alternate((4,))) if proposer is not None else {}
+        eng = dflash.Engine(target, proposer, block, 2, 256, "default", options, masks=flex.FlexMasks, **kw)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            eng.run(early)                                        # warm-up: every step kind compiles once
+            eng.warm_up(early)                                    # every step kind compiles once
             graphs = counters["stats"]["unique_graphs"]
             with torch._dynamo.config.patch(error_on_recompile=True):
                 got = eng.run(later)
         assert counters["stats"]["unique_graphs"] == graphs
-        want = batching.Batch(target, None, 1, 2, 256).run(later)
+        want = dflash.Engine(target, None, 1, 2, 256).run(later)
         for a, b in zip(got, want):         # (float32: another summation order may part them at a near-tie only)
             assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids,
                                                                                 a.output_ids, 1e-4)
@@ -244,13 +244,11 @@ def test_prefill_does_not_call_flex(monkeypatch):
     monkeypatch.setattr(fa, "flex_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     target = random_target(tiny_target_config(), 3, torch.float32)
     prompt = list(range(1, 40))
-    steps = dflash.Engine(target, None, 1, 64, masks=flex.FlexMasks).generate(prompt, 4)
-    first = next(steps)
-    assert calls == []
-    second = next(steps)
-    assert len(calls) == target.cfg.layer_types.count("full_attention")
-    want = dflash.Engine(target, None, 1, 64).generate(prompt, 4)
-    assert [first.tokens, second.tokens] == [next(want).tokens, next(want).tokens]
+    seen = []                                      # (flex calls so far, the step's kind and tokens) after each step
+    got = dflash.Engine(target, None, 1, capacity=64, masks=flex.FlexMasks).generate(
+        prompt, 4, on_step=lambda s: seen.append((len(calls), s.kind, s.tokens)))
+    assert [(n, kind) for n, kind, _ in seen[:2]] == [(0, "prefill"), (target.cfg.layer_types.count("full_attention"), "decode")]
+    assert got.output_ids == dflash.Engine(target, None, 1, capacity=64).generate(prompt, 4).output_ids
 
 
 @pytest.mark.parametrize("kind,window", [("dflash", None), ("sliding", None), ("dflash2", 9)])
@@ -263,10 +261,10 @@ def test_batch_rows_with_flex_equal_sdpa(kind, window):
     target = random_target(cfg, 2)
     d = random_drafter(kind_draft_config(cfg, kind, block_size=8, target_layer_ids=[0, 2], num_target_layers=None), 3)
     rng = random.Random(1)
-    reqs = [batching.Request([rng.randrange(40) for _ in range(n)], rng.randint(3, 30)) for n in (140, 5, 121, 60, 1)]
+    reqs = [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(3, 30)) for n in (140, 5, 121, 60, 1)]
     for slots in (1, 3):
-        runs = [batching.Batch(target, batching.SlotDrafter(d, target, window), 8, slots, 200,
-                               policy=batching.Alternate((8, 3, True)), masks=masks).run(reqs)
+        runs = [dflash.Engine(target, dflash.DrafterProposer(d, target, window), 8, slots, 200,
+                              policy=policy.Alternate((8, 3, 8)), masks=masks).run(reqs)
                 for masks in (M.DenseMasks, flex.FlexMasks)]
         for dense, fl in zip(*runs):
             assert fl.output_ids == dense.output_ids and fl.draft_ids == dense.draft_ids, (slots, dense.prompt_ids)

@@ -1,19 +1,17 @@
 """Qwen3.5's MTP head as a proposer (mtp.py): output == AR whatever the head proposes, at every acceptance length,
-through rounds, plain steps and looks; the head's proposals made incrementally by the Engine == the head run from
-scratch on full-forward target hidden states; loading the published names."""
+through rounds of every verify block, plain steps and admissions, in one slot or several; the head's proposals made
+incrementally by the Engine == the head run from scratch on full-forward target hidden states; loading the
+published names."""
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import adaptive
-import batching
 import dflash
 import model as M
 import mtp
-from helpers import randomize_, random_target, tiny_target_config
-from test_batching import BatchOracle
+from helpers import OracleProposer, randomize_, random_target, tiny_target_config
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 
@@ -41,60 +39,89 @@ def scratch_proposals(head, target, ids: list, start: int, n: int) -> list:
     return out
 
 
-class OracleMTP:
-    """The real MTP proposer, whose proposals are recorded and then replaced by the true continuation with one
-    corruption at an index cycling through a seeded permutation of 0..n: every acceptance length occurs, and
-    the head's cache still sees every next_ids pattern the Engine makes after it."""
+class OracleMTP(OracleProposer):
+    """The real head (mtp.MTPProposer, N slots) behind helpers.OracleProposer: the head drafts every round for every
+    row (its KV cache sees every next-ids pattern the Engine makes) and each live row's real proposals are recorded
+    in `real` as (prompt, start, proposals); the oracle's proposals (each row's true continuation corrupted at a
+    planned index: every acceptance length on every row) are what the Engine verifies."""
 
     wants_next_ids = True
 
-    def __init__(self, inner: mtp.MTPProposer, prompt_len: int, continuation: list, vocab: int, seed: int):
-        self.inner, self.T0, self.cont, self.V = inner, prompt_len, continuation, vocab
-        self.rng, self.plan, self.real = random.Random(seed), [], []
-        self.max_block_size, self.feature_layers = inner.max_block_size, inner.feature_layers
+    def __init__(self, head: mtp.MTPProposer, continuations: dict, vocab: int, seed: int):
+        super().__init__(continuations, vocab, seed, head.max_block_size)
+        self.head, self.feature_layers, self.real = head, head.feature_layers, []
 
-    def reset(self, capacity, masks):
-        self.inner.reset(capacity, masks)
+    def reset(self, slots, capacity, masks=None):
+        super().reset(slots, capacity, masks)
+        self.head.reset(slots, capacity, masks)
 
-    def prefill(self, feats, pos, next_ids=None):
-        self.inner.prefill(feats, pos, next_ids=next_ids)
+    def admit(self, row, feats, pos, prompt_ids, first):
+        super().admit(row, feats, pos, prompt_ids, first)
+        self.head.admit(row, feats, pos, prompt_ids, first)
 
-    def propose(self, last, start, feats, feat_pos, n, next_ids=None):
-        real, _ = self.inner.propose(last, start, feats, feat_pos, n, next_ids=next_ids)
-        self.real.append((int(start), real.tolist()))
-        if not self.plan:
-            self.plan = list(range(n + 1))
-            self.rng.shuffle(self.plan)
-        a = self.plan.pop()
-        i = int(start) - self.T0 + 1
-        out = (self.cont[i:i + n] + [self.rng.randrange(self.V) for _ in range(n)])[:n]
-        if a < n:
-            out[a] = (out[a] + 1 + self.rng.randrange(self.V - 1)) % self.V
-        return torch.tensor(out)
+    def append(self, feats, pos, next_ids):
+        self.head.append(feats, pos, next_ids)
+
+    def propose(self, last, start, feats, feat_pos, n, next_ids, rows=None, temperature=None):
+        real = self.head.propose(last, start, feats, feat_pos, n, next_ids).tokens.tolist()
+        for b, prompt in enumerate(self.rows):
+            if prompt is not None and int(start[b]) >= len(prompt):      # a live row (a free one rides at 0)
+                self.real.append((prompt, int(start[b]), real[b]))
+        return super().propose(last, start, feats, feat_pos, n, next_ids, rows, temperature)
 
 
+class Coin:
+    """A policy stand-in: a round of a random verify block (1 .. block) or a plain step by a seeded coin, every plain
+    step feeding the head's context."""
+    feeds = True
+
+    def __init__(self, seed: int, block: int):
+        self.rng, self.block, self.blocks = random.Random(seed), block, tuple(range(block, 0, -1))
+
+    def reset(self):
+        pass
+
+    def speculate(self) -> int:
+        return self.rng.randint(1, self.block) if self.rng.random() < 0.6 else 0
+
+    def observe_round(self, committed, k, seconds):
+        pass
+
+    def observe_plain(self, seconds):
+        pass
+
+    def observe_upkeep(self, seconds):
+        pass
+
+
+@pytest.mark.parametrize("slots", [1, 3])
 @settings(max_examples=20, deadline=None)
-@given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), prompt_len=st.integers(1, 40), steps=st.integers(1, 15),
-       pattern=st.lists(st.sampled_from([True, True, False, "look"]), min_size=1, max_size=8))
-def test_mtp_equals_ar_and_drafts_from_scratch(cfg, seed, prompt_len, steps, pattern):
-    """float64, random target and head: the real MTP proposer equals AR; behind the oracle every acceptance length
-    occurs, through rounds, plain steps and looks in a forced pattern, and every proposal the head made (round or
-    look) equals the head run from scratch on the committed prefix."""
+@given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), steps=st.integers(1, 15), n_req=st.integers(1, 6),
+       coin=st.booleans())
+def test_head_rows_equal_their_runs_alone_and_draft_from_scratch(slots, cfg, seed, steps, n_req, coin):
+    """float64, random target and head, K = 1..15 chained steps, N slots (1: a request at a time) admitting requests
+    as slots free, pure rounds or a seeded mix of plain steps and rounds of every verify block 1..K + 1. Behind the
+    oracle (every acceptance length on every row): each row's output == its AR run alone, and every proposal the
+    head made == the head run from scratch on that row's committed prefix. The real head (no oracle) == AR too."""
     rng = random.Random(seed)
-    target = random_target(cfg, seed % 101)
+    target, block = random_target(cfg, seed % 101), steps + 1
     head = random_head(target, seed % 103)
-    prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
-    ar = dflash.run(target, prompt, 40)
-    real = dflash.run(target, prompt, 40, proposer=mtp.MTPProposer(head, target, steps), block_size=steps + 1)
-    assert real.output_ids == ar.output_ids
-    oracle = OracleMTP(mtp.MTPProposer(head, target, steps), len(prompt), ar.output_ids, cfg.vocab_size, seed)
-    eng = dflash.Engine(target, oracle, steps + 1, len(prompt) + 40 + steps, policy=adaptive.Pattern(pattern))
-    res = eng.run(prompt, 40)
-    assert res.output_ids == ar.output_ids
-    assert 1 + sum(res.acceptance_lengths) == len(res.output_ids)
-    ids = prompt + ar.output_ids
-    for start, proposals in oracle.real:
-        assert proposals == scratch_proposals(head, target, ids, start, steps), start
+    reqs = [dflash.Request([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
+            for _ in range(min(n_req, 2 * slots))]
+    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids for r in reqs]
+    outputs = {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}
+    cap = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
+    oracle = OracleMTP(mtp.MTPProposer(head, target, steps), outputs, cfg.vocab_size, seed)
+    got = dflash.Engine(target, oracle, block, slots, cap, policy=Coin(seed, block) if coin else None).run(reqs)
+    assert [r.output_ids for r in got] == alone
+    assert all(1 + sum(r.acceptance_lengths) == len(r.output_ids) for r in got)
+    assert oracle.real or not any(r.verify_lengths for r in got)
+    for prompt, start, proposals in oracle.real:
+        ids = list(prompt) + outputs[prompt]
+        assert proposals == scratch_proposals(head, target, ids, start, len(proposals)), (prompt, start)
+    real = dflash.Engine(target, mtp.MTPProposer(head, target, steps), block, slots, cap,
+                         policy=Coin(seed, block) if coin else None).run(reqs)
+    assert [r.output_ids for r in real] == alone
 
 
 def test_every_acceptance_length_and_float32():
@@ -104,7 +131,7 @@ def test_every_acceptance_length_and_float32():
     head = random_head(target, 4)
     prompt = list(range(5, 25))
     ar = dflash.run(target, prompt, 120)
-    oracle = OracleMTP(mtp.MTPProposer(head, target, 7), len(prompt), ar.output_ids, 60, 0)
+    oracle = OracleMTP(mtp.MTPProposer(head, target, 7), {tuple(prompt): ar.output_ids}, 60, 0)
     res = dflash.run(target, prompt, 120, proposer=oracle, block_size=8)
     assert res.output_ids == ar.output_ids
     assert set(range(1, 9)) <= set(res.acceptance_lengths)
@@ -115,89 +142,11 @@ def test_every_acceptance_length_and_float32():
         assert first_divergence_is_near_tie(t32, prompt, ar32.output_ids, sp32.output_ids, 1e-4)
 
 
-class SlotOracleMTP:
-    """The batched head (mtp.SlotMTP) behind a test_batching.BatchOracle: the head runs every round (its cache sees
-    every next-ids pattern the Batch makes) and each live row's real proposals are recorded; the oracle's proposals
-    (each row's true continuation, corrupted at a planned index: every acceptance length) are what the batch verifies."""
-
-    wants_next_ids = True
-
-    def __init__(self, inner: mtp.SlotMTP, oracle):
-        self.inner, self.oracle, self.real = inner, oracle, []        # real: (prompt, start, proposals) per live row
-        self.max_block_size, self.feature_layers = inner.max_block_size, inner.feature_layers
-
-    def reset(self, slots, capacity, masks=None):
-        self.inner.reset(slots, capacity)
-        self.oracle.reset(slots, capacity)
-
-    def admit(self, row, feats, pos, prompt_ids, first):
-        self.inner.admit(row, feats, pos, prompt_ids, first)
-        self.oracle.admit(row, feats, pos, prompt_ids, first)
-
-    def append(self, feats, pos, next_ids):
-        self.inner.append(feats, pos, next_ids)
-
-    def propose(self, last, start, feats, feat_pos, n, next_ids):
-        real = self.inner.propose(last, start, feats, feat_pos, n, next_ids).tolist()
-        for b, prompt in enumerate(self.oracle.rows):
-            if prompt is not None and int(start[b]) >= len(prompt):
-                self.real.append((prompt, int(start[b]), real[b]))
-        return self.oracle.propose(last, start, feats, feat_pos, n, next_ids)
-
-
-class FedPattern:
-    """Rounds (of any verify block) and plain steps by a seeded coin, every plain step feeding the head's context."""
-    feeds = True
-
-    def __init__(self, seed, block):
-        self.rng, self.block = random.Random(seed), block
-
-    def reset(self):
-        pass
-
-    def speculate(self, rows):
-        return self.rng.random() < 0.6 and self.rng.randint(1, self.block)
-
-    def observe_round(self, rows, seconds):
-        pass
-
-    def observe_plain(self, rows, seconds):
-        pass
-
-
-@settings(max_examples=12, deadline=None)
-@given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), steps=st.integers(1, 7), slots=st.integers(1, 4),
-       n_req=st.integers(1, 6), pattern=st.booleans())
-def test_batched_head_rows_equal_their_runs_alone_and_draft_from_scratch(cfg, seed, steps, slots, n_req, pattern):
-    """float64: the head over N slots (mtp.SlotMTP in batching.Batch), through rounds of every verify block, plain
-    steps and admissions between them, behind the oracle (every acceptance length on every row): each row's output
-    == its run alone, and every proposal the head made == the head run from scratch on that row's committed prefix;
-    the real head's batch (no oracle) also == AR."""
-    rng = random.Random(seed)
-    target, block = random_target(cfg, seed % 101), steps + 1
-    head = random_head(target, seed % 103)
-    reqs = [batching.Request([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))], rng.randint(1, 25))
-            for _ in range(n_req)]
-    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids for r in reqs]
-    cap = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
-    policy = FedPattern(seed, block) if pattern else None
-    proposer = SlotOracleMTP(mtp.SlotMTP(head, target, steps), BatchOracle(
-        {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}, cfg.vocab_size, seed))
-    got = batching.Batch(target, proposer, block, slots, cap, policy=policy).run(reqs)
-    assert [r.output_ids for r in got] == alone
-    outputs = {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}
-    for prompt, start, proposals in proposer.real:
-        ids = list(prompt) + outputs[prompt]
-        assert proposals == scratch_proposals(head, target, ids, start, len(proposals)), (prompt, start)
-    real = batching.Batch(target, mtp.SlotMTP(head, target, steps), block, slots, cap).run(reqs)
-    assert [r.output_ids for r in real] == alone
-
-
 def test_sampling_runs_and_keeps_the_trace():
     target = random_target(tiny_target_config(vocab_size=40), 5)
     head = random_head(target, 6)
-    eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, 80)
-    res = eng.run([1, 2, 3], 40, sampling=dflash.Sampling(temperature=0.8), seed=0)
+    eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, capacity=80)
+    res = eng.generate([1, 2, 3], 40, sampling=dflash.Sampling(temperature=0.8), seed=0)
     assert 1 + sum(res.acceptance_lengths) == len(res.output_ids) == 40
 
 

@@ -42,7 +42,49 @@ def first_divergence_is_near_tie(target, prompt, ar_out, other_out, tol):
     return float(top2[0] - top2[1]) < tol
 
 
-def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continuation, dtype, kind="dflash"):
+def companions(target, rng, prompt, max_len=60, n=2):
+    """n other random requests (prompts distinct from `prompt` and from each other; some stop at a token of their
+    own AR run, so the stop lands mid-output) and their AR outputs alone, to ride along with `prompt` in an Engine."""
+    V, seen, reqs, outs = target.cfg.vocab_size, {tuple(prompt)}, [], []
+    while len(reqs) < n:
+        p = [rng.randrange(V) for _ in range(rng.randint(1, max_len))]
+        if tuple(p) in seen:
+            continue
+        seen.add(tuple(p))
+        max_new = rng.randint(1, 48)
+        out = dflash.run(target, p, max_new).output_ids
+        stops = ()
+        if rng.random() < 0.3:
+            stops = (out[rng.randrange(len(out))],)
+            out = out[:out.index(stops[0]) + 1]          # greedy: the run with the stop is the run cut at it
+        reqs.append(dflash.Request(p, max_new, stops))
+        outs.append(out)
+    return reqs, outs
+
+
+def run_all(target, reqs, proposer, block, slots):
+    """Every request on one engine: dflash.run (slots=1, one request) or an Engine of `slots` slots (all at once)."""
+    if slots == 1:
+        (r,) = reqs
+        return [dflash.run(target, r.prompt_ids, r.max_new_tokens, r.stop_ids, proposer, block)]
+    capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block - 1
+    return dflash.Engine(target, proposer, block, slots, capacity).run(reqs)
+
+
+def check_oracle_plan(results, oracle):
+    """Every round of every request accepted exactly what the oracle planned for its row (its corruption index),
+    except where cut short (the oracle knows the continuation only up to the AR output: the last round may differ).
+    A round of one token (block 1) drafts nothing: the oracle is not asked and the round commits the target's token."""
+    planned = {(p, s): a for p, s, a in oracle.asked}
+    for res in results:
+        for step in [s for s in res.steps if s.kind == "verify" and not s.stop]:
+            a = planned[(tuple(res.prompt_ids), step.start)] if step.draft_ids else 0
+            assert step.accepted == a and len(step.tokens) == a + 1
+
+
+def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continuation, dtype, kind="dflash", slots=1):
+    """dflash.run (slots=1) or an Engine of 3 slots holding this request and two other random ones (slots=3): behind
+    the oracle (both verify kernels) and a random drafter of `kind`, every request's output == its own AR run."""
     V = target.cfg.vocab_size
     ar = dflash.run(target, prompt, max_new)
     stops = ()
@@ -51,50 +93,69 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
         stops = (stop,)
         ar = dflash.run(target, prompt, max_new, stops)
         assert ar.output_ids[-1] == stop and ar.output_ids.count(stop) == 1
-    oracle = OracleProposer(len(prompt), ar.output_ids, V, seed)
-    sp = dflash.run(target, prompt, max_new, stops, oracle, block)
+    reqs, alone, at = [dflash.Request(prompt, max_new, stops)], [ar.output_ids], 0
+    if slots > 1:
+        rng = random.Random(seed + 1)
+        others, outs = companions(target, rng, prompt, n=slots - 1)
+        at = rng.randrange(slots)                        # this request's slot
+        reqs, alone = others[:at] + reqs + others[at:], outs[:at] + alone + outs[at:]
+    cont = {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}
+    oracle, oracle_rec = OracleProposer(cont, V, seed), OracleProposer(cont, V, seed)
+    sp = run_all(target, reqs, oracle, block, slots)
     with verify_kernel(target, "recurrent"):
-        sp_rec = dflash.run(target, prompt, max_new, stops, OracleProposer(len(prompt), ar.output_ids, V, seed), block)
+        sp_rec = run_all(target, reqs, oracle_rec, block, slots)
     drafter = random_drafter(kind_draft_config(target.cfg, kind, target_layer_ids=[seed % target.cfg.num_hidden_layers],
                                                num_target_layers=None, hidden_size=target.cfg.hidden_size), seed, dtype)
-    real = dflash.run(target, prompt, max_new, stops, dflash.DrafterProposer(drafter, target), block)
-    for other in (sp, sp_rec, real):
-        if dtype == torch.float64:
-            assert other.output_ids == ar.output_ids
-        elif other.output_ids != ar.output_ids:
-            assert first_divergence_is_near_tie(target, prompt, ar.output_ids, other.output_ids, 1e-4)
-        assert sum(other.acceptance_lengths) + 1 == len(other.output_ids)
-        assert all(1 <= a <= block for a in other.acceptance_lengths)
-    # every step accepted exactly what the oracle planned (its corruption index), except where cut short
-    # (the oracle's continuation is known only up to the AR output, so the last step may differ)
-    for step, planned in zip([s for s in sp.steps if s.kind == "verify" and not s.stop], oracle.asked):
-        assert step.accepted == planned and len(step.tokens) == planned + 1
-    return sp
+    real = run_all(target, reqs, dflash.DrafterProposer(drafter, target), block, slots)
+    for results in (sp, sp_rec, real):
+        assert len(results) == len(reqs)
+        for r, other, want in zip(reqs, results, alone):
+            assert other.prompt_ids == r.prompt_ids
+            if dtype == torch.float64:
+                assert other.output_ids == want
+            elif other.output_ids != want:
+                assert first_divergence_is_near_tie(target, r.prompt_ids, want, other.output_ids, 1e-4)
+            assert sum(other.acceptance_lengths) + 1 == len(other.output_ids)
+            assert all(1 <= a <= block for a in other.acceptance_lengths)
+            assert set(other.step_kinds) <= {"verify"}       # no policy: a round of the whole block every step
+    for results, o in ((sp, oracle), (sp_rec, oracle_rec)):
+        check_oracle_plan(results, o)
+    return sp[at]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=25)
 @given(cfg=target_configs(), seed=st.integers(0, 10**6), prompt_len=st.integers(1, 140),
        max_new=st.integers(1, 48), block=st.integers(1, 16), stop=st.one_of(st.none(), st.integers(0, 100)),
-       kind=st.sampled_from(sorted(DRAFTER_KINDS)))
-def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop, kind):
+       kind=st.sampled_from(sorted(DRAFTER_KINDS)), slots=st.sampled_from([1, 3]))
+def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop, kind, slots):
     """Random targets (tied embeddings or not), prompts, blocks and stops; the oracle proposer forces every
-    acceptance length and a random drafter of every published kind (DRAFTER_KINDS) runs the real draft path."""
+    acceptance length and a random drafter of every published kind (DRAFTER_KINDS) runs the real draft path; alone
+    (dflash.run) or in an Engine of 3 slots beside two other random requests, each equal to its own AR run."""
     target = random_target(cfg, seed, dtype)
     rng = random.Random(seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
-    check_spec_equals_ar(target, prompt, max_new, block, seed, stop, dtype, kind)
+    check_spec_equals_ar(target, prompt, max_new, block, seed, stop, dtype, kind, slots)
 
 
-@pytest.mark.parametrize("block", [4, 16])
-def test_every_acceptance_length_occurs(block):
-    """With no stop token and room to spare, the oracle plan covers 0..block-1 accepted (block-1 = all)."""
+@pytest.mark.parametrize("block,slots", [(4, 1), (16, 1), (4, 3)])
+def test_every_acceptance_length_occurs(block, slots):
+    """With no stop token and room to spare, the oracle plan covers 0..block-1 accepted (block-1 = all), alone and
+    beside two other requests."""
     cfg = tiny_target_config(vocab_size=50)
     target = random_target(cfg, 3)
     prompt = [i % 50 for i in range(1, 80)]
-    sp = check_spec_equals_ar(target, prompt, 3 * block * block, block, 7, None, torch.float64)
+    sp = check_spec_equals_ar(target, prompt, 3 * block * block, block, 7, None, torch.float64, slots=slots)
     seen = {s.accepted for s in sp.steps if s.kind == "verify" and not s.stop}
     assert seen == set(range(block))
+
+
+def full_acceptance(target, oracle, slots, capacity):
+    """An Engine behind `oracle` whose every row offers the true continuation every round (set after the engine's
+    proposer.reset): a stop token or max_new_tokens lands inside an accepted run."""
+    engine = dflash.Engine(target, oracle, 16, slots, capacity)
+    oracle.plans = [[15] * 100 for _ in range(slots)]
+    return engine
 
 
 def test_stop_token_inside_an_accepted_run():
@@ -104,23 +165,31 @@ def test_stop_token_inside_an_accepted_run():
     ar = dflash.run(target, prompt, 40)
     stop = ar.output_ids[9]
     j = ar.output_ids.index(stop)
-    oracle = OracleProposer(len(prompt), ar.output_ids, 50, 0)
-    oracle.plan = [15] * 10                      # always offer the true continuation: the stop lands mid-block
-    sp = dflash.run(target, prompt, 40, [stop], oracle, 16)
+    oracle = OracleProposer({tuple(prompt): ar.output_ids}, 50, 0)
+    sp = full_acceptance(target, oracle, 1, len(prompt) + 40 + 15).generate(prompt, 40, [stop])
     assert sp.output_ids == ar.output_ids[:j + 1]
     assert sp.steps[-1].stop and sp.steps[-1].tokens[-1] == stop
+    assert [a for _, _, a in oracle.asked] == [15] * len(oracle.asked)
 
 
-def test_max_new_tokens_cuts_a_block():
+@pytest.mark.parametrize("slots", [1, 3])
+def test_max_new_tokens_cuts_a_block(slots):
+    """Each max_new_tokens cut inside a fully accepted block: one request at a time, or all six through 3 slots
+    (admitted as slots free)."""
     cfg = tiny_target_config(vocab_size=50)
     target = random_target(cfg, 6)
     prompt = list(range(2, 30))
-    for max_new in (1, 2, 5, 16, 17, 20):
-        ar = dflash.run(target, prompt, max_new)
-        oracle = OracleProposer(len(prompt), ar.output_ids, 50, 0)
-        oracle.plan = [15] * 10
-        sp = dflash.run(target, prompt, max_new, (), oracle, 16)
-        assert sp.output_ids == ar.output_ids and len(sp.output_ids) == max_new
+    lengths = (1, 2, 5, 16, 17, 20)
+    ar = dflash.run(target, prompt, max(lengths))      # greedy: a shorter run is a prefix of the longest
+    oracle = OracleProposer({tuple(prompt): ar.output_ids}, 50, 0)
+    engine = full_acceptance(target, oracle, slots, len(prompt) + max(lengths) + 15)
+    if slots == 1:
+        results = [engine.generate(prompt, n) for n in lengths]
+    else:
+        results = engine.run([dflash.Request(prompt, n) for n in lengths])
+    for n, sp in zip(lengths, results):
+        assert sp.output_ids == ar.output_ids[:n] and len(sp.output_ids) == n
+        assert dflash.run(target, prompt, n).output_ids == sp.output_ids
 
 
 def scratch_mask(start: int, block: int, causal: bool, sliding):
@@ -136,28 +205,32 @@ def scratch_mask(start: int, block: int, causal: bool, sliding):
     return m
 
 
-@pytest.mark.parametrize("block,seed,kind", [(4, 0, "dflash"), (8, 1, "dflash"), (16, 2, "dflash"), (8, 3, "sliding"),
-                                             (16, 4, "noncausal-window"), (8, 5, "causal"), (8, 6, "dflash2")])
-def test_engine_drafts_equal_drafter_from_scratch(block, seed, kind):
+@pytest.mark.parametrize("block,seed,kind,slots", [(4, 0, "dflash", 1), (8, 1, "dflash", 3), (16, 2, "dflash", 1),
+                                                  (8, 3, "sliding", 3), (16, 4, "noncausal-window", 3),
+                                                  (8, 5, "causal", 1), (8, 6, "dflash2", 3)])
+def test_engine_drafts_equal_drafter_from_scratch(block, seed, kind, slots):
     """Every proposal the engine made == the drafter run from scratch (no cache) on full-forward target features
     of the committed prefix: the incremental context appends (whole verify blocks, stale rows hidden) and the
-    per-kind masks of the cached path are exact."""
+    per-kind masks of the cached path are exact; with 3 slots, for every row, whatever the other rows hold."""
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, seed)
     dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
     drafter = random_drafter(dcfg, seed)
-    prompt = [random.Random(seed).randrange(40) for _ in range(23)]
-    res = dflash.run(target, prompt, 60, (), dflash.DrafterProposer(drafter, target), block)
-    seq = torch.tensor([prompt + res.output_ids])
-    with torch.no_grad():
-        _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
-        for step in [s for s in res.steps if s.kind == "verify"]:
-            start = step.start + 0
-            blk = torch.full((1, block), dcfg.mask_token_id)
-            blk[0, 0] = seq[0, start]
-            masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
-            h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), masks)
-            assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids
+    rng = random.Random(seed)
+    reqs = [dflash.Request([rng.randrange(40) for _ in range(n)], max_new)
+            for n, max_new in ((23, 60), (9, 25), (31, 45))[:slots]]
+    results = run_all(target, reqs, dflash.DrafterProposer(drafter, target), block, slots)
+    for res in results:
+        seq = torch.tensor([res.prompt_ids + res.output_ids])
+        with torch.no_grad():
+            _, feats = target(seq, torch.arange(seq.shape[1]), feature_layers=tuple(dcfg.target_layer_ids))
+            for step in [s for s in res.steps if s.kind == "verify"]:
+                start = step.start + 0
+                blk = torch.full((1, block), dcfg.mask_token_id)
+                blk[0, 0] = seq[0, start]
+                masks = {k: scratch_mask(start, block, *k) for k in set(drafter.kinds)}
+                h = drafter(target.embed_tokens(blk), feats[:, :start], torch.arange(start, start + block), torch.arange(start), masks)
+                assert drafter.propose(h[0, 1:], blk[0, :1], target.lm_head)[0].tolist() == step.draft_ids
 
 
 def test_draft_window():

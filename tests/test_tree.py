@@ -106,23 +106,27 @@ def test_a_chain_tree_is_the_block_verify():
 
 
 class OracleTree:
-    """Stand-in tree proposer: knows the AR continuation; each round builds a random tree in which the true
-    continuation runs down one branch to a planned depth (cycling through every depth 0..deepest), its next node
-    a wrong token, the other nodes random."""
+    """Stand-in tree proposer (tree.TreeEngine's one slot): knows the AR continuation; each round builds a random tree
+    in which the true continuation runs down one branch to a planned depth (cycling through every depth
+    0..deepest), its next node a wrong token, the other nodes random."""
 
     feature_layers = ()
+    wants_next_ids, samples_drafts, window = False, False, None
 
-    def __init__(self, prompt_len: int, continuation: list, vocab: int, seed: int, size: int):
-        self.T0, self.cont, self.V, self.rng, self.size = prompt_len, continuation, vocab, random.Random(seed), size
-        self.max_block_size, self.plan, self.depths = size + 1, [], []
+    def __init__(self, continuation: list, vocab: int, seed: int, size: int):
+        self.cont, self.V, self.rng, self.size = continuation, vocab, random.Random(seed), size
+        self.max_block_size, self.plan, self.depths, self.T0 = size + 1, [], [], None
 
-    def reset(self, capacity, masks):
+    def reset(self, slots, capacity, masks):
         self.plan = []
 
-    def prefill(self, feats, pos):
+    def admit(self, row, feats, pos, prompt_ids, first):
+        self.T0 = len(prompt_ids)
+
+    def append(self, feats, pos, next_ids):
         pass
 
-    def propose_tree(self, last: int, start: int, n: int, feats=None, feat_pos=None) -> tuple:
+    def propose_tree(self, last: int, start: int, n: int, feats=None, feat_pos=None, next_ids=None) -> tuple:
         n = self.rng.randint(1, n)
         if not self.plan:
             self.plan = list(range(n + 1))
@@ -163,9 +167,9 @@ def test_tree_rounds_equal_ar(seed, moe, size, plen, new, dtype):
     V = target.cfg.vocab_size
     prompt = [rng.randrange(V) for _ in range(plen)]
     ar = dflash.run(target, prompt, new).output_ids
-    prop = OracleTree(plen, ar + [0] * 64, V, seed, size)        # (ar[0] is the token at position plen)
+    prop = OracleTree(ar + [0] * 64, V, seed, size)        # (ar[0] is the token at position plen)
     eng = TR.TreeEngine(target, prop, size, plen + new + size + 1)
-    res = eng.run(prompt, new)
+    res = eng.generate(prompt, new)
     if dtype == torch.float32 and res.output_ids != ar:
         assert first_divergence_is_near_tie(target, prompt, ar, res.output_ids, 1e-4)
         return
@@ -177,9 +181,9 @@ def test_tree_rounds_equal_ar(seed, moe, size, plen, new, dtype):
 
 def test_tree_engine_refuses_sampling_and_bad_sizes():
     target = random_target(tiny_target_config(), 1)
-    prop = OracleTree(3, [1] * 40, 61, 0, 4)
+    prop = OracleTree([1] * 40, 61, 0, 4)
     with pytest.raises(M.GenerationError, match="sampling with a draft tree"):
-        TR.TreeEngine(target, prop, 4, 64).run([1, 2, 3], 8, sampling=dflash.Sampling(0.8))
+        TR.TreeEngine(target, prop, 4, 64).generate([1, 2, 3], 8, sampling=dflash.Sampling(0.8))
     with pytest.raises(M.GenerationError, match="--tree-size must be >= 1"):
         TR.TreeEngine(target, prop, 0, 64)
 
@@ -197,7 +201,7 @@ def test_dflash_tree_rounds_equal_ar(seed, moe, size, top_k, plen):
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(plen)]
     ar = dflash.run(target, prompt, 24).output_ids
     prop = TR.DFlashTree(dflash.DrafterProposer(drafter, target), top_k)
-    assert TR.TreeEngine(target, prop, size, plen + 24 + size + 1).run(prompt, 24).output_ids == ar
+    assert TR.TreeEngine(target, prop, size, plen + 24 + size + 1).generate(prompt, 24).output_ids == ar
 
 
 @torch.inference_mode()
@@ -209,17 +213,17 @@ def test_dflash_tree_holds_the_chain():
     target, drafter = random_target(cfg, 5), random_drafter(tiny_draft_config(cfg, block_size=8), 6)
     prompt = list(range(3, 20))
     inner = dflash.DrafterProposer(drafter, target)
-    eng = dflash.Engine(target, inner, 8, 64)
+    eng = dflash.Engine(target, inner, 8, capacity=64)
     logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), eng.cache, feature_layers=inner.feature_layers)
-    inner.reset(64, eng.masks)
-    inner.prefill(feats, torch.arange(len(prompt)))
     last, start = int(logits[0, -1].argmax()), len(prompt)
-    pad, pad_pos = feats.new_zeros(1, 8, feats.shape[-1]), start + torch.arange(8)
-    chain = inner.propose(torch.tensor([last]), torch.tensor([start]), pad, pad_pos, 7)[0].tolist()
+    inner.reset(1, 64, eng.masks)
+    inner.admit(0, feats, torch.arange(len(prompt)), prompt, last)
+    pad, pad_pos = feats.new_zeros(1, 8, feats.shape[-1]), start + torch.arange(8)     # pending rows, all stale
+    chain = inner.propose(torch.tensor([last]), torch.tensor([start]), pad, pad_pos[None], 7, None).tokens[0].tolist()
     for k, n in ((1, 7), (3, 20)):
         p = TR.DFlashTree(dflash.DrafterProposer(drafter, target), k)
-        p.reset(64, eng.masks)
-        p.prefill(feats, torch.arange(len(prompt)))
+        p.reset(1, 64, eng.masks)
+        p.admit(0, feats, torch.arange(len(prompt)), prompt, last)
         tokens, parents = p.propose_tree(last, start, n, pad, pad_pos)
         t = TR.Tree([last] + tokens, [-1] + parents)
         branch = [0]
