@@ -182,6 +182,7 @@ class Proposer(Protocol):
     wants_next_ids: bool
     samples_drafts: bool            # a sampled request's block is sampled (DFlash2), with its q
     window: int | None              # each draft sees the last `window` positions only (None: all)
+    cache: object                   # its context cache (None: it keeps none); static under CUDA graphs
 
     def reset(self, slots: int, capacity: int, masks) -> None:
         """Allocate its per-row state for `slots` rows of `capacity` positions. masks: the engine's masks object
@@ -432,8 +433,7 @@ class Slots:
         """(draft_step, verify_step, commit) for a round that verifies k <= block tokens per row. Compiled steps are
         made per k, on first use (their shapes follow k; warm_up makes every k a policy may choose)."""
         if k not in self._by_block:
-            if hasattr(self.masks, "prepare"):       # FlexAttention: the draft mask of blocks of k, built eagerly
-                self.masks.prepare(k)
+            self.masks.prepare(k)                    # (FlexAttention: the draft mask of blocks of k, built eagerly)
             steps = (self.proposer.propose, self._verify, self.cache.commit)
             if self._options is not None:
                 steps = tuple(compiling.compile_step(f, self._options) for f in steps)
@@ -447,7 +447,7 @@ class Slots:
         options = self._options = compiling.inductor_options(mode, extra, self.device)
         self._graphs = self.device.type == "cuda"
         if self._graphs:
-            for c in (self.cache, getattr(self.proposer, "cache", None)):
+            for c in (self.cache, None if self.proposer is None else self.proposer.cache):
                 if c is not None:
                     compiling.mark_static_(c)
             buffers = self.pending.buffers() if self.pending is not None else ()
@@ -586,7 +586,7 @@ class Engine(Slots):
         enough for 3 blocks plus one round of each verify block the policy may choose (the first one sampled, with
         top-k and top-p cuts, where the requests' draws need it: draws), under policy.Alternate when the Engine
         has a policy (every kind a policy may take); the policy is kept as it was."""
-        blocks = getattr(self.policy, "blocks", (self.block,))
+        blocks = self.policy.blocks if self.policy is not None else (self.block,)
         warm = [replace(r, max_new_tokens=max(1, min(3 * self.block + sum(blocks), self.capacity - len(r.prompt_ids) - self.block + 1)),
                         stop_ids=(), seed=0) for r in requests[:self.slots]]
         sampled, top_k, top_p = draws(requests)

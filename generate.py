@@ -279,7 +279,7 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     if parallel is not None:               # the proposer cut too (before oneDNN packs any weight); target.cfg the shard's
         parallel.shard(target, proposer)
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries
-    dense = getattr(proposer, "drafter", None) if isinstance(proposer, dflash.DrafterProposer) else None
+    dense = proposer.drafter if isinstance(proposer, dflash.DrafterProposer) else None
     products = use_onednn(args.onednn, rows, target, dense)
     return target, tokenizer, proposer, products
 
@@ -519,7 +519,7 @@ def tree_flags_check(args, sampling, loaded: bool = False) -> None:
 def draft_rule_of(args, proposer) -> str:
     """The rule that decided a run's rounds: a drafter that drafts greedily is verified by the coupled rule under
     either --draft-rule."""
-    return args.draft_rule if getattr(proposer, "samples_drafts", False) else "coupled"
+    return args.draft_rule if proposer is not None and proposer.samples_drafts else "coupled"
 
 
 def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
@@ -527,7 +527,7 @@ def make_engine(args, target, proposer, block_size: int, capacity: int, policy, 
     --tree-size its tree form, tree.TreeEngine, over the drafter's trees (a tree's verify is not batched)."""
     if args.tree_size is not None:      # (--compile is refused with a tree: its engine runs eager)
         import tree
-        trees = proposer if hasattr(proposer, "propose_tree") else tree.DFlashTree(proposer, args.tree_top_k or 4)
+        trees = proposer if tree.is_tree_proposer(proposer) else tree.DFlashTree(proposer, args.tree_top_k or 4)
         return tree.TreeEngine(target, trees, args.tree_size, capacity)
     return dflash.Engine(target, proposer, block_size, 1, capacity, args.compile_mode if args.compile else None,
                          compile_options(args, device), policy, ATTENTION[args.attention])

@@ -347,6 +347,9 @@ class DenseMasks:
         self.capacity, self.window = capacity, window
         self.gathers = window is not None and window < capacity
 
+    def prepare(self, n: int) -> None:
+        """Nothing to build ahead for SDPA masks (flex.FlexMasks builds the draft mask of blocks of n here)."""
+
     def target(self, pos):
         """A target call at positions pos [T] -> [T, capacity], or per-row positions pos [B,T] (a batch of
         sequences of different lengths) -> [B,1,T,capacity]: a query at p sees the slots <= p. Slots past the

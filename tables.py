@@ -31,6 +31,7 @@ import chat
 import checkpoint as ckpt
 import dflash
 import prompts as P
+import tree
 from policy import PerRun, Policy
 
 
@@ -59,7 +60,6 @@ def method_proposers(args, target, dtype, device) -> dict:
             window = ckpt.draft_window(drafter.cfg, args.draft_window)
             out[name] = (dflash.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
         elif name.startswith("dflash-tree") and name[11:].isdigit() and int(name[11:]) >= 1:
-            import tree
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
             inner = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
             out[name] = (tree.DFlashTree(inner), int(name[11:]) + 1)
@@ -184,8 +184,7 @@ class Runner:
         self.engines = {"ar": single_engine(self.args, self.target, None, 1, self.capacity, False)}
         warm_up(self.engines["ar"], warm_prompt, self.stops, self.args.max_new_tokens)
         for name, (proposer, block) in self.methods.items():
-            if hasattr(proposer, "propose_tree"):        # pure tree rounds, eager (the tree verify is the reference)
-                import tree
+            if tree.is_tree_proposer(proposer):          # pure tree rounds, eager (the tree verify is the reference)
                 eng = self.engines[name] = tree.TreeEngine(self.target, proposer, block - 1, self.capacity)
                 eng.generate(warm_prompt, 8, self.stops)
                 continue
@@ -272,8 +271,8 @@ def table_main(args, device) -> dict:
     methods = method_proposers(args, target, dtype, device)
     widest = max(b for _, b in methods.values())
     # DFlash drafters (also inside a DFlashTree) take the products generate.py chooses; the MTP and EAGLE-3 heads keep nn.Linear
-    drafters = [getattr(getattr(p, "inner", p), "drafter", None) if isinstance(getattr(p, "inner", p), dflash.DrafterProposer)
-                else None for p, _ in methods.values()]
+    inner = [p.inner if isinstance(p, tree.DFlashTree) else p for p, _ in methods.values()]
+    drafters = [p.drafter if isinstance(p, dflash.DrafterProposer) else None for p in inner]
     products = use_onednn(args.onednn, widest, target, *drafters)             # chosen at the widest block
     print(f"{products_words(products)}; {torch.get_num_threads()} threads; {cpu_model()}", flush=True)
     if not sets:                                              # --methods alone: bench.py's own prompts, one column

@@ -36,6 +36,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import checkpoint as ckpt
+import dflash
+import mtp
 from model import MLP, DecoderLayer, DraftAttention, DFlashDrafter, Experts, GatedAttention, GatedDeltaNet, \
     GenerationError, Qwen35, SparseMoE
 
@@ -334,12 +336,12 @@ class Parallel:
             target.cfg = shard_config(target.cfg, self.world)
         else:
             shard_target(target, self.rank, self.world, self.wrap, self.expert_parallel)
-        if hasattr(proposer, "head") and hasattr(proposer.head, "layers"):          # mtp.MTPProposer
+        if isinstance(proposer, mtp.MTPProposer):
             for layer in proposer.head.layers:
                 shard_layer(layer, self.rank, self.world, self.wrap, self.expert_parallel)
-        drafter = getattr(proposer, "drafter", None)
+        drafter = proposer.drafter if isinstance(proposer, dflash.DrafterProposer) else None
         if self.shard_drafter:
-            if not isinstance(drafter, DFlashDrafter):
+            if drafter is None:
                 raise GenerationError("--tp-drafter sharded applies to DFlash drafters; this proposer is replicated")
             shard_drafter(drafter, self.rank, self.world, self.wrap)
 

@@ -261,3 +261,9 @@ class DFlashTree:
             if depth + 1 < rows:
                 frontier += [(score + top_lp[depth + 1][c], len(tokens), depth + 1, c) for c in range(len(top_lp[0]))]
         return tokens, parents
+
+
+def is_tree_proposer(proposer) -> bool:
+    """Whether `proposer` drafts trees (a TreeEngine's): DFlashTree or an EAGLE-3 drafter's eagle3.Eagle3Tree."""
+    import eagle3
+    return isinstance(proposer, (DFlashTree, eagle3.Eagle3Tree))

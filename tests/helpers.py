@@ -105,6 +105,7 @@ class OracleProposer:
     wants_next_ids = False
     samples_drafts = False
     window = None
+    cache = None
 
     def __init__(self, continuations: dict, vocab: int, seed: int = 0, max_block_size: int = 16):
         self.cont, self.V, self.rng = continuations, vocab, random.Random(seed)
