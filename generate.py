@@ -340,13 +340,13 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
     if proposer:
         rounds, plain = res.step_kinds.count("verify"), res.step_kinds.count("plain")
         if rounds:
-            line += f"; {rounds} draft-verify rounds, mean acceptance length {res.mean_acceptance_length:.2f}"
+            line += f"; {rounds} draft-verify round{'s' * (rounds != 1)}, mean acceptance length {res.mean_acceptance_length:.2f}"
         elif not plain:
             line += "; no draft-verify round: the generation ended with its first token"
         else:
             line += "; no draft-verify round"
         if plain:
-            line += f"; {plain} plain steps"
+            line += f"; {plain} plain step{'s' * (plain != 1)}"
     if products and products["onednn"]:
         measured = products["onednn_measured"]
         line += "; oneDNN" + (f" ({measured:.2f}x MKL's time at load)" if measured else "")
