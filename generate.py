@@ -126,7 +126,11 @@ def parse_args(argv=None):
     g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json); with --chat, the user turn")
     g.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (used as is, never templated)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="render --prompt with the checkpoint's chat template (default: on when the checkpoint ships one)")
+                   help="render --prompt with the checkpoint's chat template (default: on when the checkpoint ships one, "
+                        "or with --chat-template)")
+    p.add_argument("--chat-template", metavar="FILE.jinja",
+                   help="a Jinja chat template used instead of the checkpoint's (e.g. checkpoints/qwen35_chat_template.jinja, "
+                        "Qwen3.5's own: chat with the embedded pair offline)")
     p.add_argument("--system", help="system prompt (chat)")
     p.add_argument("--messages", help="JSON file: a list of {role, content} messages before --prompt (chat, several turns)")
     p.add_argument("--tools", help="JSON file: a list of tool schemas the model may call (chat; Qwen3.5's template "
@@ -284,6 +288,17 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     return target, tokenizer, proposer, products
 
 
+def chat_template_of(args, path: str) -> tuple:
+    """(template, special tokens): the checkpoint's chat template, or --chat-template's file in its place."""
+    template, specials = chat.load_chat_template(path)
+    if args.chat_template is None:
+        return template, specials
+    if not os.path.isfile(args.chat_template):
+        raise dflash.GenerationError(f"--chat-template {args.chat_template}: no such file")
+    with open(args.chat_template, encoding="utf-8") as fh:
+        return fh.read(), specials
+
+
 def chat_flags_check(args, as_chat: bool) -> None:
     """The chat-only flags without chat mode: say why chat mode is off."""
     used = [f for f, on in (("--system", args.system is not None), ("--messages", args.messages), ("--tools", args.tools),
@@ -387,7 +402,7 @@ def main(argv=None) -> int:
     tree_flags_check(args, sampling, loaded=True)     # again: an EAGLE-3 drafter always drafts trees
     if args.prompts_file is not None:
         return run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel)
-    template, specials = chat.load_chat_template(target.path)
+    template, specials = chat_template_of(args, target.path)
     as_chat = args.chat if args.chat is not None else (template is not None and args.prompt_ids is None)
     tools = chat.read_tools(args.tools) if as_chat and args.tools else None
     prompt_ids = prompt_ids_of(args, target, tokenizer, as_chat, template, specials, tools)
@@ -683,7 +698,7 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
 def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel=None) -> int:
     """--prompts-file: every line's request through a dflash.Engine of --concurrency slots; the outputs in input order
     (with --json one line per request: a single run's fields plus its index), then the run's throughput."""
-    template, specials = chat.load_chat_template(target.path)
+    template, specials = chat_template_of(args, target.path)
     tools = chat.read_tools(args.tools) if args.tools else None
     base_stops = ckpt.stop_token_ids(target.path, target.cfg)
     reqs, chats, towers = [], [], []

@@ -368,3 +368,19 @@ def test_threads_flag(ckpt, capsys):
         torch.set_num_threads(before)
     with pytest.raises(dflash.GenerationError, match="--threads must be >= 1, got 0"):
         generate.main(["--target", ckpt["target"], "--prompt-ids", "1", "--threads", "0"])
+
+
+def test_chat_offline_with_a_template_file(capsys):
+    """--chat-template FILE: the embedded target ships no template, and Qwen3.5's own (checkpoints/) renders --prompt
+    as a user turn, offline; the prompt ids are that rendering's; a missing file is one error line."""
+    import chat
+    import checkpoint as ckpt
+    tpl = os.path.join(generate.HERE, "checkpoints", "qwen35_chat_template.jinja")
+    assert generate.main(["--chat-template", tpl, "--prompt", "Hi", "--max-new-tokens", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tok = ckpt.load_tokenizer(generate.DEFAULT_TARGET)
+    text = chat.render_chat(open(tpl).read(), [{"role": "user", "content": "Hi"}], special_tokens={})
+    assert res["chat"] is not False and res["prompt_ids"] == tok.encode(text, add_special_tokens=False).ids
+    assert text.startswith("<|im_start|>user\nHi")
+    assert generate.cli(["--chat-template", "missing.jinja", "--prompt", "Hi"]) == 2
+    assert "--chat-template missing.jinja: no such file" in capsys.readouterr().err
