@@ -506,7 +506,7 @@ class ArmRun:
     held a live row in every slot (the N requests in flight that the table is about): once the queue runs dry the
     slots empty one by one, and a step costs the same for the rows left. AR's rows of equal length advance in
     lockstep and end together, where DFlash's advance at their own acceptance and leave a tail of steps with few
-    live rows (README: "Many requests at once").
+    live rows (docs/measurements.md#many-requests-at-once).
     That stretch holds every admission but not all the tokens of the requests admitted last (DFlash's stretch ends
     when the first of them ends), so the steady throughput (`steady_tokens_per_s`, the table's headline) charges
     each token its request's share of a prefill instead: what a batch whose queue never runs dry makes."""

@@ -10,8 +10,8 @@ A TRACE is a JSON object, a JSON list of objects, or JSON lines. Each object has
 committed per verify step, bonus included), and `temperature`, `top_p`, `top_k` (absent: greedy), `seed` and
 `draft_rule` (sampled runs of this implementation) and `dtype` (the engine's, which sets the default tolerance).
 `generate.py --json` output is a trace as it is. vLLM's and
-SGLang's completion responses with token ids are read too (`read_cases`; the requests: README, "Checking your
-engine").
+SGLang's completion responses with token ids are read too (`read_cases`; the requests:
+docs/usage.md#traces-from-vllm-and-sglang).
 
 What it does (docs/method.md#checking-another-engine): prompt + output go through our target in one teacher-forced
 forward, in the engine's own prefix, so every token is judged, also after a first difference. A greedy token is
@@ -50,10 +50,10 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 # Two runs of one model in a low precision take different tokens only where their roundings move the top-2
 # margin across zero, so at such a place the reference's margin is at most what rounding can move it by. That is
 # measured in rounding steps of the engine's dtype at the top logit's magnitude (rounding_step), since logits
-# are rounded relative to their size. Calibration (`--calibrate`; README, Measured numbers): a whole bf16 forward
-# moved the margin by at most 1.65 bf16 steps on the embedded pair and 5.5 on a random 8-layer target, a float32
-# forward by up to 21 float32 steps. The defaults sit above both, for deeper models and kernels that sum in other
-# orders: 8 bf16 / fp16 steps (0.5 logits at a top logit in [8, 16)), 64 float32 steps.
+# are rounded relative to their size. Calibration (`--calibrate`; docs/measurements.md#calibrating-the-tie-tolerance):
+# a whole bf16 forward moved the margin by at most 1.65 bf16 steps on the embedded pair and 5.5 on a random
+# 8-layer target, a float32 forward by up to 21 float32 steps. The defaults sit above both, for deeper models and
+# kernels that sum in other orders: 8 bf16 / fp16 steps (0.5 logits at a top logit in [8, 16)), 64 float32 steps.
 TOLERANCE_STEPS = {torch.bfloat16: 8.0, torch.float16: 8.0, torch.float32: 64.0, torch.float64: 64.0}
 # Our own bf16 runs (DFlash against AR, one CPU) must part within NEAR_TIE_STEPS: bench.py --parting measures it,
 # tests/test_near_ties.py requires it. Why 2: two runs choose differently only where their roundings move the

@@ -205,7 +205,7 @@ def preset_main(args, device) -> dict:
         # compiled steps that inductor ran kernel by kernel instead of as a CUDA graph (its log says why)
         "cudagraph_skips": cudagraph_skips() if cuda and mode else None,
     }
-    if cuda:   # the GPU bars (README, "GPU checks")
+    if cuda:   # the GPU bars (docs/usage.md#gpu-checks-and-the-9b-step-costs)
         out["bars"] = {"decode_bandwidth_ge_75pct": fraction >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
                        "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
         if target.cfg.num_experts:    # a verify reads up to block * top_k experts per layer, a decode top_k: no such bar
