@@ -423,7 +423,7 @@ def main(argv=None) -> int:
                                    None if args.tree_size else proposer, round_up=args.compile)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
     policy = None if (proposer is None or args.no_adaptive or args.tree_size) else Policy(block=block_size)
-    policy = parallel.synced(policy) if parallel else policy     # every rank decides from rank 0's step times
+    policy = parallel.synced(policy) if parallel else policy     # rank 0 decides every step for every rank
     engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
     seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
     seed = parallel.same(seed) if parallel else seed
@@ -725,7 +725,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
     policy = None if (proposer is None or args.no_adaptive) else Policy(block=block)
-    if parallel is not None:          # rank 0's step times and seeds on every rank (Parallel.synced, .same)
+    if parallel is not None:          # rank 0 decides every step, and its seeds are every rank's (Parallel.synced, .same)
         policy = parallel.synced(policy)
         seeds = parallel.same([secrets.randbits(63) for _ in reqs])
         reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
