@@ -14,6 +14,8 @@ from helpers import OracleProposer, kind_draft_config, random_drafter, random_ta
 from policy import Alternate
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one thread (conftest.py)
+
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
 
 

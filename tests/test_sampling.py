@@ -1,7 +1,7 @@
 """Sampling: the noise keyed by position draws from the target's distribution (chi-square, with the power to see a
 2% bias); a sampled DFlash, DFlash2 (coupled rule) or MTP run equals plain sampled decoding with the same seed,
-token for token, whatever the step pattern; the ratio rule keeps the target's distribution; seeds reproduce; stop
-tokens cut accepted runs."""
+token for token, whatever the step pattern and however many requests share the engine's slots; the ratio rule
+keeps the target's distribution; seeds reproduce; stop tokens cut accepted runs."""
 import random
 
 import numpy as np
@@ -9,13 +9,15 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import adaptive
 import dflash
 import mtp
 import noise
 from dflash import Sampling, sampling_probs, speculative_accept
 from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, kind_draft_config, randomize_, random_drafter, random_target,
                      tiny_draft_config, tiny_target_config)
+from test_batching import Pattern
+
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one thread (conftest.py)
 
 CONFIGS = [Sampling(0.5), Sampling(1.0), Sampling(1.5), Sampling(1.0, top_p=0.8), Sampling(1.0, top_k=3)]
 
@@ -173,7 +175,7 @@ def test_noise_moments():
 
 
 def draws_over(keys: torch.Tensor, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The token each (key, position) pair draws from p [V], as Engine.pick draws it."""
+    """The token each (key, position) pair draws from p [V], as sampling.choose draws it."""
     rows = noise.row_keys(keys, pos, noise.TARGET)
     return dflash.draw(p[None].expand(len(rows), -1), noise.exponentials(rows, torch.arange(len(p))))
 
@@ -214,51 +216,63 @@ SETTINGS = [Sampling(0.7), Sampling(1.0), Sampling(1.3, top_p=0.9), Sampling(1.0
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(-2 ** 40, 2 ** 40), pattern=st.lists(st.sampled_from([True, True, False, "look"]), min_size=1, max_size=8),
+@given(seed=st.integers(-2 ** 40, 2 ** 40), pattern=st.lists(st.sampled_from([True, True, False, 2, 3]), min_size=1, max_size=8),
        block=st.sampled_from([2, 4, 8, 16]), prompt_len=st.integers(1, 30), s=st.sampled_from(SETTINGS),
-       kind=st.sampled_from(["dflash", "sliding", "dflash2"]))
-def test_sampled_output_equals_plain_decoding_for_the_seed(seed, pattern, block, prompt_len, s, kind):
+       kind=st.sampled_from(["dflash", "sliding", "dflash2"]), slots=st.sampled_from([1, 3]))
+def test_sampled_output_equals_plain_decoding_for_the_seed(seed, pattern, block, prompt_len, s, kind, slots):
     """float64, random target: with one seed, the stand-in proposer (every acceptance length), a random DFlash /
-    sliding / DFlash2 drafter (the coupled rule) and a random MTP head, in a forced pattern of rounds, plain steps
-    and looks, all give exactly the text of plain sampled decoding."""
+    sliding / DFlash2 drafter (the coupled rule) and a random MTP head, in a forced pattern of rounds (of the whole
+    block and shorter ones) and plain steps, all give exactly the text of plain sampled decoding; on one slot, or
+    on three beside other requests (other seeds and settings, greedy ones among them), each its own text."""
     rng = random.Random(seed)
     target = random_target(tiny_target_config(vocab_size=50), abs(seed) % 97)
     prompt = [rng.randrange(50) for _ in range(prompt_len)]
-    ar = dflash.run(target, prompt, 40, sampling=s, seed=seed)
-    assert ar.seed == seed
-    oracle = OracleProposer(len(prompt), ar.output_ids, 50, abs(seed))
+    reqs = [dflash.Request(prompt, 40, (), s, seed)]
+    reqs += [dflash.Request([rng.randrange(50) for _ in range(rng.randint(1, 30))], rng.randint(1, 40), (),
+                            rng.choice(SETTINGS + [Sampling()]), seed + 1 + i) for i in range(slots - 1)]
+    ar = [dflash.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed) for r in reqs]
+    assert ar[0].seed == seed
+    oracle = OracleProposer({tuple(r.prompt_ids): a.output_ids for r, a in zip(reqs, ar)}, 50, abs(seed))
     drafter = random_drafter(kind_draft_config(target.cfg, kind, target_layer_ids=[0, 2], num_target_layers=None,
                                                block_size=16), abs(seed) % 89)
     proposers = (oracle, dflash.DrafterProposer(drafter, target), mtp.MTPProposer(random_head(target, abs(seed) % 83), target, block - 1))
     for proposer in proposers if block > 1 else proposers[:2]:
-        eng = dflash.Engine(target, proposer, block, 128, policy=adaptive.Pattern(pattern))
-        res = eng.run(prompt, 40, sampling=s, seed=seed)
-        assert res.output_ids == ar.output_ids, (type(proposer).__name__, pattern)
-    assert dflash.run(target, prompt, 40, sampling=s, seed=seed + 1).output_ids != ar.output_ids or len(set(ar.output_ids)) < 3
+        eng = dflash.Engine(target, proposer, block, slots, 128, policy=Pattern(pattern, block))
+        res = eng.run(reqs)
+        assert [r.output_ids for r in res] == [a.output_ids for a in ar], (type(proposer).__name__, pattern)
+    assert dflash.run(target, prompt, 40, sampling=s, seed=seed + 1).output_ids != ar[0].output_ids or len(set(ar[0].output_ids)) < 3
 
 
-def test_every_acceptance_length_when_sampling():
+@pytest.mark.parametrize("slots", [1, 3])
+def test_every_acceptance_length_when_sampling(slots):
     """Behind the stand-in proposer (the sampled continuation with one token changed), sampled rounds accept every
-    length 0..B-1 and still commit plain decoding's tokens."""
+    length 0..B-1 and still commit plain decoding's tokens, in every row."""
     target = random_target(tiny_target_config(vocab_size=40), 5)
-    prompt, s = list(range(3, 20)), Sampling(1.0, top_p=0.95)
-    ar = dflash.run(target, prompt, 150, sampling=s, seed=99)
-    res = dflash.run(target, prompt, 150, (), OracleProposer(len(prompt), ar.output_ids, 40, 1), 8, sampling=s, seed=99)
-    assert res.output_ids == ar.output_ids
-    assert set(range(1, 9)) <= set(res.acceptance_lengths)
+    s = Sampling(1.0, top_p=0.95)
+    prompts = [list(range(3, 20)), list(range(20, 31)), [7, 1, 38, 2]][:slots]
+    reqs = [dflash.Request(p, 150, (), s, 99 + i) for i, p in enumerate(prompts)]
+    ar = [dflash.run(target, r.prompt_ids, 150, sampling=s, seed=r.seed).output_ids for r in reqs]
+    oracle = OracleProposer({tuple(r.prompt_ids): a for r, a in zip(reqs, ar)}, 40, 1)
+    res = dflash.Engine(target, oracle, 8, slots, 20 + 150 + 8).run(reqs)
+    assert [r.output_ids for r in res] == ar
+    assert all(set(range(1, 9)) <= set(r.acceptance_lengths) for r in res)
 
 
 class GreedyTargetProposer:
-    """Stand-in drafter that proposes LIKELY tokens: the target's own greedy continuation of the committed
-    prefix (full forward, no cache). Under sampling these are accepted often, so accept and reject paths
-    both run many times."""
+    """Stand-in dflash.Proposer that proposes LIKELY tokens: for each row, the target's own greedy continuation of
+    that request's committed prefix (full forward, no cache). Under sampling these are accepted often, so accept and
+    reject paths both run many times. It follows each row's text from its rounds (start moves by the accepted
+    proposals plus one): an engine without a policy, every step a round."""
     feature_layers = ()
     max_block_size = 16
+    wants_next_ids = False
+    samples_drafts = False
+    window = None
 
     MEMO = {}                                               # (target id, prefix) -> greedy next token
 
-    def __init__(self, target, prompt):
-        self.target, self.prompt = target, list(prompt)
+    def __init__(self, target):
+        self.target = target
 
     def greedy_next(self, seq):
         key = (id(self.target), tuple(seq))
@@ -268,23 +282,32 @@ class GreedyTargetProposer:
             self.MEMO[key] = int(logits[0, -1].argmax())
         return self.MEMO[key]
 
-    def reset(self, capacity, masks):
-        self.seq, self.last_props, self.last_start = list(self.prompt), [], None
+    def reset(self, slots, capacity, masks=None):
+        self.rows = [None] * slots
 
-    def prefill(self, feats, pos):
+    def admit(self, row, feats, pos, prompt_ids, first):
+        self.rows[row] = {"seq": list(prompt_ids), "prompt": len(prompt_ids), "props": [], "start": None}
+
+    def append(self, feats, pos, next_ids):
         pass
 
-    def propose(self, last, start, feats, feat_pos, n):
-        start = int(start)
-        if self.last_start is not None:                     # tokens committed since the previous call
-            a = start - self.last_start - 1
-            self.seq += self.last_props[:a]
-        self.seq.append(int(last))
-        seq = list(self.seq)
-        for _ in range(n):
-            seq.append(self.greedy_next(seq))
-        self.last_props, self.last_start = seq[-n:], start
-        return torch.tensor(seq[-n:])
+    def propose(self, last, start, feats, feat_pos, n, next_ids, rows=None, temperature=None):
+        out = []
+        for b, row in enumerate(self.rows):
+            at = int(start[b])
+            if row is None or at < row["prompt"]:           # a free slot (it rides along at position 0)
+                out.append([0] * n)
+                continue
+            if row["start"] is not None:                    # tokens committed since the previous call
+                row["seq"] += row["props"][:at - row["start"] - 1]
+            row["seq"].append(int(last[b]))
+            assert len(row["seq"]) == at + 1
+            seq = list(row["seq"])
+            for _ in range(n):
+                seq.append(self.greedy_next(seq))
+            row["props"], row["start"] = seq[-n:] if n else [], at
+            out.append(row["props"])
+        return dflash.Draft(torch.tensor(out, dtype=torch.long).view(len(self.rows), n))
 
 
 @pytest.fixture(scope="module")
@@ -294,30 +317,28 @@ def small_target():
 
 
 def ar_runs(target, prompt, new, s, seeds) -> list:
-    """Plain sampled decoding of `prompt` for each seed -> output ids: many at a time on a batch of 16 slots, each
-    row its batch-1 run for its seed (test_batching.py; dflash.Engine's AR, 1500 runs one by one, took 2.6x as
-    long), so the runs behind the proposers below are compared with another implementation's AR."""
-    import batching
-    return [r.output_ids for r in batching.Batch(target, None, 1, 16, 16).run(
-        [batching.Request(prompt, new, (), s, seed) for seed in seeds])]
+    """Plain sampled decoding of `prompt` for each seed -> output ids: many at a time on an Engine of 16 slots, each
+    row its run alone for its seed (test_batching.py; 1500 runs one by one took 2.6x as long)."""
+    return [r.output_ids for r in dflash.Engine(target, None, 1, 16, 16).run(
+        [dflash.Request(prompt, new, (), s, seed) for seed in seeds])]
 
 
 @pytest.mark.parametrize("s", CONFIGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
 def test_sampled_runs_keep_the_target_distribution(s, small_target):
     """End to end at each temperature / top-k / top-p: the first token of 1500 seeded AR runs (ar_runs) fits the
-    target's distribution (chi-square against sampling_probs of a full forward), and DFlash runs behind a proposer
-    of likely tokens (accepts and rejects both frequent) give each seed's AR text exactly; with the draws'
+    target's distribution (chi-square against sampling_probs of a full forward), and DFlash runs 8 at a time behind a
+    proposer of likely tokens (accepts and rejects both frequent) give each seed's AR text exactly; with the draws'
     distribution exact (test_position_noise_draws_fit_the_distribution) that is the whole distribution."""
     target = small_target
     prompt = [1, 4, 2, 0, 3]
     n, new = 1500, 4
-    sp_eng = dflash.Engine(target, GreedyTargetProposer(target, prompt), 4, 16)
+    sp_eng = dflash.Engine(target, GreedyTargetProposer(target), 4, 8, 16)
     ar = ar_runs(target, prompt, new, s, range(n))
     with torch.no_grad():
         logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
     p0 = sampling_probs(logits[0, -1], s).double()
     assert goodness_of_fit(torch.bincount(torch.tensor([o[0] for o in ar]), minlength=6).double(), p0) > 1e-4
-    sp_runs = [sp_eng.run(prompt, new, sampling=s, seed=i) for i in range(300)]
+    sp_runs = sp_eng.run([dflash.Request(prompt, new, (), s, i) for i in range(300)])
     assert [r.output_ids for r in sp_runs] == ar[:300]
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.2 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # both paths exercised
@@ -326,14 +347,17 @@ def test_sampled_runs_keep_the_target_distribution(s, small_target):
 def test_dflash2_ratio_rule_keeps_the_distribution(small_target):
     """A DFlash2 drafter under the ratio rule samples its block from q with noise of its own and min(1, p/q)
     decides: the output is another text than AR's for a seed, distributed the same. Two-sample chi-square at each
-    position and on pairs, 1500 generations each, on disjoint seeds; the coupled rule gives AR's text."""
+    position and on pairs, 1500 generations each (8 at a time), on disjoint seeds; the coupled rule gives AR's text."""
     target, prompt, n, new = small_target, [1, 4, 2, 0, 3], 1500, 4
     dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 1], num_target_layers=None)
     proposer = dflash.DrafterProposer(random_drafter(dcfg, 12, torch.float32), target)
     ratio, coupled = Sampling(1.0, draft_rule="ratio"), Sampling(1.0)
-    sp_eng = dflash.Engine(target, proposer, 4, 16)
+    sp_eng = dflash.Engine(target, proposer, 4, 8, 16)
     ar = ar_runs(target, prompt, new, coupled, range(n))
-    sp_runs = [sp_eng.run(prompt, new, sampling=ratio, seed=n + i) for i in range(n)]
+
+    def runs(s, seeds):
+        return sp_eng.run([dflash.Request(prompt, new, (), s, seed) for seed in seeds])
+    sp_runs = runs(ratio, range(n, 2 * n))
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.1 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # accepts and rejects both occur
     for k in range(1, new):
@@ -342,9 +366,9 @@ def test_dflash2_ratio_rule_keeps_the_distribution(small_target):
     # and the test has teeth: the same statistic separates AR from a 2%-biased copy of it
     biased = [o[1] if random.Random(i).random() > 0.04 else 0 for i, o in enumerate(ar)]
     assert two_sample_chi2([o[1] for o in ar] * 4, biased * 4) < 1e-3
-    same = [sp_eng.run(prompt, new, sampling=ratio, seed=i).output_ids for i in range(200)]
+    same = [r.output_ids for r in runs(ratio, range(200))]
     assert same != ar[:200]                                    # the ratio rule's text is not AR's for the seed
-    assert [sp_eng.run(prompt, new, sampling=coupled, seed=i).output_ids for i in range(200)] == ar[:200]
+    assert [r.output_ids for r in runs(coupled, range(200))] == ar[:200]
 
 
 def test_same_seed_same_output():
@@ -353,7 +377,7 @@ def test_same_seed_same_output():
     drafter = random_drafter(tiny_draft_config(cfg, block_size=6), 3, torch.float32)
     prompt = list(range(1, 20))
     s = Sampling(0.9, top_p=0.95, top_k=20)
-    for proposer in (None, dflash.DrafterProposer(drafter, target), GreedyTargetProposer(target, prompt)):
+    for proposer in (None, dflash.DrafterProposer(drafter, target), GreedyTargetProposer(target)):
         outs = [dflash.run(target, prompt, 30, (), proposer, 6, sampling=s, seed=seed).output_ids for seed in (5, 5, 6)]
         assert outs[0] == outs[1] and outs[0] != outs[2]
     runs = [dflash.run(target, prompt, 30, sampling=s) for _ in range(2)]       # no seed: a random one, recorded
@@ -375,7 +399,7 @@ def test_stop_token_in_the_middle_of_an_accepted_run_sampling():
     prompt = [1, 2, 3]
     seen_mid = False
     for seed in range(40):
-        r = dflash.run(target, prompt, 30, [5], GreedyTargetProposer(target, prompt), 8, sampling=Sampling(1.0),
+        r = dflash.run(target, prompt, 30, [5], GreedyTargetProposer(target), 8, sampling=Sampling(1.0),
                        seed=seed)
         if 5 in r.output_ids:
             assert r.output_ids.index(5) == len(r.output_ids) - 1          # nothing after the stop token
