@@ -27,13 +27,13 @@ def test_embedded_pair_is_lossless_and_accepts(pair):
     target, drafter, tok = pair
     assert {"linear_attention", "full_attention"} <= set(target.cfg.layer_types)
     proposer = dflash.DrafterProposer(drafter, target)
-    engine_ar = dflash.Engine(target, None, 1, 256)
-    engine_sp = dflash.Engine(target, proposer, 16, 256)
+    engine_ar = dflash.Engine(target, None, 1, 1, 256)
+    engine_sp = dflash.Engine(target, proposer, 16, 1, 256)
     taus = []
     for p in prompts.heldout_prompts(tok, 4):
         assert 30 <= len(p) <= 60
-        ar = engine_ar.run(p, 64)
-        sp = engine_sp.run(p, 64)
+        ar = engine_ar.generate(p, 64)
+        sp = engine_sp.generate(p, 64)
         assert sp.output_ids == ar.output_ids
         taus += sp.acceptance_lengths
     assert sum(taus) / len(taus) > 2.0

@@ -1,5 +1,6 @@
-"""Checks that need a CUDA device (skipped elsewhere; bench_gpu.sh runs them): one host-device sync per
-draft-verify round, and DFlash == AR on the GPU in float64."""
+"""Checks that need a CUDA device (skipped elsewhere; bench_gpu.sh runs them): one host-device sync per step of
+dflash.Engine (a draft-verify round or an AR step of every slot), DFlash == AR on the GPU in float64, and compiled
+steps replayed as CUDA graphs."""
 import warnings
 
 import pytest
@@ -11,43 +12,65 @@ from helpers import random_drafter, random_target, tiny_draft_config, tiny_targe
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_one_sync_per_round():
-    """torch.cuda.set_sync_debug_mode("warn") warns at every synchronising call: between two steps of a
-    generation (one draft-verify round, or one AR token) there must be exactly one."""
+class Marks(dflash.Observer):
+    """The synchronising calls warned about so far (`caught`), marked after each admission and after each step."""
+
+    def __init__(self, caught):
+        self.caught, self.marks = caught, []
+
+    def mark(self, kind):
+        self.marks.append((kind, sum("synchroniz" in str(w.message) for w in self.caught)))
+
+    def stepped(self, live):
+        self.mark("step")
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_one_sync_per_step(slots):
+    """torch.cuda.set_sync_debug_mode("warn") warns at every synchronising call: each step of the engine (one
+    draft-verify round of every slot, or one AR token of every slot) must make exactly one, with 1 or 3 requests
+    in flight."""
     tcfg = tiny_target_config()
     target = random_target(tcfg, 0, torch.float32).cuda()
     drafter = random_drafter(tiny_draft_config(tcfg), 1, torch.float32).cuda()
-    prompt = list(range(3, 40))
+    reqs = [dflash.Request(list(range(3 + i, 40 + 2 * i)), 40 - 5 * i) for i in range(slots)]
     for proposer, block in ((dflash.DrafterProposer(drafter, target), 8), (None, 1)):
-        engine = dflash.Engine(target, proposer, block, 128)
-        engine.run(prompt, 20)                                   # warm-up: lazy inits may sync once
-        steps = engine.generate(prompt, 40)
-        next(steps)                                              # prefill
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            counts = []
-            while True:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    try:
-                        step = next(steps)
-                    except StopIteration:
-                        break
-                counts.append(sum("synchroniz" in str(w.message) for w in caught))
-                assert step.kind in ("verify", "decode")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        engine = dflash.Engine(target, proposer, block, slots, 128)
+        engine.run([dflash.Request(r.prompt_ids, 20) for r in reqs])        # warm-up: lazy inits may sync once
+        kinds = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            observer = Marks(caught)
+
+            def on_step(index, step):
+                kinds.append(step.kind)
+                if step.kind == "prefill":          # an admission's own syncs are not a step's
+                    observer.mark("prefill")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.run(reqs, on_step, observer)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts = [b - a for (_, a), (kind, b) in zip(observer.marks, observer.marks[1:]) if kind == "step"]
+        assert set(kinds) == {"prefill", "verify" if proposer is not None else "decode"}
         assert counts and all(c == 1 for c in counts), counts
 
 
-def test_dflash_equals_ar_on_the_gpu():
+@pytest.mark.parametrize("slots", [1, 3])
+def test_dflash_equals_ar_on_the_gpu(slots):
+    """float64 on the GPU: a request alone (dflash.run) or three in an Engine of 3 slots, each == its AR run."""
     tcfg = tiny_target_config()
     target = random_target(tcfg, 2).cuda()
     drafter = random_drafter(tiny_draft_config(tcfg), 3).cuda()
-    prompt = list(range(5, 70))
-    ar = dflash.run(target, prompt, 48, block_size=1, capacity=256)
-    sp = dflash.run(target, prompt, 48, proposer=dflash.DrafterProposer(drafter, target), block_size=8, capacity=256)
-    assert sp.output_ids == ar.output_ids
+    V = tcfg.vocab_size
+    reqs = [dflash.Request([t % V for t in range(5 + i, 70 - 7 * i)], 48 - 9 * i) for i in range(slots)]   # ids < V
+    ar = [dflash.run(target, r.prompt_ids, r.max_new_tokens, block_size=1, capacity=256).output_ids for r in reqs]
+    proposer = dflash.DrafterProposer(drafter, target)
+    if slots == 1:
+        sp = [dflash.run(target, reqs[0].prompt_ids, 48, proposer=proposer, block_size=8, capacity=256)]
+    else:
+        sp = dflash.Engine(target, proposer, 8, slots, 256).run(reqs)
+    assert [r.output_ids for r in sp] == ar
 
 
 def test_compiled_steps_replay_as_cuda_graphs():
@@ -61,6 +84,6 @@ def test_compiled_steps_replay_as_cuda_graphs():
     ar = dflash.run(target, prompt, 40, block_size=1, capacity=160)
     with inductor_config.patch({"triton.cudagraph_or_error": True}):
         for proposer, block in ((dflash.DrafterProposer(drafter, target), 8), (None, 1)):
-            engine = dflash.Engine(target, proposer, block, 160, compile_mode="reduce-overhead")
-            engine.run(prompt, 24)                               # warm-up and recording
-            assert engine.run(prompt, 40).output_ids == ar.output_ids
+            engine = dflash.Engine(target, proposer, block, 1, 160, compile_mode="reduce-overhead")
+            engine.generate(prompt, 24)                          # warm-up and recording
+            assert engine.generate(prompt, 40).output_ids == ar.output_ids

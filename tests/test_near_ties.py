@@ -48,9 +48,9 @@ def runs(one_thread):
     heldout = P.heldout_prompts(tok, max(HELDOUT) + 1)
     prompts = [tok.encode(t).ids for t in TEXTS] + [heldout[i] for i in HELDOUT]
     capacity = bench.bench_capacity(prompts, NEW, 16)
-    ar_engine = dflash.Engine(target, None, 1, capacity)
-    sp_engine = dflash.Engine(target, proposer, 16, capacity)
-    outs = [(p, ar_engine.run(p, NEW).output_ids, sp_engine.run(p, NEW).output_ids) for p in prompts]
+    ar_engine = dflash.Engine(target, None, 1, 1, capacity)
+    sp_engine = dflash.Engine(target, proposer, 16, 1, capacity)
+    outs = [(p, ar_engine.generate(p, NEW).output_ids, sp_engine.generate(p, NEW).output_ids) for p in prompts]
     return ref, outs
 
 

@@ -1,4 +1,5 @@
-"""The central property: DFlash greedy output == plain AR greedy output, token for token."""
+"""The central property: DFlash greedy output == plain AR greedy output, token for token, on dflash.Engine: a request
+alone (dflash.run) or beside other requests in an Engine of 3 slots, each equal to its own AR run."""
 import random
 
 import pytest
@@ -9,6 +10,8 @@ import dflash
 import model as M
 from helpers import (DRAFTER_KINDS, OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
                      tiny_target_config, verify_kernel)
+
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one thread (conftest.py)
 
 
 @st.composite

@@ -195,7 +195,7 @@ def test_ar_with_images_equals_transformers_generate(mm):
                                 image_grid_thw=ref["image_grid_thw"], mm_token_type_ids=(full == IMG).int(),
                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     want = out[0, full.shape[1]:].tolist()
-    got = dflash.Engine(mm["target"], None, 1, len(ip.ids) + 16).run(ip.ids, 16, images=ip).output_ids
+    got = dflash.Engine(mm["target"], None, 1, 1, len(ip.ids) + 16).generate(ip.ids, 16, images=ip).output_ids
     assert got == want
     # the comparison can fail: with text positions instead (rope_delta 0) the logits of the same tokens move
     seq = torch.tensor([ip.ids + want])
@@ -234,10 +234,10 @@ def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
     t = mm64["target"]
     ip = V.encode_images(mm64["tower"], mm64["pc"], mm_prompt([p for p in pieces if p != 0]), imgs)
     max_new = 24
-    ar = dflash.Engine(t, None, 1, len(ip.ids) + max_new).run(ip.ids, max_new, images=ip)
-    prop = (OracleProposer(len(ip.ids), ar.output_ids, 97, seed) if oracle
+    ar = dflash.Engine(t, None, 1, 1, len(ip.ids) + max_new).generate(ip.ids, max_new, images=ip)
+    prop = (OracleProposer({tuple(ip.ids): ar.output_ids}, 97, seed) if oracle
             else dflash.DrafterProposer(mm64["drafter"], t))
-    sp = dflash.Engine(t, prop, block, len(ip.ids) + max_new + block).run(ip.ids, max_new, images=ip)
+    sp = dflash.Engine(t, prop, block, 1, len(ip.ids) + max_new + block).generate(ip.ids, max_new, images=ip)
     assert sp.output_ids == ar.output_ids
 
 
@@ -249,7 +249,6 @@ def test_batch_rows_with_images_equal_their_runs_alone(mm64, seed, slots, block)
     dflash.Engine, at float64 exactly."""
     import random
 
-    import batching
     import dflash
     rng, t = random.Random(seed), mm64["target"]
     reqs = []
@@ -260,13 +259,13 @@ def test_batch_rows_with_images_equal_their_runs_alone(mm64, seed, slots, block)
         ip = V.encode_images(mm64["tower"], mm64["pc"], mm_prompt([p for p in pieces if p != 0]), imgs) if n_img else None
         ids = ip.ids if ip is not None else mm_prompt(pieces)
         sampling = dflash.Sampling(0.9, top_k=20) if rng.random() < 0.4 else dflash.Sampling()
-        reqs.append(batching.Request(ids, rng.randint(1, 20), (), sampling, seed + i, images=ip))
+        reqs.append(dflash.Request(ids, rng.randint(1, 20), (), sampling, seed + i, images=ip))
     capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
-    alone = [dflash.Engine(t, None, 1, capacity).run(r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed,
-                                                      images=r.images).output_ids for r in reqs]
-    drafts = batching.SlotDrafter(mm64["drafter"], t)
+    alone = [dflash.Engine(t, None, 1, 1, capacity).generate(r.prompt_ids, r.max_new_tokens, sampling=r.sampling,
+                                                             seed=r.seed, images=r.images).output_ids for r in reqs]
+    drafts = dflash.DrafterProposer(mm64["drafter"], t)
     for proposer in (None, drafts):
-        got = batching.Batch(t, proposer, block, slots, capacity).run(reqs)
+        got = dflash.Engine(t, proposer, block, slots, capacity).run(reqs)
         assert [r.output_ids for r in got] == alone, proposer
 
 

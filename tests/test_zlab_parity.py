@@ -231,16 +231,18 @@ def test_shipped_pair_proposals_match_zlab():
 
         cap = ids.shape[1] + B
         proposer = dflash.DrafterProposer(ours_d, ours_t)
-        proposer.reset(cap, M.DenseMasks(cap))
-        proposer.prefill(feats[:, :T0], torch.arange(T0))
+        proposer.reset(1, cap, M.DenseMasks(cap, B))
+        proposer.admit(0, feats[:, :T0], torch.arange(T0), prompt, int(ids[0, T0]))
         ref_cache = zm._make_cache(ref.config)
-        # ours, as dflash.Engine feeds it: B rows of features from the last block's positions (rows at or past
-        # the new start hidden), zeros before the first verify; the package's loop: exactly the new context rows
-        blk_feats, blk_pos, ctx_lo, start, hits = torch.zeros(1, B, feats.shape[-1]), torch.arange(T0, T0 + B), 0, T0, 0
+        # ours, as dflash.Engine feeds it (one slot): B rows of features from the last block's positions (rows at or
+        # past the new start hidden), zeros before the first verify; the package's loop: exactly the new context rows
+        blk_feats, blk_pos = torch.zeros(1, B, feats.shape[-1]), torch.arange(T0, T0 + B)[None]
+        ctx_lo, start, hits = 0, T0, 0
         for adv in steps:
             last = ids[0, start:start + 1]
-            got, q = proposer.propose(last, torch.tensor([start]), blk_feats, blk_pos, B - 1)
-            assert q is None                                # a DFlash drafter's greedy draft
+            draft = proposer.propose(last, torch.tensor([start]), blk_feats, blk_pos, B - 1, torch.zeros_like(blk_pos))
+            assert isinstance(draft, dflash.Draft) and draft.q is None   # a DFlash drafter's greedy draft
+            got = draft.tokens[0]
             block = torch.full((1, B), mask_id)
             block[0, 0] = last[0]
             ref_h = ref(target_hidden=ref_feats[:, ctx_lo:start], noise_embedding=hf.get_input_embeddings()(block),
@@ -250,6 +252,6 @@ def test_shipped_pair_proposals_match_zlab():
             want = ref.compute_logits(ref_h, hf.lm_head).argmax(-1)[0]
             assert torch.equal(got, want), (start, got.tolist(), want.tolist())
             hits += int(got[0] == ids[0, start + 1])
-            blk_feats, blk_pos = feats[:, start:start + B], torch.arange(start, start + B)
+            blk_feats, blk_pos = feats[:, start:start + B], torch.arange(start, start + B)[None]
             ctx_lo, start = start, start + adv
     assert hits >= len(steps) // 2        # a trained drafter: its first proposal is mostly the target's token
