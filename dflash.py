@@ -425,6 +425,7 @@ class Slots:
         self.decode_step, self.plain_step = self._decode, self._plain
         self.append_step = proposer.append if proposer is not None else None
         self._graphs, self._guard, self._options = False, None, None     # with compiled steps: compiling.ModelGuard
+        self._host = None                                                # _upload's pinned buffer (CUDA)
         self._by_block = {}                                              # round_steps per verify block
         if compile_mode is not None:
             self._compile(compile_mode, compile_options or {})
@@ -501,6 +502,18 @@ class Slots:
             accepted = torch.where(self.ratio, by_ratio, accepted)
             posterior = torch.where(self.ratio[:, None], drawn, posterior)
         return posterior, accepted, feats
+
+    def _upload(self, values: list, region: int) -> torch.Tensor:
+        """Host ints [N] -> a LongTensor on the device without a sync: on CUDA a non-blocking copy from region
+        `region` (0: a round's n, 1: last, 2: start) of a pinned buffer. Each region is rewritten once per step,
+        after the step's one host read, which has waited for the previous step's copies."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, device=self.device)
+        if self._host is None:
+            self._host = torch.empty(3, self.slots, dtype=torch.long, pin_memory=True)
+        host = self._host[region]
+        host.copy_(torch.tensor(values))
+        return host.to(self.device, non_blocking=True)
 
     def _draft_noise(self, n: int) -> dict:
         """rows= (noise row keys [N,n]) and temperature= [N] for a proposer that samples a sampled request's draft
@@ -653,8 +666,8 @@ class Engine(Slots):
             if self.policy is not None:
                 self.policy.observe_plain(time.perf_counter() - t0)
         live = [r is not None and not r.done for r in rows]
-        self.last.copy_(torch.tensor([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)]))
-        self.start.copy_(torch.tensor([r.start if on else 0 for r, on in zip(rows, live)]))
+        self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 1))
+        self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 2))
 
     def round(self, rows: list, k: int) -> list:
         """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each live
@@ -680,7 +693,7 @@ class Engine(Slots):
                 a, post, props = host[b][0], host[b][1:k + 1], host[b][k + 1:]
                 n[b] = len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1)))
                 committed.append(n[b])
-        commit(torch.tensor(n, device=self.device))                                   # COMMIT: each row's rollback
+        commit(self._upload(n, 0))                                                    # COMMIT: each row's rollback
         pending.after_round(feats, posterior, k, start)
         return committed
 
