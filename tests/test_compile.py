@@ -40,13 +40,37 @@ def test_each_distinct_layer_compiles_once(wrapper, tmp_path, monkeypatch):
     assert got[0].output_ids == dflash.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
 
 
+class Cycle:
+    """A policy stand-in: the steps of `kinds` in turn (0: a plain step, k: a round verifying k), every plain step feeding
+    the drafter's context."""
+    feeds = True
+
+    def __init__(self, kinds: list):
+        self.kinds, self.blocks, self.i = list(kinds), tuple(sorted({k for k in kinds if k}, reverse=True)), 0
+
+    def reset(self):
+        self.i = 0
+
+    def speculate(self) -> int:
+        self.i += 1
+        return self.kinds[(self.i - 1) % len(self.kinds)]
+
+    def observe_round(self, committed, k, seconds):
+        pass
+
+    def observe_plain(self, seconds):
+        pass
+
+    def observe_upkeep(self, seconds):
+        pass
+
+
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_compiled_sampling_equals_eager_and_follows_new_settings():
     """Sampling constants are compiled into the sampling step: a generation with other constants must run a
     graph made for them (dynamo's guards), never the previous one. Same seed -> the eager engine's tokens, and
     plain eager sampled decoding's (the position-keyed noise computed inside the compiled steps is the eager one),
-    with pure rounds and with rounds, plain steps feeding the drafter's context and plain steps that do not."""
-    import policy
+    with pure rounds and with rounds and plain steps."""
     target, drafter, p1, p2 = embedded_pair()
     compiled = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256, compile_mode="default")
     eager = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256)
@@ -56,7 +80,7 @@ def test_compiled_sampling_equals_eager_and_follows_new_settings():
             want = eager.generate(p, 40, sampling=s, seed=7)
             assert got.output_ids == want.output_ids, s
     ar = dflash.run(target, p1, 40, sampling=s, seed=7)
-    compiled.policy = policy.Alternate((16,))          # a plain step, a round, a plain step not feeding, in turn
+    compiled.policy = Cycle([0, 0, 16, 0])             # plain steps (feeding the drafter's context) and rounds
     mixed = compiled.generate(p1, 40, sampling=s, seed=7)
     assert set(mixed.step_kinds) == {"plain", "verify"}
     assert mixed.output_ids == eager.generate(p1, 40, sampling=s, seed=7).output_ids == ar.output_ids
@@ -104,12 +128,16 @@ def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
 
     def requests(k):
         return [dflash.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24)) for _ in range(k)]
+    early, later = requests(2), requests(3)
     eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default", policy=policy.Alternate((4,)))
-    eng.warm_up(requests(2))                                                 # every step kind
-    later = requests(3)
+    eng.warm_up(early)                                                       # every step kind
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = eng.run(later)
-    eager = dflash.Engine(target, make(), 4, 2, 64, policy=policy.Alternate((4,))).run(later)
+    # the eager engine with the same history: Alternate's plain steps that do not feed the drafter leave its
+    # context's slots as earlier requests wrote them, and the drafts read them
+    eager = dflash.Engine(target, make(), 4, 2, 64, policy=policy.Alternate((4,)))
+    eager.warm_up(early)
+    eager = eager.run(later)
     assert any(r.verify_lengths for r in got)
     for a, b in zip(got, eager):
         assert a.output_ids == b.output_ids and a.draft_ids == b.draft_ids
