@@ -560,6 +560,7 @@ class Engine(Slots):
         self.cuts = tuple(cuts)
         if self.policy is not None:
             self.policy.reset()
+        self.feeding = self.proposer is not None and (self.policy is None or self.policy.feeds)   # (admissions read it)
         waiting, rows, results = collections.deque(enumerate(requests)), [None] * self.slots, [None] * len(requests)
 
         def emit(row):

@@ -387,3 +387,32 @@ def test_concurrency_needs_a_prompts_file(capsys):
     assert "--concurrency applies to --prompts-file" in capsys.readouterr().err
     assert generate.cli(["--prompts-file", "/no/such/file.jsonl"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_admissions_feed_the_drafter_after_a_run_that_ended_without_feeding():
+    """A run that ends on a plain step that does not feed the drafter (rounds given up, or policy.Alternate's last
+    kind, as warm_up can leave an Engine) must not leave the next run's admissions out of the drafter's context
+    under a policy that feeds it: every admitted prompt reaches Proposer.admit, and the drafts equal a fresh
+    engine's under the same pattern."""
+    import policy
+    target = random_target(tiny_target_config(vocab_size=40), 11)
+    drafter = random_drafter(kind_draft_config(target.cfg, "dflash", block_size=4, target_layer_ids=[0, 2],
+                                               num_target_layers=None), 12)
+    admitted = []
+
+    class Recorded(dflash.DrafterProposer):
+        def admit(self, row, feats, pos, prompt_ids, first):
+            admitted.append(list(prompt_ids))
+            super().admit(row, feats, pos, prompt_ids, first)
+    req = [dflash.Request(list(range(3, 9)), 12)]
+    given_up = Pattern([False], 4)
+    given_up.feeds = False                                   # plain steps only, the drafter's context not kept
+    used = dflash.Engine(target, Recorded(drafter, target), 4, 1, 64, policy=given_up)
+    used.run([dflash.Request(list(range(20, 26)), 5)])
+    assert admitted == []
+    used.policy = policy.Alternate((4,))
+    got = used.run(req)[0]
+    assert admitted == [list(range(3, 9))]
+    fresh = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 1, 64, policy=policy.Alternate((4,)))
+    want = fresh.run(req)[0]
+    assert got.output_ids == want.output_ids and got.draft_ids == want.draft_ids
