@@ -892,8 +892,9 @@ def server_main(args, target, tok) -> int:
         print(servers.level_text(summary))
         w = servers.worst(outcomes)
         if w is not None and w.verdict == "wrong":
-            rep, case = judged[w.index][1]
-            print("  worst: " + report_text(rep, case, tok).replace("\n", "\n  "))
+            rep, case = judged[w.index][1]          # (a report judged once for an identical output keeps its first name)
+            text = f"request {w.index}" + report_text(rep, case, tok)[len(rep.name):]
+            print("  worst: " + text.replace("\n", "\n  "))
         for o, found in judged:
             if o.verdict != "equal" or o.truncated:
                 print(outcome_line(o, found, tok))

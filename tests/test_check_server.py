@@ -239,6 +239,31 @@ def test_refused_connection_and_other_prompt_ids_are_reported_per_request(cases,
     assert rc == 1 and res["concurrency"][0]["errors"] == 2 and "other prompt ids than were sent" in out
 
 
+@pytest.mark.parametrize("flags", [["--pack"], ["--heldout", "3"], ["--dataset", "LOCAL", "--limit", "2"]])
+def test_prompt_sets_are_sent_as_token_ids(flags, tmp_path, capsys):
+    """--pack (the conformance pack's prompts), --heldout (bench.py's held-out prompts) and --dataset (a local set's
+    first turns) go out as the token ids our tokenizer gives, each asking --max-new-tokens; our greedy outputs
+    back are all equal."""
+    import checkpoint as ckpt
+    import prompts as P
+    target = embedded_pair()[0]
+    tok = ckpt.load_tokenizer(target.path)
+    (tmp_path / "set.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Queue:"}\n{"prompt": "import re"}\n')
+    flags = [str(tmp_path / "set.jsonl") if f == "LOCAL" else f for f in flags]
+    want = {"--pack": [tok.encode(t).ids for t in check.EXPORT_PROMPTS], "--heldout": P.heldout_prompts(tok, 3),
+            "--dataset": [tok.encode(t).ids for t in ("def add(a, b):", "class Queue:")]}[flags[0]]
+    outs = {tuple(p): dflash.run(target, p, 4).output_ids for p in want}
+
+    def script(api, prompt, call):
+        return (*answer(api, "ok0", prompt, outs[tuple(prompt)]), 0.0)
+    with Replay("sglang", script) as server:
+        rc = check.cli(["--server", server.url, "--api", "sglang", "--concurrency", "2", "--max-new-tokens", "4", *flags])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(b["input_ids"] for _, b in server.bodies) == sorted(want)
+    assert {b["sampling_params"]["max_new_tokens"] for _, b in server.bodies} == {4}
+    assert rc == 0 and res["concurrency"][0]["equal"] == len(want) == res["prompts"]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--server", "localhost:8080"], "is not an http:// or https:// URL"),
     (["--server", "http://127.0.0.1:9", "--concurrency", "1,x"], "--concurrency takes comma-separated"),
