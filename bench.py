@@ -52,7 +52,7 @@ import presets
 import prompts as P
 import tables
 import tp
-from generate import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_onednn
+from generate import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_products
 from policy import Policy
 
 
@@ -82,7 +82,7 @@ def parse_args(argv=None):
                         "token where they part, and report how near a tie the target was there (the gap between the two "
                         "tokens' logits, the target re-run teacher-forced in float32 and float64, in rounding steps of "
                         "--dtype at that logit size) and the float32 top-2 margins at every AR position for context "
-                        "(docs/method.md#exactness-and-precision). Eager (--compile and --onednn do not apply); use with --dtype bfloat16")
+                        "(docs/method.md#exactness-and-precision). Eager (--compile and --products do not apply); use with --dtype bfloat16")
     p.add_argument("--random-weights", action="store_true", help="with --preset: random weights built on the device (required)")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="with --preset: random prompt length (default 512; 64 for the tiny ones); with checkpoints: held-out "
@@ -219,8 +219,8 @@ def positive_numbers(text: str) -> list:
 
 
 def load_pair(args, dtype, device) -> tuple:
-    """The target and drafter of --target / --draft (their products chosen as generate.py does: --onednn), the draft
-    window, the proposer, the block size, the prompts as ids, the stop ids and the products' record (use_onednn).
+    """The target and drafter of --target / --draft (their products chosen as generate.py does: --products), the draft
+    window, the proposer, the block size, the prompts as ids, the stop ids and the products' record (use_products).
     -> (target, drafter, window, proposer, block, prompts, stops, products)."""
     parallel = getattr(args, "parallel", None)
     target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
@@ -230,7 +230,7 @@ def load_pair(args, dtype, device) -> tuple:
     proposer = dflash.DrafterProposer(drafter, target, window)
     if parallel is not None:     # under torchrun: the drafter's part, before oneDNN packs weights
         parallel.shard(target, proposer)
-    products = use_onednn(args.onednn, block, target, drafter)
+    products = use_products(args.products, block, target, drafter)
     tok = ckpt.load_tokenizer(target.path)
     prompts, stops = P.from_args(args, tok, target.path), ckpt.stop_token_ids(target.path, target.cfg)
     if args.dataset and chat.load_chat_template(target.path)[0] is not None:

@@ -97,10 +97,10 @@ def shared_flags(p) -> None:
     p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
-    p.add_argument("--onednn", action=argparse.BooleanOptionalAction, default=None,
-                   help="float32 on a CPU with a drafter: products of a few rows (verify, draft) through oneDNN on "
-                        "prepacked weights (onednn.py; faster on some CPUs, not on others). Default: both kinds of "
-                        "product are timed at load and oneDNN is used where it is at least 10%% faster")
+    p.add_argument("--products", choices=["auto", "plain", "mkl", "onednn"], default="auto",
+                   help="float32 on a CPU with a drafter: the products of a few rows (verify, draft) on weights packed "
+                        "once (packed.py): MKL's packed sgemm, oneDNN's, or plain F.linear. auto: the fastest kind "
+                        "on this machine, measured on the first run and cached beside inductor's cache")
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                    help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
@@ -189,31 +189,35 @@ def compile_options(args, device) -> dict:
     return {**options, **cppwrapper.options()}
 
 
-def use_onednn(flag: bool | None, rows: int, *modules) -> dict:
-    """--onednn (flag True), --no-onednn (False) or neither (None: time both kinds of `rows`-row product now,
-    onednn.pays): swap the linears of the loaded, final models (None entries skipped) for oneDNN ones (onednn.py,
-    optional). A no-op where it does not apply: not float32, not a CPU, no oneDNN in this torch, too little free
-    memory, or (unforced) no products of 2-64 rows, as in plain decoding (rows 1).
-    -> {"onednn": whether products go through oneDNN, "onednn_measured": packed / plain time, or None}."""
-    if flag is False:
-        return {"onednn": False, "onednn_measured": None}
-    import onednn
+def use_products(choice: str, rows: int, *modules) -> dict:
+    """--products: swap the linears of the loaded, final models (None entries skipped) for packed ones of the chosen
+    kind (packed.py, optional); auto: packed.choose (measured once per machine, then cached). A no-op where it does
+    not apply: not float32, not a CPU, the kind missing in this torch, too little free memory, or (auto) no products
+    of 2-64 rows, as in plain decoding (rows 1).
+    -> {"products": the kind the models run ("plain" when none), "products_measured": {kind: its time / plain's} as
+    measured or read from the cache (None when forced), "products_cached": whether read from the cache}."""
+    if choice == "plain":
+        return {"products": "plain", "products_measured": None, "products_cached": False}
+    import packed
     modules = [m for m in modules if m is not None]
-    measured = None
-    if flag is None:
-        flag, measured = onednn.pays(modules, rows)
-    if flag:
+    measured, cached = None, False
+    if choice == "auto":
+        choice, measured, cached = packed.choose(modules, rows)
+    if choice != "plain":
         for m in modules:
-            onednn.swap_linears_(m)
-    on = any(isinstance(m, onednn.PackedLinear) and m.packed is not None for x in modules for m in x.modules())
-    return {"onednn": on, "onednn_measured": measured}
+            packed.swap_linears_(m, choice, rows)
+    return {"products": packed.kind_of(modules), "products_measured": measured, "products_cached": cached}
 
 
 def products_words(products: dict) -> str:
-    """use_onednn's record in words: which products the few-row steps ran, and what was measured at load."""
-    measured = products["onednn_measured"]
-    how = f"measured at load: oneDNN {measured:.2f}x the time of MKL" if measured else "forced or not applicable"
-    return f"few-row products: {'oneDNN' if products['onednn'] else 'MKL'} ({how})"
+    """use_products' record in words: which products the few-row steps ran, and what was measured."""
+    measured = products["products_measured"]
+    if measured:
+        times = ", ".join(f"{k} {v:.2f}x" for k, v in measured.items())
+        how = f"{'cached' if products['products_cached'] else 'measured now'}: {times} plain's time"
+    else:
+        how = "forced or not applicable"
+    return f"few-row products: {products['products']} ({how})"
 
 
 def parse_ids(text: str) -> list:
@@ -254,7 +258,7 @@ class TextStream:
 
 def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     """The target, its tokenizer and the proposer (None: plain AR) named by the flags, with the products chosen
-    for them (use_onednn's record); under torchrun cut to this rank's part (parallel.shard)."""
+    for them (use_products' record); under torchrun cut to this rank's part (parallel.shard)."""
     # under torchrun each layer is cut as it is read: no process holds the whole checkpoint
     target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
     tokenizer = ckpt.load_tokenizer(target.path)
@@ -280,11 +284,11 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
             proposer = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
-    if parallel is not None:               # the proposer cut too (before oneDNN packs any weight); target.cfg the shard's
+    if parallel is not None:               # the proposer cut too (before packed.py packs any weight); target.cfg the shard's
         parallel.shard(target, proposer)
-    rows = (args.block_size or proposer.max_block_size) if proposer else 1    # the verify block, the draft queries
+    rows = (args.block_size or proposer.max_block_size) if proposer else 1    # a slot's verify block, draft queries
     dense = proposer.drafter if isinstance(proposer, dflash.DrafterProposer) else None
-    products = use_onednn(args.onednn, rows, target, dense)
+    products = use_products(args.products, rows * (getattr(args, 'concurrency', None) or 1), target, dense)
     return target, tokenizer, proposer, products
 
 
@@ -346,7 +350,7 @@ def say(msg: str) -> None:
 def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "", products: dict | None = None) -> str:
     """The statistics of one generation as one short bracketed stderr line: tokens, load, first-token latency, decode
     tok/s; with a drafter its draft-verify rounds and their mean acceptance length, and the plain steps adaptive
-    speculation took (why: --no-adaptive's help); whether the few-row products went through oneDNN (use_onednn's
+    speculation took (why: --no-adaptive's help); the kind of packed few-row products (use_products'
     record `products`); the seed. Per-round detail is --json's (acceptance_lengths, step_kinds)."""
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
@@ -362,9 +366,8 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
             line += "; no draft-verify round"
         if plain:
             line += f"; {plain} plain step{'s' * (plain != 1)}"
-    if products and products["onednn"]:
-        measured = products["onednn_measured"]
-        line += "; oneDNN" + (f" ({measured:.2f}x MKL's time at load)" if measured else "")
+    if products and products["products"] != "plain":
+        line += f"; {products['products']} packed products"
     if res.seed is not None:
         line += f"; seed {res.seed}"
     return line + "]"

@@ -20,7 +20,7 @@ import checkpoint as ckpt
 import dflash
 import model as M
 import tables
-from generate import compile_options, pick_dtype, use_onednn
+from generate import compile_options, pick_dtype, use_products
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
 PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
@@ -171,7 +171,7 @@ def preset_main(args, device) -> dict:
     prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
     capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
-    products = use_onednn(args.onednn, block, target, drafter)
+    products = use_products(args.products, block, target, drafter)
     proposer = dflash.DrafterProposer(drafter, target)
     ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompt, ())
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
@@ -222,7 +222,7 @@ def preset_concurrency(args, device, dtype) -> dict:
     target, drafter = random_models(args.preset, device, dtype)
     block = args.block_size or drafter.cfg.block_size
     prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
-    products = use_onednn(args.onednn, block, target, drafter)
+    products = use_products(args.products, block, target, drafter)
     mode = args.compile_mode if args.compile else None
     options = compile_options(args, target.embed_tokens.weight.device)
     g = torch.Generator().manual_seed(0)

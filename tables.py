@@ -261,7 +261,7 @@ class Text:
 def table_main(args, device) -> dict:
     """--methods / --dataset: AR and every method on every set's prompts -> the table, printed (markdown), and with
     --out written with results.json and the plots; the last stdout line is the JSON."""
-    from generate import pick_dtype, products_words, use_onednn
+    from generate import pick_dtype, products_words, use_products
     # the sets first: a set that cannot be read stops the run before the models load
     sets = [(P.set_label(n), P.select(P.load_set(n), args.limit or P.default_count(n))) for n in args.dataset or []]
     dtype = pick_dtype(args.dtype, device)
@@ -273,7 +273,7 @@ def table_main(args, device) -> dict:
     # DFlash drafters (also inside a DFlashTree) take the products generate.py chooses; the MTP and EAGLE-3 heads keep nn.Linear
     inner = [p.inner if isinstance(p, tree.DFlashTree) else p for p, _ in methods.values()]
     drafters = [p.drafter if isinstance(p, dflash.DrafterProposer) else None for p in inner]
-    products = use_onednn(args.onednn, widest, target, *drafters)             # chosen at the widest block
+    products = use_products(args.products, widest, target, *drafters)             # chosen at the widest block
     print(f"{products_words(products)}; {torch.get_num_threads()} threads; {cpu_model()}", flush=True)
     if not sets:                                              # --methods alone: bench.py's own prompts, one column
         sets = [("heldout" if not (args.prompt or args.prompts) else "prompts",

@@ -266,43 +266,46 @@ def test_more_bad_inputs(ckpt, args, exc, words):
     assert words.format(**ckpt) in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("extra", [["--attention", "flex"], ["--onednn"]])
+@pytest.mark.parametrize("extra", [["--attention", "flex"], ["--products", "onednn"], ["--products", "mkl"]])
 def test_optional_speed_paths_same_output(ckpt, capsys, extra):
-    """The optional modules behind their flags (flex.py, onednn.py) change no token."""
+    """The optional modules behind their flags (flex.py, packed.py) change no token."""
     res = main_json(capsys, "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
                     "--max-new-tokens", MAX_NEW, "--json", *extra)
     assert res["output_ids"] == ckpt["ref"]
 
 
-def test_onednn_products_are_chosen_by_measurement(ckpt, capsys, monkeypatch):
-    """Without --onednn / --no-onednn, generate.py times both kinds of product at load on the rows of a verify
-    block (onednn.measure, stood in for here) and swaps only where oneDNN's are clearly faster; the --json line
-    and the statistics line say what was chosen and measured. The flags force the choice without measuring, plain
-    decoding has no few-row products to measure, and no choice changes a token."""
-    import onednn
+def test_packed_products_are_chosen_once_by_measurement(ckpt, capsys, monkeypatch, tmp_path):
+    """Without --products, generate.py times every kind of product on the rows of a verify block (packed.measure,
+    stood in for here) the first time, swaps only where a packed kind is clearly faster, and later runs read that
+    verdict from the cache beside inductor's (other rows are measured anew); the --json line and the statistics line
+    say what was chosen. --products forces a kind without measuring, plain decoding has no few-row products to
+    measure, and no choice changes a token."""
+    import packed
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fast = packed.KINDS[0]
     asked, timing = [], {}
 
     def measure(modules, rows):
         asked.append(rows)
-        return timing["plain"], timing["packed"]
+        return {"plain": 1.0, **{k: timing.get(k, 1.0) for k in packed.KINDS}}
 
-    monkeypatch.setattr(onednn, "measure", measure)
+    monkeypatch.setattr(packed, "measure", measure)
     base = ["--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG, "--max-new-tokens", str(MAX_NEW)]
-    cases = [({"plain": 2.0, "packed": 1.0}, [], True, 0.5, [BLOCK]),
-             ({"plain": 1.0, "packed": 1.3}, [], False, 1.3, [BLOCK]),
-             ({"plain": 1.0, "packed": 0.5}, ["--block-size", "4"], True, 0.5, [4]),
-             ({}, ["--onednn"], True, None, []),
-             ({}, ["--no-onednn"], False, None, []),
-             ({}, ["--draft", "none"], False, None, [])]
-    for t, extra, on, measured, rows in cases:
+    cases = [({fast: 0.5}, [], fast, False, [BLOCK]),
+             ({fast: 1.3}, [], fast, True, []),                      # the first verdict, read from the cache
+             ({fast: 1.3}, ["--block-size", "4"], "plain", False, [4]),
+             ({}, ["--products", "onednn"], "onednn" if packed.AVAILABLE["onednn"] else "plain", False, []),
+             ({}, ["--products", "plain"], "plain", False, []),
+             ({}, ["--draft", "none"], "plain", False, [])]
+    for t, extra, kind, cached, rows in cases:
+        timing.clear()
         timing.update(t)
         asked.clear()
         res = main_json(capsys, *base, "--json", *extra)
-        assert (res["onednn"], res["onednn_measured"], asked) == (on, measured, rows), extra
+        assert (res["products"], res["products_cached"], asked) == (kind, cached, rows), extra
         assert res["output_ids"] == ckpt["ref"], extra
-    timing.update(plain=2.0, packed=1.0)
     assert generate.main(base) == 0
-    assert "; oneDNN (0.50x MKL's time at load)" in capsys.readouterr().err
+    assert f"; {fast} packed products]" in capsys.readouterr().err
 
 
 def test_unknown_attention_backend_is_refused(ckpt, capsys):

@@ -77,7 +77,7 @@ def test_core_files_are_small_and_plain():
         with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
             src = fh.read()
         total += src.count("\n")
-        assert not re.search(r"onednn|mkldnn", src, re.IGNORECASE), f"{name}: CPU-specific speed paths belong in onednn.py"
+        assert not re.search(r"onednn|mkldnn|_mkl_", src, re.IGNORECASE), f"{name}: CPU-specific speed paths belong in packed.py"
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
@@ -110,9 +110,9 @@ def imports_of(name: str) -> set:
 
 
 def test_optional_modules_are_imported_only_where_selected():
-    """onednn.py, flex.py and cppwrapper.py can be deleted with their flags: the core never imports them, nor does
+    """packed.py, flex.py and cppwrapper.py can be deleted with their flags: the core never imports them, nor does
     any flat file the core imports (policy.py, sampling.py, noise.py, compiling.py, ...), followed to the end."""
-    optional, flat = {"onednn", "flex", "cppwrapper"}, flat_modules()
+    optional, flat = {"packed", "flex", "cppwrapper"}, flat_modules()
     todo = [n[:-3] for n in CORE + ("checkpoint.py", "chat.py", "train.py", "vision.py")]
     seen = set(todo)
     while todo:

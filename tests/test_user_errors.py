@@ -347,7 +347,7 @@ def test_loading_is_said_on_a_terminal(pair, capsys, monkeypatch):
 def test_stats_lines_are_short(pair, tmp_path, capsys):
     """The statistics: one short line per generation (tokens, tok/s, rounds and their mean acceptance, plain steps, seed),
     no per-request explanation, with a single request and with every request of a prompts file."""
-    base = ["--target", pair / "target", "--draft", pair / "draft", "--no-onednn", "--max-new-tokens", "24"]
+    base = ["--target", pair / "target", "--draft", pair / "draft", "--products", "plain", "--max-new-tokens", "24"]
     rc, _, err = run_cli(capsys, *base, "--prompt-ids", "5,17,42,8", "--temperature", "0.9", "--seed", str(2 ** 63 - 1))
     lines = err.strip().splitlines()
     assert rc == 0 and len(lines) == 1 and len(lines[0]) < 160 and lines[0].endswith(f"; seed {2 ** 63 - 1}]"), lines

@@ -1,6 +1,8 @@
-"""onednn.py, the optional float32 CPU products of a few rows through oneDNN: the same products as F.linear up
-to float32 rounding, only where they are meant to apply, never from a stale copy of a weight; a swap that keeps
-parameters, names and ties and refuses what it cannot serve; compiled code that calls the oneDNN kernel itself."""
+"""packed.py, the optional float32 CPU products of a few rows on packed weights (MKL's packed sgemm, oneDNN): the
+same products as F.linear up to float32 rounding, only where they are meant to apply, never from a stale copy of a
+weight; a swap that keeps parameters, names and ties and refuses what it cannot serve; compiled code that calls
+the kernels themselves; a choice measured once per machine and then read from its cache."""
+import json
 import re
 
 import pytest
@@ -8,9 +10,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import onednn
+import packed
 
-pytestmark = pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch build has no oneDNN linear")
+pytestmark = pytest.mark.skipif(not packed.KINDS, reason="this torch build has neither MKL's nor oneDNN's packed linear")
+
+
+@pytest.fixture(params=packed.KINDS)
+def kind(request):
+    return request.param
 
 TOL = 1e-4      # float32 rounding of 48-term sums of order-1 terms, against a float64 reference
 
@@ -25,8 +32,8 @@ def random_linear(n_in, n_out, bias, seed=0, dtype=torch.float32):
     return lin
 
 
-def packed_linear(n_in, n_out, bias, seed=0):
-    lin = onednn.PackedLinear.from_linear(random_linear(n_in, n_out, bias, seed))
+def packed_linear(n_in, n_out, bias, seed=0, kind="onednn", rows=16):
+    lin = packed.PackedLinear.from_linear(random_linear(n_in, n_out, bias, seed), kind, rows)
     assert lin.packed is not None
     return lin
 
@@ -37,15 +44,15 @@ def reference(lin, x):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the eager packed products (onednn.linear) and the packings (onednn.pack)."""
+    """Counts the eager packed products (packed.linear) and the packings (packed.pack)."""
     calls = {"linear": 0, "pack": 0}
     for name in calls:
-        real = getattr(onednn, name)
+        real = getattr(packed, name)
 
         def counted(*a, _real=real, _name=name):
             calls[_name] += 1
             return _real(*a)
-        monkeypatch.setattr(onednn, name, counted)
+        monkeypatch.setattr(packed, name, counted)
     return calls
 
 
@@ -55,9 +62,11 @@ ROWS = {"1x2": (1, 2, 48), "1x15": (1, 15, 48), "1x16": (1, 16, 48), "64": (64, 
 
 @pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_product_equals_f_linear(rows, bias, spy):
-    """2-D, 3-D, 4-D and non-contiguous rows, with and without bias: F.linear's product, by the packed path."""
-    lin = packed_linear(48, 200, bias)
+def test_packed_product_equals_f_linear(rows, bias, kind, spy):
+    """2-D, 3-D, 4-D and non-contiguous rows, with and without bias: F.linear's product, by the packed path (MKL's
+    copies are packed for the row count of the call; oneDNN's serve any few rows)."""
+    n_rows = torch.Size(ROWS[rows][:-1]).numel() if rows != "transposed" else 16
+    lin = packed_linear(48, 200, bias, kind=kind, rows=n_rows)
     x = torch.randn(*ROWS[rows], generator=torch.Generator().manual_seed(1))
     if rows == "transposed":
         x = x.transpose(1, 2)
@@ -71,11 +80,11 @@ def test_packed_product_equals_f_linear(rows, bias, spy):
 
 
 @pytest.mark.parametrize("case", ["one row", "many rows", "grad", "float64 module", "bfloat16 module"])
-def test_other_products_are_exactly_f_linear(case, spy):
-    """Single rows (AR decode), more than FEW_ROWS rows, autograd and modules converted to other dtypes
-    after packing: exactly F.linear, and the packed path never runs."""
-    lin = packed_linear(48, 200, True)
-    rows = {"one row": 1, "many rows": onednn.FEW_ROWS + 1}.get(case, 16)
+def test_other_products_are_exactly_f_linear(case, kind, spy):
+    """Single rows (AR decode), more than FEW_ROWS rows (for MKL: any count but its own), autograd and modules
+    converted to other dtypes after packing: exactly F.linear, and the packed path never runs."""
+    lin = packed_linear(48, 200, True, kind=kind)
+    rows = {"one row": 1, "many rows": packed.FEW_ROWS + 1 if kind == "onednn" else 15}.get(case, 16)
     x = torch.randn(1, rows, 48, generator=torch.Generator().manual_seed(2))
     if case.endswith("module"):
         dtype = torch.float64 if case.startswith("float64") else torch.bfloat16
@@ -89,14 +98,14 @@ def test_other_products_are_exactly_f_linear(case, spy):
     assert torch.equal(out, F.linear(x, lin.weight, lin.bias))
     assert spy["linear"] == 0
     if case.endswith("module"):
-        assert onednn.refresh_(lin) == 0 and lin.packed is None     # a copy it can no longer use is dropped
+        assert packed.refresh_(lin) == 0 and lin.packed is None     # a copy it can no longer use is dropped
 
 
-def test_a_changed_weight_is_repacked(spy):
+def test_a_changed_weight_is_repacked(kind, spy):
     """A copy never serves a weight it was not made from: in-place changes (outside and inside inference
     mode), a replaced Parameter and replaced .data are each repacked once, by the next call or refresh_,
     and the products are then the new weight's."""
-    lin = packed_linear(48, 64, False)
+    lin = packed_linear(48, 64, False, kind=kind)
     x = torch.randn(1, 16, 48, generator=torch.Generator().manual_seed(3))
 
     def check(repacks):
@@ -121,24 +130,24 @@ def test_a_changed_weight_is_repacked(spy):
     with torch.no_grad():
         lin.weight.add_(1.0)
     module = nn.Sequential(lin)
-    assert onednn.refresh_(module) == 64 * 48 * 4           # the explicit refresh ...
-    assert onednn.refresh_(module) == 0                     # ... only repacks what changed
+    assert packed.refresh_(module) == 64 * 48 * 4           # the explicit refresh ...
+    assert packed.refresh_(module) == 0                     # ... only repacks what changed
     check(0)
 
 
-def test_an_inference_mode_weight_is_repacked_by_every_refresh(spy):
+def test_an_inference_mode_weight_is_repacked_by_every_refresh(kind, spy):
     """An inference-mode weight has no version counter: refresh_ repacks it every time; a call sees a
     replacement of it."""
     with torch.inference_mode():
-        lin = onednn.PackedLinear.from_linear(random_linear(48, 64, True))
+        lin = packed.PackedLinear.from_linear(random_linear(48, 64, True), kind)
         lin.weight = nn.Parameter(torch.randn(64, 48))
         assert lin.weight.is_inference()
         x = torch.randn(16, 48)
         assert (lin(x).double() - reference(lin, x)).abs().max() < 4 * TOL
         assert spy["pack"] == 2                             # made by from_linear, then for the replacement
-        assert onednn.refresh_(lin) == onednn.refresh_(lin) == 64 * 48 * 4
+        assert packed.refresh_(lin) == packed.refresh_(lin) == 64 * 48 * 4
         lin.weight.mul_(2.0)
-        assert onednn.refresh_(lin) > 0
+        assert packed.refresh_(lin) > 0
         assert (lin(x).double() - reference(lin, x)).abs().max() < 8 * TOL
 
 
@@ -153,58 +162,64 @@ class Tied(nn.Module):
         self.head.weight = self.embed.weight                # tied
 
 
-def test_swap_keeps_parameters_names_and_ties():
+def test_swap_keeps_parameters_names_and_ties(kind):
     m = Tied()
     before = m.state_dict(keep_vars=True)
     params = {name: p for name, p in m.named_parameters(remove_duplicate=False)}
-    n_bytes = onednn.swap_linears_(m)
+    n_bytes = packed.swap_linears_(m, kind)
     assert n_bytes == 4 * (48 * 48 + 48 * 96 + 96 * 48 + 32 * 48)
     linears = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
-    assert len(linears) == 4 and all(type(mod) is onednn.PackedLinear for mod in linears)
+    assert len(linears) == 4 and all(type(mod) is packed.PackedLinear and mod.kind == kind for mod in linears)
+    assert packed.kind_of([None, m]) == kind and packed.kind_of([Tied()]) == "plain"
     after = m.state_dict(keep_vars=True)
     assert list(after) == list(before) and all(after[k] is before[k] for k in before)     # shared, not copied
     assert all(p is params[name] for name, p in m.named_parameters(remove_duplicate=False))
     assert m.head.weight is m.embed.weight and m.alias is m.proj
     assert m.head.packed is not None and m.head._packed_for[0]() is m.embed.weight
-    assert onednn.swap_linears_(m) == 0                     # nothing left to swap
-    assert onednn.refresh_(m) == 0                          # every copy is current
+    assert packed.swap_linears_(m) == 0                     # nothing left to swap
+    assert packed.refresh_(m) == 0                          # every copy is current
     m.load_state_dict({k: v.detach().clone() for k, v in before.items()})   # loading into it still works
 
 
-@pytest.mark.parametrize("case", ["float64", "bfloat16", "meta", "no oneDNN", "short of memory"])
-def test_swap_refuses_what_it_cannot_serve(case, monkeypatch):
-    """Other dtypes and devices, a torch without oneDNN's linear, copies over half of the free memory:
-    nothing is swapped and 0 is returned."""
+@pytest.mark.parametrize("case", ["float64", "bfloat16", "meta", "kind unavailable", "short of memory"])
+def test_swap_refuses_what_it_cannot_serve(case, kind, monkeypatch):
+    """Other dtypes and devices, a torch without the kind's linear, copies over half of the free memory:
+    nothing is swapped and 0 is returned; an unknown kind is refused by name."""
     dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
     m = nn.Sequential(nn.Linear(48, 64, bias=False, dtype=dtype, device="meta" if case == "meta" else None))
     need = 48 * 64 * 4
-    if case == "no oneDNN":
-        monkeypatch.setattr(onednn, "AVAILABLE", False)
+    if case == "kind unavailable":
+        monkeypatch.setitem(packed.AVAILABLE, kind, False)
     if case == "short of memory":
-        monkeypatch.setattr(onednn, "_available_memory", lambda: 2 * need - 1)
-    assert onednn.swap_linears_(m) == 0 and type(m[0]) is nn.Linear
+        monkeypatch.setattr(packed, "_available_memory", lambda: 2 * need - 1)
+    assert packed.swap_linears_(m, kind) == 0 and type(m[0]) is nn.Linear
     if case == "short of memory":
-        monkeypatch.setattr(onednn, "_available_memory", lambda: 2 * need)
-        assert onednn.swap_linears_(m) == need and type(m[0]) is onednn.PackedLinear
-    free = onednn._available_memory()
+        monkeypatch.setattr(packed, "_available_memory", lambda: 2 * need)
+        assert packed.swap_linears_(m, kind) == need and type(m[0]) is packed.PackedLinear
+    free = packed._available_memory()
     assert free is None or free > 0
+    with pytest.raises(ValueError, match="unknown kind"):
+        packed.PackedLinear.sharing(nn.Linear(4, 4), "blas")
 
 
-@pytest.mark.parametrize("cpp_wrapper", [True, False])
-def test_compiled_products_call_onednn_directly(cpp_wrapper, tmp_path, monkeypatch):
-    """Compiled code over PackedLinears calls the oneDNN kernel itself (onednn.lower_linear_op, registered by
-    the first trace: nothing calls it here), never the custom op through the dispatcher, for 2-D, 3-D, 4-D and
-    non-contiguous rows, with and without bias; the results are F.linear's up to float32 rounding, and
-    refresh_ reaches the compiled code."""
+@pytest.mark.parametrize("kind, cpp_wrapper", [("mkl", True), ("mkl", False), ("onednn", True)])
+def test_compiled_products_call_the_kernels_directly(kind, cpp_wrapper, tmp_path, monkeypatch):
+    """Compiled code over PackedLinears calls the MKL or oneDNN kernel itself (packed.lower_linear_op, registered
+    by the first trace: nothing calls it here), never the custom op through the dispatcher, for 2-D, 3-D, 4-D and
+    non-contiguous rows, with and without bias; rows a copy does not serve (MKL's: 15 of a copy for 16) are
+    F.linear's; the results are F.linear's up to float32 rounding, and refresh_ reaches the compiled code."""
+    if not packed.AVAILABLE[kind]:
+        pytest.skip(f"no {kind} packed linear in this torch")
     import torch._inductor.config as inductor_config
     from torch._inductor.lowering import lowerings
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # no graph compiled before the lowering
-    monkeypatch.setattr(onednn, "_LOWERED", False)                  # as in a fresh process: not registered yet
+    monkeypatch.setattr(packed, "_LOWERED", False)                  # as in a fresh process: not registered yet
     monkeypatch.delitem(lowerings, torch.ops.dflash_fast.packed_linear.default, raising=False)
     m = nn.Sequential(random_linear(48, 200, True), nn.ReLU(), random_linear(200, 32, False, seed=4))
-    assert onednn.swap_linears_(m) > 0
+    assert packed.swap_linears_(m, kind, 16) > 0
     with_bias, no_bias = m[0], m[2]
+    kernel = r"_mkl_linear(\.default)?\(" if kind == "mkl" else r"_linear_pointwise(\.default)?\("
 
     def f(x):
         return no_bias(torch.relu(with_bias(x)) * 2.0)
@@ -226,19 +241,20 @@ def test_compiled_products_call_onednn_directly(cpp_wrapper, tmp_path, monkeypat
         with torch.inference_mode(), inductor_config.patch(cpp_wrapper=cpp_wrapper, fx_graph_cache=False):
             got, code = run_and_get_code(compiled, x)
         text = "\n".join(code)
-        assert re.search(r"_linear_pointwise(\.default)?\(", text)            # the oneDNN kernel called directly,
+        served = packed.applies(kind, x.numel() // 48, 16)
+        assert bool(re.search(kernel, text)) == served                        # the kernel called directly,
         assert 'call_dispatcher("dflash_fast' not in text                      # not the custom op (C++ wrapper)
         assert not re.search(r"dflash_fast\.\w+\.default\(", text)             # (Python wrapper)
         close(got, ref(x))
-    assert onednn.lower_linear_op() and onednn.lower_linear_op()                # idempotent
+    assert packed.lower_linear_op() and packed.lower_linear_op()                # idempotent
     with torch.no_grad():
         no_bias.weight.mul_(-1.0)
-    assert onednn.refresh_(m) > 0
+    assert packed.refresh_(m) > 0
     with torch.inference_mode():
         close(compiled(inputs[-1]), ref(inputs[-1]))                           # the refreshed copy is used
 
 
-def test_swapped_target_logits_equal_unswapped(spy):
+def test_swapped_target_logits_equal_unswapped(kind, spy):
     """A tiny random Qwen35 (tied lm_head) swapped: every linear is a PackedLinear, a 16-token call's logits
     are the unswapped model's within float32 tolerance, and after weights are edited between two calls the
     swapped model serves the edited weights (fresh copies), not the copies made before."""
@@ -247,8 +263,8 @@ def test_swapped_target_logits_equal_unswapped(spy):
     plain, swapped = random_target(cfg, 7, torch.float32), random_target(cfg, 7, torch.float32)
     n_linear = sum(isinstance(m, nn.Linear) for m in swapped.modules())
     keys = list(swapped.state_dict())
-    assert onednn.swap_linears_(swapped) > 0
-    assert sum(type(m) is onednn.PackedLinear for m in swapped.modules()) == n_linear > 0
+    assert packed.swap_linears_(swapped, kind, 16) > 0
+    assert sum(type(m) is packed.PackedLinear for m in swapped.modules()) == n_linear > 0
     assert list(swapped.state_dict()) == keys and swapped.lm_head.weight is swapped.embed_tokens.weight
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(8))
     pos = torch.arange(16)
@@ -277,7 +293,8 @@ def test_engine_over_a_swapped_pair_serves_edited_weights():
     from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
     target = random_target(tiny_target_config(), 3, torch.float32)
     drafter = random_drafter(tiny_draft_config(target.cfg), 3, torch.float32)
-    assert onednn.swap_linears_(target) > 0 and onednn.swap_linears_(drafter) > 0
+    assert packed.swap_linears_(target, "mkl" if packed.AVAILABLE["mkl"] else "onednn", 16) > 0
+    assert packed.swap_linears_(drafter, "onednn" if packed.AVAILABLE["onednn"] else "mkl", 16) > 0
     prompt = list(range(5, 25))
     engine = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 1, 64)
     first = engine.generate(prompt, 16).output_ids
@@ -290,49 +307,61 @@ def test_engine_over_a_swapped_pair_serves_edited_weights():
 
 
 # --------------------------------------------------------------------------------------------------
-# the default choice: measured at load
+# the default choice: measured once per machine, then cached
 # --------------------------------------------------------------------------------------------------
 
-def test_measure_times_both_kinds_on_the_models_shapes(monkeypatch):
+def test_measure_times_every_kind_on_the_models_shapes(monkeypatch):
     """measure times each weight shape once however many layers share it (the layers' count weights it), on
-    rows of the asked count, and adds nothing for what cannot be swapped (bfloat16, or no linear at all)."""
+    rows of the asked count, for plain and every kind, and adds nothing for what cannot be swapped (bfloat16, or
+    no linear at all)."""
     calls = []
-    real = onednn.linear
+    real = packed.linear
 
-    def counted(x, packed, bias, n_out):
-        calls.append((tuple(x.shape), n_out))
-        return real(x, packed, bias, n_out)
+    def counted(x, copy, weight, bias, kind, rows):
+        calls.append((tuple(x.shape), weight.shape[0], kind))
+        return real(x, copy, weight, bias, kind, rows)
 
-    monkeypatch.setattr(onednn, "linear", counted)
+    monkeypatch.setattr(packed, "linear", counted)
     same = [random_linear(32, 48, False, seed=s) for s in range(3)]          # one shape, three layers
     other = random_linear(48, 16, True)
     m = nn.Sequential(*same, nn.Sequential(other), random_linear(16, 8, False, dtype=torch.bfloat16))
-    plain, packed = onednn.measure([m, None], rows=12, trials=3, batch_seconds=1e-4)
-    assert plain > 0 and packed > 0
-    assert {shape for shape, _ in calls} == {(12, 32), (12, 48)} and {n for _, n in calls} == {48, 16}
-    monkeypatch.setattr(onednn, "_seconds", lambda fn, reps: 1.0)          # every product "takes" 1 s:
-    assert onednn.measure([m], rows=12) == (4.0, 4.0)                       # 3 layers of one shape + 1 other
-    assert onednn.measure([nn.Sequential(nn.ReLU())], rows=12) == (0.0, 0.0)
-    assert onednn.measure([random_linear(16, 8, False, dtype=torch.bfloat16)], rows=12) == (0.0, 0.0)
+    times = packed.measure([m, None], rows=12, trials=3, batch_seconds=1e-4)
+    assert set(times) == {"plain", *packed.KINDS} and all(t > 0 for t in times.values())
+    assert {(s, n) for s, n, _ in calls} == {((12, 32), 48), ((12, 48), 16)} and {k for *_, k in calls} == set(packed.KINDS)
+    monkeypatch.setattr(packed, "_seconds", lambda fn, reps: 1.0)          # every product "takes" 1 s:
+    assert set(packed.measure([m], rows=12).values()) == {4.0}              # 3 layers of one shape + 1 other
+    assert set(packed.measure([nn.Sequential(nn.ReLU())], rows=12).values()) == {0.0}
+    assert set(packed.measure([random_linear(16, 8, False, dtype=torch.bfloat16)], rows=12).values()) == {0.0}
 
 
-def test_pays_wants_a_margin_and_few_rows(monkeypatch):
-    """pays swaps only when the packed products are at least MARGIN faster; rows that never take the packed
-    path (1, or more than FEW_ROWS) are not measured at all."""
+def test_choose_wants_a_margin_and_caches_its_verdict(monkeypatch, tmp_path):
+    """choose takes the fastest kind only when it is at least MARGIN faster than plain; it measures once per
+    machine, threads, rows and shapes and then reads the verdict from its file (so a second run chooses alike even
+    if a measurement would now say otherwise); rows that never take a packed path and models with nothing to swap
+    are not measured at all."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     m = random_linear(32, 48, False)
-    timings = {"t": (1.0, 0.85)}
+    timings, asked = {"plain": 1.0, **{k: 1.0 for k in packed.KINDS}}, []
+    fastest = packed.KINDS[0]
 
     def fake_measure(modules, rows):
-        assert 1 < rows <= onednn.FEW_ROWS
-        return timings["t"]
+        asked.append(rows)
+        return dict(timings)
 
-    monkeypatch.setattr(onednn, "measure", fake_measure)
-    assert onednn.pays([m], 16) == (True, 0.85)
-    timings["t"] = (1.0, 1.0 - onednn.MARGIN / 2)             # faster, but within the margin: keep MKL
-    assert onednn.pays([m], 16) == (False, 1.0 - onednn.MARGIN / 2)
-    timings["t"] = (0.0, 0.0)                                 # nothing swappable
-    assert onednn.pays([m], 16) == (False, None)
-    assert onednn.pays([m], 1) == (False, None) and onednn.pays([m], onednn.FEW_ROWS + 1) == (False, None)
+    monkeypatch.setattr(packed, "measure", fake_measure)
+    timings[fastest] = 1.0 - packed.MARGIN / 2                  # faster, but within the margin: plain
+    assert packed.choose([m], 16)[:2] == ("plain", {k: timings[k] for k in packed.KINDS})
+    timings[fastest] = 0.5
+    assert packed.choose([m], 16) == ("plain", {k: (1.0 - packed.MARGIN / 2 if k == fastest else 1.0) for k in packed.KINDS}, True)
+    assert asked == [16]                                        # the second call read the cache
+    kind, measured, cached = packed.choose([m], 8)              # other rows: measured now
+    assert (kind, measured[fastest], cached, asked) == (fastest, 0.5, False, [16, 8])
+    assert packed.choose([m], 8)[0] == fastest and asked == [16, 8]
+    with open(packed.cache_path()) as f:
+        assert len(json.load(f)) == 2
+    assert packed.choose([m], 1) == ("plain", None, False) and packed.choose([m], packed.FEW_ROWS + 1)[0] == "plain"
+    assert packed.choose([nn.Sequential(nn.ReLU())], 16) == ("plain", None, False)
+    assert asked == [16, 8]
 
 
 def test_eager_use_never_imports_inductor():
@@ -341,9 +370,10 @@ def test_eager_use_never_imports_inductor():
     import os
     import subprocess
     import sys
-    code = ("import sys, torch, onednn\n"
+    code = ("import sys, torch, packed\n"
             "m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 8))\n"
-            "assert onednn.pays([m], 16)[1] is not None and onednn.swap_linears_(m) > 0\n"
+            "assert packed.measure([m], 16)['plain'] > 0\n"
+            "assert all(packed.swap_linears_(m, kind, 16) > 0 for kind in packed.KINDS[:1])\n"
             "with torch.no_grad():\n"
             "    m(torch.randn(16, 32))\n"
             "assert 'torch._inductor' not in sys.modules, 'inductor imported'\n")

@@ -1,0 +1,391 @@
+"""Optional, chosen once per machine: float32 CPU matrix products of a few rows (the verify block, the drafter's
+queries) on weights packed once for them, applied to a loaded model by swapping its linear layers.
+
+    KINDS             the packed products: "mkl" (MKL's packed sgemm: the weight packed for products of exactly
+                      `rows` rows; any other row count stays F.linear) and "onednn" (oneDNN's linear on the weight
+                      reordered into its blocked layout, for products of 2..FEW_ROWS rows). "plain" is F.linear.
+    PackedLinear      an nn.Linear (the same Parameters, the same state-dict names) that also keeps a packed copy of
+                      its weight and uses it for the float32 CPU products it applies to, outside autograd.
+    swap_linears_     replaces the nn.Linear layers of a float32 CPU module by PackedLinears of one kind (the way
+                      gpt-fast's quantize.py swaps linears); refresh_ repacks copies whose weight changed.
+    linear, linear_op the product itself: a direct call for eager code, and a custom op torch.compile can trace.
+    lower_linear_op   an inductor lowering so compiled code calls the MKL or oneDNN kernel itself, not the custom op.
+    measure, choose   times one step's few-row products each way on the models' own shapes; choose keeps the fastest
+                      kind (by a margin over plain) and caches the verdict on disk beside inductor's compile cache.
+
+Why measured, and why cached: which product is fastest for a few rows depends on the CPU (docs/measurements.md
+names them), and the packed copies cost the weights' size again. A choice measured at every load is a race:
+near a tie two runs of one command take different kinds, and each kind compiles its own graphs. So `choose`
+measures once per CPU model, thread count, row count, weight shapes and torch version, and every later run reads
+the verdict (a fresh TORCHINDUCTOR_CACHE_DIR measures again). The maths is float32 either way, summed in another
+order. Deleting this file and the --products flag leaves a working project.
+
+Staleness: a packed copy must never serve a weight it was not made from. Each copy remembers the weight tensor
+it was made from (a weak reference), its data_ptr and its version counter (which every in-place change moves);
+eager calls check these and repack. Inference-mode tensors keep no version counter: for them only a replaced tensor
+is seen, and refresh_ repacks them every time. Under torch.compile the check is NOT traced (compiled code uses the
+copies it finds): swap after the weights are final, and call refresh_(module) after changing weights that compiled
+code will read.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import statistics
+import tempfile
+import time
+import weakref
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+AVAILABLE = {
+    "mkl": torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+           and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"),
+    "onednn": torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),
+}
+KINDS = tuple(k for k, ok in AVAILABLE.items() if ok)
+FEW_ROWS = 64            # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
+PACK_ROWS = 16           # the default row count weights are packed for (the verify block)
+MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
+
+
+def pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """weight [N, K] float32 on the CPU -> its packed copy of `kind` for products of `rows` rows."""
+    if kind == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def applies(kind: str, rows: int, pack_rows: int) -> bool:
+    """Whether a product of `rows` rows takes a copy of `kind` packed for `pack_rows`."""
+    return rows == pack_rows if kind == "mkl" else 1 < rows <= FEW_ROWS
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
+           rows: int) -> torch.Tensor:
+    """x [..., K] float32 on the CPU; packed = pack(weight [N, K], kind, rows); bias [N] or None -> x weight^T + bias
+    [..., N]. Eager code calls this directly: no custom-op dispatch."""
+    n_out = weight.shape[0]
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if kind == "mkl":
+        out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], n_out)
+
+
+@torch.library.custom_op("dflash_fast::packed_linear", mutates_args=())
+def linear_op(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
+              rows: int) -> torch.Tensor:
+    """`linear` as an op torch.compile can trace (dynamo cannot trace the opaque packed tensor into the kernels
+    themselves); lower_linear_op turns it back into a direct kernel call in compiled code."""
+    return linear(x, packed, weight, bias, kind, rows)
+
+
+@linear_op.register_fake
+def _(x, packed, weight, bias, kind, rows):
+    # Runs only when torch.compile traces the op, before inductor lowers it: the place to register the lowering,
+    # so that eager runs never import inductor (1-2 s).
+    lower_linear_op()
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_LOWERED = False
+
+
+def lower_linear_op() -> bool:
+    """Let inductor emit a direct call of the MKL or oneDNN kernel for linear_op (in its C++ wrapper:
+    aoti_torch_cpu__mkl_linear, aoti_torch_cpu__linear_pointwise) instead of a call back into Python through the
+    dispatcher, which costs microseconds per product, and a compiled draft + verify round makes dozens of them.
+    Inductor's own lowerings of these ops accept only weights it packed itself (with freezing), so this one builds
+    the same IR nodes (MKLPackedLinear, LinearUnary) for ours. It uses inductor internals of the torch this project
+    pins; where they are missing the op keeps its dispatcher call (slower, same results). So does a graph that
+    inductor's FX graph cache kept from before this lowering was registered (the cache key does not cover
+    lowerings): a fresh TORCHINDUCTOR_CACHE_DIR clears that. Idempotent. -> whether it is in place."""
+    global _LOWERED
+    if _LOWERED:
+        return True
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import register_lowering, view
+        from torch._inductor.mkldnn_ir import LinearUnary, MKLPackedLinear, _create_output_node
+    except ImportError:
+        return False
+
+    def realized(t):
+        return ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(t))
+
+    def lowering(x, packed, weight, bias, kind, rows):
+        size = list(x.get_size())
+        n_out = weight.get_size()[0]
+        flat = realized(view(x, [-1, size[-1]]) if len(size) != 2 else x)     # both kernels take rows as 2-D
+        packed = ir.ExternKernel.realize_input(packed)                         # opaque: passed as it is
+        if kind == "mkl":
+            out = ir.TensorBox.create(MKLPackedLinear.create(flat, packed, realized(weight),
+                                                             None if bias is None else realized(bias), rows))
+        else:
+            inputs, constant_args = [flat, packed], ["none", [-1], ""]        # no fused activation
+            if bias is None:
+                constant_args.insert(0, None)
+            else:
+                inputs.append(realized(bias))
+            layout = ir.FixedLayout(device=flat.get_device(), dtype=flat.get_dtype(), size=[flat.get_size()[0], n_out])
+            out = ir.TensorBox.create(_create_output_node(LinearUnary(layout, inputs, constant_args)))
+        return view(out, size[:-1] + [n_out]) if len(size) != 2 else out
+
+    register_lowering(torch.ops.dflash_fast.packed_linear.default)(lowering)
+    _LOWERED = True
+    return True
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.float32
+
+
+def _version(w: torch.Tensor) -> int | None:
+    try:
+        return w._version
+    except RuntimeError:            # an inference-mode tensor keeps no version counter
+        return None
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear with the same Parameters (shared with the layer it replaced, not copied) and state-dict names, plus
+    `packed`, a copy of the weight of `kind` packed for `rows`-row products. Float32 CPU products outside autograd
+    that the kind applies to (`applies`) use the copy (eager: a direct call of `linear`; under torch.compile:
+    linear_op, which lower_linear_op turns into a direct kernel call); every other product is F.linear. Eager calls
+    repack a copy whose weight changed since it was made (module docstring); compiled calls do not check."""
+
+    packed: torch.Tensor | None = None     # pack(weight, kind, rows), or None: always F.linear
+    _packed_for = None                     # (weakref to the weight, its data_ptr, its _version or None)
+
+    @classmethod
+    def sharing(cls, lin: nn.Linear, kind: str = "onednn", rows: int = PACK_ROWS) -> "PackedLinear":
+        """A PackedLinear over lin's own weight and bias Parameters (nothing copied), not packed yet."""
+        if kind not in AVAILABLE:
+            raise ValueError(f"unknown kind of packed product {kind!r}: one of {sorted(AVAILABLE)}")
+        new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+        new._parameters["weight"] = lin._parameters["weight"]
+        new._parameters["bias"] = lin._parameters["bias"]
+        new.kind, new.rows = kind, rows
+        new.train(lin.training)
+        return new
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, kind: str = "onednn", rows: int = PACK_ROWS) -> "PackedLinear":
+        """`sharing(lin)`, packed when its weight is float32 on the CPU (for a lone linear; swap_linears_
+        replaces the linears inside a module)."""
+        new = cls.sharing(lin, kind, rows)
+        new.refresh_()
+        return new
+
+    def _stale(self, unversioned_stale: bool) -> bool:
+        """Whether the copy was made from another weight than the current one. A weight without a version
+        counter (inference mode) counts as stale when unversioned_stale, since its in-place changes are
+        invisible; else only its replacement is seen."""
+        if self._packed_for is None:
+            return True
+        w = self.weight
+        ref, ptr, version = self._packed_for
+        if ref() is not w or ptr != w.data_ptr():
+            return True
+        return unversioned_stale if version is None else version != w._version
+
+    def _pack(self) -> torch.Tensor:
+        w = self.weight
+        self.packed = pack(w, self.kind, self.rows)
+        self._packed_for = (weakref.ref(w), w.data_ptr(), _version(w))
+        return self.packed
+
+    def refresh_(self) -> int:
+        """Repack the copy if its weight changed since it was made (always, for an inference-mode weight);
+        drop it when the weight is no longer float32 on the CPU. -> bytes packed now."""
+        w = self.weight
+        if not _packable(w):
+            self.packed = self._packed_for = None
+            return 0
+        if self.packed is not None and not self._stale(unversioned_stale=True):
+            return 0
+        self._pack()
+        return w.numel() * w.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The cheap tests first: this runs for every product of an eager step.
+        if (self.packed is None or x.dtype != torch.float32 or torch.is_grad_enabled() or x.device.type != "cpu"
+                or not applies(self.kind, x.numel() // max(x.shape[-1], 1), self.rows)):
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():     # the staleness check is not traced (module docstring)
+            return linear_op(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+        if self._stale(unversioned_stale=False):
+            if not _packable(self.weight):     # converted to another dtype or device since it was packed
+                self.packed = self._packed_for = None
+                return F.linear(x, self.weight, self.bias)
+            self._pack()
+        return linear(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+
+
+def _available_memory() -> int | None:
+    """Bytes of physical memory free now (Linux), or None where that cannot be read."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _swappable(m: nn.Module) -> bool:
+    return (isinstance(m, nn.Linear) and not isinstance(m, PackedLinear)
+            and not torch.nn.utils.parametrize.is_parametrized(m) and _packable(m.weight))
+
+
+def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS) -> int:
+    """Replace every nn.Linear of `module` whose weight is float32 on the CPU by a PackedLinear of `kind` for
+    `rows`-row products over the same Parameters (tied weights stay tied: lm_head.weight is still
+    embed_tokens.weight; state_dict keys do not change). Changes nothing when the kind is unavailable in this torch,
+    when no linear is float32 on the CPU, or when the copies would take more than half of the memory free now (a big
+    float32 model keeps F.linear rather than run out of memory). `module` itself is not replaced: wrap a lone linear
+    with PackedLinear.from_linear. Apply after the weights are final (module docstring). -> bytes of copies made."""
+    if not AVAILABLE.get(kind):
+        return 0
+    todo = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()
+            if child is not None and _swappable(child)]     # (named_children would skip a second name)
+    weights = {id(child.weight): child.weight for _, _, child in todo}
+    need = sum(w.numel() * w.element_size() for w in weights.values())
+    free = _available_memory()
+    if not todo or (free is not None and need > free // 2):
+        return 0
+    made, copies = {}, {}
+    for parent, name, child in todo:
+        if id(child) not in made:            # a layer reachable under two names gets one replacement
+            new = made[id(child)] = PackedLinear.sharing(child, kind, rows)
+            w = child.weight                 # one copy per weight, however many layers share it
+            if id(w) not in copies:
+                new._pack()
+                copies[id(w)] = (new.packed, new._packed_for)
+            new.packed, new._packed_for = copies[id(w)]
+        setattr(parent, name, made[id(child)])
+    return need
+
+
+def refresh_(module: nn.Module) -> int:
+    """Repack every PackedLinear copy in `module` (itself included) whose weight changed since it was made --
+    eager calls do this on their own; do it before running compiled code after such a change. Inference-mode
+    weights are always repacked. -> bytes packed now."""
+    return sum(m.refresh_() for m in module.modules() if isinstance(m, PackedLinear))
+
+
+def kind_of(modules) -> str:
+    """The kind of packed products `modules` (None entries skipped) run: "plain" when none is swapped."""
+    for module in modules:
+        for m in (module.modules() if module is not None else ()):
+            if isinstance(m, PackedLinear) and m.packed is not None:
+                return m.kind
+    return "plain"
+
+
+# ---- the choice: measured once per machine ---------------------------------------------------------
+
+def _linears(modules) -> Counter:
+    """How many swappable linears of `modules` (None entries skipped) have each weight shape, keyed by one
+    such layer: {nn.Linear: count}. One step runs each of them once per few-row product."""
+    seen, by_shape, counts = set(), {}, Counter()
+    for module in modules:
+        for m in (module.modules() if module is not None else ()):
+            if id(m) in seen or not _swappable(m):
+                continue
+            seen.add(id(m))
+            key = (m.out_features, m.in_features, m.bias is not None)
+            counts[by_shape.setdefault(key, m)] += 1
+    return counts
+
+
+def _seconds(fn, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+@torch.no_grad()
+def measure(modules, rows: int, trials: int = 7, batch_seconds: float = 2e-3) -> dict:
+    """Seconds that one pass of `rows`-row products through every swappable linear of `modules` takes, per kind
+    ("plain" and each available kind that applies to `rows`), measured now on this machine's threads. Per weight
+    shape: one warm-up call each, then `trials` rounds of batches of about `batch_seconds`, the kinds in turn (so
+    all see the same moments of a noisy machine), and the median batch; shapes are weighted by their layer count.
+    Random rows, the layers' own weights (copies packed for the measurement, dropped afterwards).
+    -> {kind: seconds}, all 0 when nothing is swappable."""
+    kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows)]
+    total = dict.fromkeys(kinds, 0.0)
+    for lin, count in _linears(modules).items():
+        w, b = lin.weight, lin.bias
+        x = torch.randn(rows, lin.in_features, dtype=w.dtype)
+        runs = {"plain": lambda: F.linear(x, w, b)}
+        for k in kinds[1:]:
+            runs[k] = lambda copy=pack(w, k, rows), k=k: linear(x, copy, w, b, k, rows)
+        for run in runs.values():                                       # the first calls set things up
+            run()
+        reps = max(1, int(batch_seconds / max(max(_seconds(run, 1) for run in runs.values()), 1e-7)))
+        times = {k: [] for k in kinds}
+        for _ in range(trials):
+            for k, run in runs.items():
+                times[k].append(_seconds(run, reps))
+        for k in kinds:
+            total[k] += count * statistics.median(times[k])
+    return total
+
+
+def cache_path() -> str:
+    """The file of `choose`'s verdicts: in TORCHINDUCTOR_CACHE_DIR (inductor's default folder when unset), beside
+    the compiled graphs that depend on it."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + getpass.getuser().replace("/", "_"))
+    return os.path.join(folder, "dflash_fast_products.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def _key(modules, rows: int) -> str:
+    shapes = sorted((lin.out_features, lin.in_features, lin.bias is not None, n) for lin, n in _linears(modules).items())
+    return json.dumps([_cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
+
+
+def choose(modules, rows: int) -> tuple:
+    """The kind of `rows`-row products for `modules` on this machine: the fastest packed kind if it takes at most
+    (1 - MARGIN) of plain's time, else "plain"; measured once (`measure`) and cached (cache_path: the same CPU model,
+    threads, rows, shapes and torch read the verdict, so every run chooses alike and hits its compiled graphs).
+    Rows outside 2..FEW_ROWS and models with nothing swappable: ("plain", None, False), nothing measured.
+    -> (kind, {kind: time / plain's time} as measured, whether the verdict came from the cache)."""
+    if not KINDS or not 1 < rows <= FEW_ROWS or not _linears(modules):
+        return "plain", None, False
+    path, key = cache_path(), _key(modules, rows)
+    try:
+        with open(path) as f:
+            verdicts = json.load(f)
+    except (OSError, ValueError):
+        verdicts = {}
+    if key in verdicts:
+        v = verdicts[key]
+        return v["kind"], v["measured"], True
+    times = measure(modules, rows)
+    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain"}
+    best = min(measured, key=measured.get, default=None)
+    kind = best if best is not None and measured[best] <= 1 - MARGIN else "plain"
+    verdicts[key] = {"kind": kind, "measured": measured, "date": time.strftime("%Y-%m-%d")}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(verdicts, f)
+        os.replace(path + ".tmp", path)
+    except OSError:                     # a read-only place: measured again next time
+        pass
+    return kind, measured, False
