@@ -27,6 +27,7 @@ are inputs of every call, so weights edited in place are used by the next one.
 """
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import is_dataclass
 
@@ -35,14 +36,19 @@ import torch
 from model import GenerationError
 
 ONE_ROW_LIMIT = 1 << 31        # decompose_mm_pass's CPU limit on the other two dimensions: no limit
+# max-autotune's reports on stderr (each autotuned product's table of timings, and its choice statistics: about a
+# hundred lines per cold compile) off, each unless its inductor environment variable asks for it.
+QUIET = {option: value for option, value, env in (
+    ("autotune_num_choices_displayed", 0, "TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED"),
+    ("max_autotune_report_choices_stats", False, "TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS")) if env not in os.environ}
 
 
 def inductor_options(mode: str, extra: dict, device: torch.device) -> dict:
-    """The inductor options of torch.compile mode `mode` with `extra` (cppwrapper.py's) added; on a CPU without
-    max-autotune's CUDA graphs and with every one-row product written as multiply-sum loops (module docstring;
-    `extra` may set post_grad_fusion_options itself)."""
+    """The inductor options of torch.compile mode `mode` with `extra` (cppwrapper.py's) added and autotune's reports
+    off (QUIET); on a CPU without max-autotune's CUDA graphs and with every one-row product written as multiply-sum
+    loops (module docstring; `extra` may set post_grad_fusion_options itself)."""
     from torch._inductor import list_mode_options
-    options = {**list_mode_options(mode, False), **extra}
+    options = {**list_mode_options(mode, False), **QUIET, **extra}
     if torch.device(device).type == "cpu":
         options.pop("triton.cudagraphs", None)      # nothing to capture on a CPU
         # the limit in the options too, although the pass reads the module variable: it keys inductor's caches,

@@ -236,8 +236,10 @@ class DrafterProposer:
 
     def propose(self, last, start, feats, feat_pos, n: int, next_ids=None, rows=None, temperature=None) -> Draft:
         self.append(feats, feat_pos)
-        hidden = self.drafter.draft_block(last, start, n, self.target.embed_tokens, self.cache, self.masks)  # [N,n,H]
-        logits = self.drafter.draft_logits(hidden, self.target.lm_head)
+        # the lm_head over the whole block, anchor row included: n + 1 rows per row, as many as the verify's (the
+        # products packed for the verify block serve both); the anchor's logits are dropped
+        whole = self.drafter.draft_block(last, start, n, self.target.embed_tokens, self.cache, self.masks, anchor=True)
+        hidden, logits = whole[:, 1:], self.drafter.draft_logits(whole, self.target.lm_head)[:, 1:]    # [N,n,H], [N,n,V]
         if self.drafter.candidate_selector is None:
             return Draft(logits.argmax(-1))
         select = self.drafter.candidate_selector.select                 # row by row: its path is sequential

@@ -908,15 +908,16 @@ class DFlashDrafter(nn.Module):
             x = layer.draft(x, rope, lc, by_kind[kind])
         return self.norm(x)
 
-    def draft_block(self, last, start, n: int, embed: nn.Embedding, cache: DraftCache, masks):
+    def draft_block(self, last, start, n: int, embed: nn.Embedding, cache: DraftCache, masks, anchor: bool = False):
         """One draft per row: the block [last, MASK x n] of row b at positions start[b] .. start[b]+n (last, start
         [B]) through the target's embedding (times input_embedding_scale) and `draft` -> hidden [B,n,H] of the
-        block rows 1..n, the ones that propose."""
+        block rows 1..n, the ones that propose ([B,n+1,H] with the anchor's row 0 too, when `anchor`)."""
         mask_ids = torch.full((last.shape[0], n), self.cfg.mask_token_id, dtype=torch.long, device=last.device)
         emb = embed(torch.cat([last[:, None], mask_ids], 1))
         if self.cfg.input_embedding_scale != 1.0:
             emb = emb * self.cfg.input_embedding_scale
-        return self.draft(emb, start, cache, masks)[:, 1:]
+        hidden = self.draft(emb, start, cache, masks)
+        return hidden if anchor else hidden[:, 1:]
 
     def propose(self, hidden, anchor, lm_head: nn.Linear, rows=None, temperature: float = 1.0):
         """Block rows 1..n: hidden [n,H]; anchor [1] the block's first token -> tokens [n] and the draft

@@ -210,3 +210,20 @@ def test_compiled_steps_check_the_models_once_per_generation(tmp_path, monkeypat
         assert "\n" not in str(e.value)
         undo()
         assert engine.generate(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids     # as compiled
+
+
+def test_autotune_reports_are_off_unless_asked(monkeypatch):
+    """max-autotune's stderr reports (a table per autotuned product, choice statistics) are off in the options every
+    compiled step gets, by inductor options this torch knows; each comes back when its environment variable is set."""
+    import importlib
+    import torch
+    import torch._inductor.config as inductor_config
+    options = compiling.inductor_options("max-autotune", {}, torch.device("cpu"))
+    assert options["autotune_num_choices_displayed"] == 0 and options["max_autotune_report_choices_stats"] is False
+    assert all(hasattr(inductor_config, name) for name in compiling.QUIET)
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED", "3")
+    try:
+        assert set(importlib.reload(compiling).QUIET) == {"max_autotune_report_choices_stats"}
+    finally:
+        monkeypatch.delenv("TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED")
+        importlib.reload(compiling)
