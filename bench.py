@@ -228,7 +228,7 @@ def load_pair(args, dtype, device) -> tuple:
     block = args.block_size or drafter.cfg.block_size
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = dflash.DrafterProposer(drafter, target, window)
-    if parallel is not None:     # under torchrun: the drafter's part, before oneDNN packs weights
+    if parallel is not None:     # under torchrun: the drafter's part, before packed.py packs weights
         parallel.shard(target, proposer)
     products = use_products(args.products, block, target, drafter)
     tok = ckpt.load_tokenizer(target.path)

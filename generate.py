@@ -288,7 +288,7 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
         parallel.shard(target, proposer)
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # a slot's verify block, draft queries
     dense = proposer.drafter if isinstance(proposer, dflash.DrafterProposer) else None
-    products = use_products(args.products, rows * (getattr(args, 'concurrency', None) or 1), target, dense)
+    products = use_products(args.products, rows * (args.concurrency or 1), target, dense)
     return target, tokenizer, proposer, products
 
 

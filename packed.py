@@ -346,17 +346,10 @@ def cache_path() -> str:
     return os.path.join(folder, "dflash_fast_products.json")
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
-
-
 def _key(modules, rows: int) -> str:
+    from tables import cpu_model          # (the record's CPU name; imported here: the verdict's key needs it once)
     shapes = sorted((lin.out_features, lin.in_features, lin.bias is not None, n) for lin, n in _linears(modules).items())
-    return json.dumps([_cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
+    return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
 
 
 def choose(modules, rows: int) -> tuple:
