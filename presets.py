@@ -23,7 +23,7 @@ import tables
 from generate import compile_options, pick_dtype, use_products
 
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
-PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
+PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-0.8b", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -40,6 +40,8 @@ def preset_configs(name: str) -> tuple:
     of the vocabulary), so the same code runs on a CPU in seconds."""
     if "35b" in name:
         return moe_preset_configs(name)
+    if name == "qwen3.5-0.8b":
+        return small_preset_configs()
     div = {"qwen3.5-9b": 1, "tiny-9b-shape": 32}[name]
     L = 32
     target = M.TargetConfig(
@@ -54,6 +56,29 @@ def preset_configs(name: str) -> tuple:
         num_attention_heads=32, num_key_value_heads=8, head_dim=128 // div, vocab_size=target.vocab_size,
         target_layer_ids=[1, 8, 15, 22, 29], mask_token_id=target.vocab_size - 1, block_size=16,
         num_target_layers=L, rope_theta=1e7)
+    return target, draft
+
+
+def small_preset_configs() -> tuple:
+    """qwen3.5-0.8b: the text model of Qwen/Qwen3.5-0.8B as its model card describes it: 24 layers
+    [GDN x3, attention] x 6, hidden 1024, FFN 3584, 8 q / 2 kv heads of 256, GDN 16 key / 16 value heads of 128,
+    vocab 248320, tied embeddings (the lm_head is the embedding table), rope theta 1e7. On a CPU it is the
+    memory-bound regime: a float32 decode step reads about 3 GB of weights, far more than any cache holds.
+    Drafter: 5 layers of the target's width at block 16 with Qwen3-0.6B-style layers (16 q / 8 kv heads of 128,
+    FFN 3072) reading target layers 1, 6, 11, 16, 21 (z-lab's spacing rule): an assumption, as no drafter for
+    this size was read here."""
+    L = 24
+    target = M.TargetConfig(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=L,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(L)],
+        rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10], max_position_embeddings=262144,
+        tie_word_embeddings=True)
+    draft = M.DraftConfig(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, vocab_size=target.vocab_size, target_layer_ids=ckpt.default_target_layer_ids(L, 5),
+        mask_token_id=target.vocab_size - 1, block_size=16, num_target_layers=L, rope_theta=1e7)
     return target, draft
 
 
