@@ -3,9 +3,11 @@
 The rule. A round of k is worth gain(k) = tokens(k) x plain seconds / round seconds(k) plain steps, where tokens(k)
 is what recent rounds committed per live row (a round of K also tells what a round of any k <= K would have
 committed: min(committed, k)) and both seconds are medians timed over the same stretch of steps (Costs). Rounds use
-the best k and go on while its gain >= 1; after plain steps they come back when it reaches 1 + `margin`. While
-rounds lose, a probe round re-measures the acceptance every `wait` plain steps, the wait keeping the probes' loss
-under `budget` of the time. Rounds are given up for good (`feeds` False: plain steps no longer keep features for
+the best k and go on while its gain >= 1; after plain steps they come back when it reaches 1 + `margin`. Rounds
+verify the whole block until the acceptance holds `min_samples` rows and the best block's gain is below 1 +
+`margin`; from then on the shorter blocks are timed too (`min_rounds` times each). While rounds lose, a probe
+round re-measures the acceptance every `wait` plain steps, the wait keeping the probes' loss under `budget` of the
+time. Rounds are given up for good (`feeds` False: plain steps no longer keep features for
 the drafter's context, so they cost exactly AR's) when one of these holds once every block is timed `min_rounds`
 times:
   - even a whole block accepted could not pay at any k (k x plain / round(k) < 1 - margin);
@@ -129,6 +131,7 @@ class Policy:
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
         self.streak = 0                                     # rounds since the last plain step
         self.retiming = False                               # the next step is a plain step, timed (observe_plain)
+        self.shortening = False                             # shorter blocks than the whole are being timed
 
     def reset(self) -> None:
         """A new run of requests (the measurements are kept)."""
@@ -144,9 +147,8 @@ class Policy:
             return 0            # plain steps time one: the first ones, and two after every `explore` rounds in a row
         if not self.feeds:
             return 0
-        k = self.costs.least_timed()
-        if not self.costs.seconds[k]:
-            return k            # at the start every block is timed once, the whole block first
+        if not self.costs.seconds[self.blocks[0]]:
+            return self.blocks[0]       # the whole block first: its rounds measure every block's acceptance
         return self.k if self.since >= self.next_probe else 0
 
     def observe_round(self, committed: list, k: int, seconds: float) -> None:
@@ -166,6 +168,11 @@ class Policy:
             self.ledger_rows, self.ledger_rounds = self.ledger_rows + len(committed), self.ledger_rounds + 1
         best = self.costs.best()
         gain, tokens = self.costs.gain(best), statistics.mean(self.costs.tokens[best])
+        # Shorter blocks are timed from when the acceptance holds min_samples rows and the best block does not pay
+        # by the margin: until then (a text's first rounds are its worst, and a round's acceptance says little:
+        # most commit a few tokens, a few the whole block) every round verifies the whole block, which measures
+        # the acceptance of every block. Each timing of a shorter block costs a round that commits at most its k.
+        self.shortening = self.shortening or (self.rows_seen >= self.min_samples and gain < 1 + self.margin)
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
         if self.next_probe and (self.rows_seen < self.min_samples or not self.timed()):
             self.next_probe = self.first_wait       # too few rows, or blocks timed too few times: probe again soon
@@ -199,12 +206,13 @@ class Policy:
         return int(min(self.max_wait, max(self.first_wait, loss / self.budget)))
 
     def _next_block(self, best: int, explore: bool) -> int:
-        """The best block, or when exploring a block timed fewer than `min_rounds` times, else (while rounds go on,
-        and on every other probe) the next longer block than the best, whose acceptance a round of best cannot show."""
+        """The best block, or when exploring a block timed fewer than `min_rounds` times (once shorter blocks are
+        timed at all: `shortening`), else (while rounds go on, and on every other probe) the next longer block than
+        the best, whose acceptance a round of best cannot show."""
         if not explore:
             return best
         fewest = self.costs.least_timed()
-        if len(self.costs.seconds[fewest]) < self.min_rounds:
+        if self.shortening and len(self.costs.seconds[fewest]) < self.min_rounds:
             return fewest
         longer = [j for j in self.blocks if j > best]
         return longer[-1] if longer and (self.next_probe == 0 or self.rounds % 2) else best
