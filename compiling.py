@@ -7,6 +7,7 @@ before each call, and what stands in for them.
     model_state       what compiled steps take as fixed in the models; the Engine compares it once per generation.
     ModelGuard        the models an engine's compiled steps read, their model_state, and that comparison.
     mark_static_      a cache's tensors as static addresses (CUDA graphs replay steps that write them).
+    graph_counts      graphs inductor compiled so far in this process, and graphs its on-disk cache served.
 
 One-row products on a CPU. MKL's sgemm of one row streams the weights at about half the rate of inductor's own
 vectorised loops, which its `decompose_mm_pass` writes for products of one row; the pass's CPU size limit (both
@@ -122,3 +123,12 @@ def mark_static_(cache) -> None:
         for t in vars(layer).values():
             if isinstance(t, torch.Tensor):
                 torch._dynamo.mark_static_address(t, guard=False)
+
+
+def graph_counts() -> dict:
+    """{"graphs_compiled": graphs inductor generated code for, "graphs_cached": graphs its on-disk FX graph cache
+    served} so far in this process. A second run of the same command (same shapes, options, torch and, with
+    --products auto, the same cached choice of products) finds every graph in the cache: 0 compiled."""
+    from torch._dynamo.utils import counters
+    c = counters["inductor"]
+    return {"graphs_compiled": c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"], "graphs_cached": c["fxgraph_cache_hit"]}

@@ -31,6 +31,7 @@ import time
 import torch
 
 import chat
+import compiling
 import dflash
 import eagle3
 import flex
@@ -435,14 +436,17 @@ def main(argv=None) -> int:
         """One generation of the prompt on either engine (the same call)."""
         return engine.generate(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
 
-    compile_seconds = 0.0
+    compile_seconds, graphs = 0.0, {"graphs_compiled": 0, "graphs_cached": 0}
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
             "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
-        t0 = time.perf_counter()       # every step kind a policy may take, the sampled ones when sampling
+        t0, before = time.perf_counter(), compiling.graph_counts()
+        # every step kind a policy may take, the sampled ones when sampling
         engine.warm_up([dflash.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)])
         compile_seconds = time.perf_counter() - t0
-        say(f"compiled in {compile_seconds:.1f} s")
+        graphs = {k: v - before[k] for k, v in compiling.graph_counts().items()}
+        say(f"compiled in {compile_seconds:.1f} s ({graphs['graphs_compiled']} graphs compiled, "
+            f"{graphs['graphs_cached']} from inductor's cache)")
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
     samples, label = [], ""
     try:
@@ -466,7 +470,7 @@ def main(argv=None) -> int:
                    parallel=parallel)
         print(json.dumps({
             **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
-            "draft_rule": draft_rule_of(args, proposer),
+            "draft_rule": draft_rule_of(args, proposer), **graphs,
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
                if as_chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths, "seed": r.seed}
@@ -745,7 +749,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
         if args.json:
             print(json.dumps({"index": i, **result_fields(res, args, tokenizer, proposer, run, req.sampling, res.seed),
-                              "draft_rule": draft_rule_of(args, proposer),
+                              "draft_rule": draft_rule_of(args, proposer), **graphs,
                               "concurrency": slots,
                               **(chat.chat_fields(tokenizer, res.output_ids, list(req.stop_ids), thinking, tools)
                                  if as_chat else {"chat": False})}))

@@ -1,13 +1,17 @@
 """torch.compile of the step functions: one graph per step kind, no recompiles after warm-up, same tokens."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import compiling
 import cppwrapper
 import dflash
-from helpers import HAS_EMBEDDED_PAIR, embedded_pair
+from helpers import HAS_EMBEDDED_PAIR, ROOT, embedded_pair
 
 
 def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
@@ -148,7 +152,8 @@ def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
     """`generate.py --compile` for two prompts of different lengths (one process, a fresh inductor cache): the
     default cache length is the same power of two for both, so the second run compiles no graph anew (with
     caches sized exactly, its new shapes would). Across processes the same shapes make inductor's on-disk
-    cache serve the graphs. Each run says that it compiles and how long it took."""
+    cache serve the graphs: a second process compiles none. Each run says that it compiles, how long it took and
+    how many graphs it compiled."""
     import json
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -169,6 +174,16 @@ def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
     assert c2.get("fxgraph_cache_miss", 0) == c1["fxgraph_cache_miss"], (c1, c2)     # the second compiled nothing
     for err in (err1, err2):
         assert "compiling the step functions for a 256-position cache" in err and "compiled in " in err, err
+    assert first["graphs_compiled"] > 0 and second["graphs_compiled"] == 0
+    # a second process running the first command again: every graph from inductor's on-disk cache, none compiled
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "generate.py", "--prompt", "def f(x):", *flags,   # the suite's 1 thread:
+                           "--threads", str(torch.get_num_threads())], cwd=ROOT, env=env,        # threads shape the code
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    third = json.loads(done.stdout.strip().splitlines()[-1])
+    assert third["graphs_compiled"] == 0 and third["graphs_cached"] > 0, third
+    assert third["output_ids"] == first["output_ids"] and "graphs compiled, " in done.stderr
 
 
 def test_default_capacity_is_a_power_of_two():
