@@ -13,6 +13,7 @@ The last stdout line is one JSON object. Machines are noisy: compare ratios meas
 
     python bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
     python bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU, seconds
+    python bench.py --preset qwen3.5-0.8b --random-weights --compile --threads 2   # a real small size on a CPU (memory-bound)
     python bench.py --preset qwen3.5-35b-a3b --random-weights      # mixture of experts: a GPU (about 70 GB of bf16 weights)
     python bench.py --preset tiny-35b-a3b-shape --random-weights   # its layers, experts and routing at 1/32 width, CPU
 
