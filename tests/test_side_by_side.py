@@ -68,7 +68,7 @@ def test_tables(sbs):
 def test_bench_commands(sbs):
     emb = sbs.bench_cmd("py", "embedded", "bf16", 2, 3)
     assert emb[:7] == ["py", "bench.py", "--compile", "--threads", "2", "--dtype", "bfloat16"]
-    assert [emb[i + 1] for i, a in enumerate(emb) if a == "--prompt"] == sbs.PROMPTS and "--repeat" in emb
+    assert [emb[i + 1] for i, a in enumerate(emb) if a == "--prompt"] == sbs.PROMPTS and "--repeat" in emb and "--no-adaptive" in emb
     small = sbs.bench_cmd("py", "0.8b", "f32", 1, 3)
     assert small[small.index("--preset") + 1] == "qwen3.5-0.8b" and "--random-weights" in small
 

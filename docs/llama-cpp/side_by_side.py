@@ -14,14 +14,13 @@ venv and GGUFs of the embedded pair are used as they are. Two models:
 
 Per GGUF, llama.cpp's own step timer, `llama-bench -p 16 -n N -r R -t T -o json`, gives tg (ms per generated
 token: 1000 / its mean tokens per second) and pp16 (ms per 16-token batch). Ours: `bench.py --compile --threads T
---dtype D` in a subprocess, its last JSON line read for decode, verify (16 tokens) and draft ms; on the embedded pair
-the recipe's three prompts, 128 tokens, --repeat 3, which also gives our AR and DFlash tok/s. On the embedded pair
-llama-server runs the same three prompts (as token ids, greedy, 128 tokens, EOS ignored), plain and with
+--dtype D` in a subprocess, its last JSON line read for decode, verify (16 tokens) and draft ms; on the embedded
+pair the recipe's three prompts, 128 tokens, --no-adaptive --repeat 3, which also gives our AR and DFlash tok/s. On
+the embedded pair llama-server runs the same three prompts (as token ids, greedy, 128 tokens, EOS ignored), plain and with
 `-md DRAFTER --spec-type draft-dflash --spec-draft-n-max 15`, and its `timings.predicted_per_second` is read (the
 median over repeats, then over prompts, as bench.py takes ours). The random 0.8B gets no tok/s: its drafter's
-proposals are noise. Our DFlash is bench.py's default, adaptive (policy.py: plain steps where rounds lose, shorter
-verify blocks tried once the full one has samples), so its verify ms is the median over the rounds' blocks; llama.cpp
-drafts 15 tokens every round (its accepted / drafted counts are in the JSON).
+proposals are noise. Our DFlash runs pure rounds (`--no-adaptive`: every round drafts 15 tokens and verifies 16, as
+llama.cpp's drafts 15 every round; its accepted / drafted counts are in the JSON), so verify(16) is exactly that.
 
 Printed: one markdown table per model (rows: dtype, threads), the CPU, the date and the llama.cpp build, then one
 JSON line with every number. Progress goes to stderr. A WORKDIR without the recipe's outputs is one error line and
@@ -240,7 +239,7 @@ def bench_cmd(python: str, model: str, dtype: str, threads: int, repeat: int) ->
     cmd = [python, "bench.py", "--compile", "--threads", str(threads), "--dtype", DTYPES[dtype]]
     if model == "0.8b":
         return cmd + ["--preset", "qwen3.5-0.8b", "--random-weights", "--max-new-tokens", "16", "--prompt-len", "64"]
-    return cmd + ["--repeat", str(repeat)] + [a for p in PROMPTS for a in ("--prompt", p)]
+    return cmd + ["--no-adaptive", "--repeat", str(repeat)] + [a for p in PROMPTS for a in ("--prompt", p)]
 
 
 def parse_bench(stdout: str) -> dict:
@@ -353,7 +352,7 @@ def report(result: dict) -> str:
     s = result["settings"]
     out = [f"CPU: {result['cpu']}; date: {result['date']}", f"llama.cpp: {result['llama_cpp'] or 'not run'}",
            f"llama-bench -p {PP} -n {s['n_gen']} -r {s['repetitions']}; ours: bench.py --compile "
-           f"(embedded: 3 prompts x {s['n_predict']} tokens, --repeat {s['repeat']}; 0.8b: --prompt-len 64 "
+           f"(embedded: 3 prompts x {s['n_predict']} tokens, --no-adaptive --repeat {s['repeat']}; 0.8b: --prompt-len 64 "
            f"--max-new-tokens 16)"]
     for model, rows in result["models"].items():
         out += ["", f"### {TITLES[model]}", "", format_table(model, rows)]
