@@ -738,7 +738,9 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
     engine = dflash.Engine(target, proposer, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy, ATTENTION[args.attention])
-    compile_seconds = warm_up(engine, reqs) if args.compile else 0.0
+    compile_seconds, graphs = 0.0, {"graphs_compiled": 0, "graphs_cached": 0}
+    if args.compile:
+        compile_seconds, graphs = warm_up(engine, reqs)
     t0 = time.perf_counter()
     results = engine.run(reqs)
     wall = time.perf_counter() - t0
@@ -764,14 +766,17 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     return 0
 
 
-def warm_up(engine, reqs: list) -> float:
-    """--compile with --prompts-file: Batch.warm_up before the timed run, said and timed -> seconds."""
+def warm_up(engine, reqs: list) -> tuple:
+    """--compile with --prompts-file: Batch.warm_up before the timed run, said and timed -> (seconds, graph counts:
+    compiling.graph_counts over the warm-up)."""
     say(f"compiling the batch's step functions ({engine.slots} slots, a {engine.capacity}-position cache)...")
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), compiling.graph_counts()
     engine.warm_up(reqs)
     seconds = time.perf_counter() - t0
-    say(f"compiled in {seconds:.1f} s")
-    return seconds
+    graphs = {k: v - before[k] for k, v in compiling.graph_counts().items()}
+    say(f"compiled in {seconds:.1f} s ({graphs['graphs_compiled']} graphs compiled, {graphs['graphs_cached']} from "
+        "inductor's cache)")
+    return seconds, graphs
 
 
 class Output:

@@ -3,13 +3,14 @@
 The rule. A round of k is worth gain(k) = tokens(k) x plain seconds / round seconds(k) plain steps, where tokens(k)
 is what recent rounds committed per live row (a round of K also tells what a round of any k <= K would have
 committed: min(committed, k)) and both seconds are medians timed over the same stretch of steps (Costs). Rounds use
-the best k and go on while its gain >= 1; after plain steps they come back when it reaches 1 + `margin`. Rounds
-verify the whole block until the acceptance holds `min_samples` rows and the best block's gain is below 1 +
-`margin`; from then on the shorter blocks are timed too (`min_rounds` times each). While rounds lose, a probe
-round re-measures the acceptance every `wait` plain steps, the wait keeping the probes' loss under `budget` of the
-time. Rounds are given up for good (`feeds` False: plain steps no longer keep features for
-the drafter's context, so they cost exactly AR's) when one of these holds once every block is timed `min_rounds`
-times:
+the best k and go on while its gain >= 1; after plain steps they come back when it reaches 1 + `margin`. The first
+rounds go on whatever they commit until their acceptance holds `opening` rows (16: sixteen rounds of one request,
+two of eight), unless even a whole block accepted could not pay. Rounds verify the whole block until the
+acceptance holds `min_samples` rows and the best block's gain is below 1 + `margin`; from then on the shorter
+blocks are timed too (`min_rounds` times each). While rounds lose, a probe round re-measures the acceptance every
+`wait` plain steps, the wait keeping the probes' loss under `budget` of the time. Rounds are given up for good
+(`feeds` False: plain steps no longer keep features for the drafter's context, so they cost exactly AR's) when one
+of these holds once every block is timed `min_rounds` times:
   - even a whole block accepted could not pay at any k (k x plain / round(k) < 1 - margin);
   - `patience` probes in a row lost by more than the margin, or probes in a row near break-even stalled (4 x
     `patience` of them, or `patience` holding 4 x `min_samples` rows) over at least `max_wait` plain steps or
@@ -113,8 +114,9 @@ class Policy:
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
                  blocks: tuple | None = None, explore: int = 16, min_samples: int = 32, first_plain: int = 3,
-                 settle: float = 2.0):
+                 settle: float = 2.0, opening: int = 16):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
+        self.opening = opening
         self.settle, self.first_plain = settle, first_plain
         self.min_rounds, self.patience, self.explore, self.min_samples = min_rounds, patience, explore, min_samples
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
@@ -176,6 +178,8 @@ class Policy:
         self.next_probe = 0 if gain >= (1 if speculating else 1 + self.margin) else self.wait(gain, tokens)
         if self.next_probe and (self.rows_seen < self.min_samples or not self.timed()):
             self.next_probe = self.first_wait       # too few rows, or blocks timed too few times: probe again soon
+        if self.rows_seen < self.opening and self.costs.full_block_gain() >= 1 - self.margin:
+            self.next_probe = 0     # the opening: rounds go on until their acceptance holds `opening` rows
         self.k = self._next_block(best, explore=self.next_probe > 0 or self.rounds % self.explore == 0)
         self._judge(gain, len(committed), waited)
 

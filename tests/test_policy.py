@@ -39,12 +39,13 @@ def drive(policy, steps, round_s, tokens, plain_s=0.001, rows=4, blocks=None):
 
 
 def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
-    """One verify block (blocks=(16,)): rounds or plain steps, from the measured costs."""
-    p = Policy(block=16, blocks=(16,))
+    """One verify block (blocks=(16,)): rounds or plain steps, from the measured costs (no opening: these are the
+    decisions after it, test_policy_opening_rounds_go_on_until_their_rows_are_in)."""
+    p = Policy(opening=0, block=16, blocks=(16,))
     assert drive(p, 40, round_s=0.004, tokens=6) == "..." + ("R" * 16 + "..") * 2 + "R"   # 6 tokens for 4 plain
     # steps: rounds, with two plain steps after every 16 (the second re-times one: the first after a round also
     # carries the round's features into the drafter's context)
-    p = Policy(block=16, blocks=(16,))
+    p = Policy(opening=0, block=16, blocks=(16,))
     kinds = drive(p, 400, round_s=0.010, tokens=6, rows=8)                      # 6 tokens for 10 plain steps: loses
     assert kinds.startswith("...R.") and kinds.count("R") <= 8 and p.feeds      # probes, a few; a full block could pay
     waits = [len(w) for w in kinds.split("R")[1:-1]]                            # every 4 steps until 32 rows' acceptance
@@ -53,25 +54,42 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     kinds += drive(p, 1600, round_s=0.010, tokens=6, rows=8)
     assert kinds.count("R") == 8 and not p.feeds and kinds.endswith("." * 500)  # timed 3 times and 32 rows seen: 4
     #                                                                             losing probes: given up
-    p = Policy(block=16, blocks=(16,))
+    p = Policy(opening=0, block=16, blocks=(16,))
     kinds = drive(p, 1200, round_s=0.0065, tokens=6)              # losing within the margin: probes every 4 steps for
     assert kinds.count("R") == 29 and not p.feeds and kinds.endswith("." * 500)   # 32 rows, then every 26: given up
     #                                                                               when 16 in a row span 512 steps
-    p = Policy(block=16, blocks=(16,))
+    p = Policy(opening=0, block=16, blocks=(16,))
     kinds = drive(p, 1200, round_s=0.0057, tokens=6, rows=1)      # gain 1.05, one row: short of 1.1; probes every
     assert kinds.count("R") == 160 and not p.feeds                # 5 steps, given up once they span 512 plain steps
-    p = Policy(block=16, blocks=(16,))
+    p = Policy(opening=0, block=16, blocks=(16,))
     assert drive(p, 1200, round_s=0.0065, tokens=6, rows=1).count("R") == 64 and not p.feeds   # losing, one row: 32
     #                         probes at 4-step waits (they never count to give up), then 32 more spanning 512 steps
-    p = Policy(block=16, blocks=(16,))
+    p = Policy(opening=0, block=16, blocks=(16,))
     assert drive(p, 600, round_s=0.005, tokens=6, rows=1).count(".") < 80 and p.feeds          # paying, one row
-    p = Policy(block=16, blocks=(16,))
+    p = Policy(opening=0, block=16, blocks=(16,))
     kinds = drive(p, 300, round_s=0.020, tokens=15)                             # 20 plain steps a round: never pays
     assert kinds.count("R") == 3 and not p.feeds and kinds.endswith("." * 200)  # given up, the context unfed
-    p = Policy(block=16, blocks=(16,))      # one row whose first round commits 1 token (a text's first rounds
+    p = Policy(opening=0, block=16, blocks=(16,))      # one row whose first round commits 1 token (a text's first rounds
     assert drive(p, 4, round_s=0.005, tokens=1, rows=1) == "...R"       # are its worst): a probe again after 4 plain
     kinds = drive(p, 60, round_s=0.005, tokens=6, rows=1)                           # steps, not after 200, and rounds
     assert kinds.startswith("....R") and "RRR" in kinds                               # again once the mean pays
+
+
+def test_policy_opening_rounds_go_on_until_their_rows_are_in():
+    """A text's first rounds are its worst: rounds go on whatever they commit until their acceptance holds 16 rows
+    (sixteen rounds of one row, two of eight), then the rule decides; not when even a whole block accepted could
+    not pay (20 plain steps a round)."""
+    p = Policy(block=16, blocks=(16,))
+    kinds = drive(p, 60, round_s=0.005, tokens=1, rows=1)          # 1 token for 5 plain steps: loses
+    assert kinds == "..." + "R" * 16 + "....R" * 8 + "."          # then quick probes until 32 rows are in
+    p = Policy(block=16, blocks=(16,))
+    assert drive(p, 10, round_s=0.005, tokens=1, rows=8).startswith("...RR.")
+    p = Policy(block=16, blocks=(16,))
+    assert drive(p, 10, round_s=0.020, tokens=15, rows=1).startswith("...R.")
+    p = Policy(block=16, blocks=(16,))                               # one row whose first rounds commit 1 token,
+    kinds = drive(p, 10, round_s=0.005, tokens=1, rows=1)            # then the text turns easy: rounds go on
+    kinds += drive(p, 60, round_s=0.005, tokens=12, rows=1)         # (two plain steps after every 16: re-timing)
+    assert kinds == "..." + ("R" * 16 + "..") * 3 + "R" * 13
 
 
 def test_policy_gives_rounds_up_when_they_do_not_pay_for_the_drafters_upkeep():
@@ -168,17 +186,17 @@ def test_policy_charges_the_switch_after_a_round_to_that_round():
     into the drafter's context: 2 ms here). Probes of 5.2 ms for 6 tokens alone would look worth 1.15 plain steps
     and bring rounds back; with the switch, 7.2 ms (0.83): rounds stay off."""
     switch = lambda after_round: 0.003 if after_round else 0.001
-    p = Policy(block=16, blocks=(16,), min_samples=4, min_rounds=1)
+    p = Policy(opening=0, block=16, blocks=(16,), min_samples=4, min_rounds=1)
     drive(p, 30, round_s=0.010, tokens=6, plain_s=switch)                           # losing: plain steps, probes
     assert "RR" not in drive(p, 600, round_s=0.0052, tokens=6, plain_s=switch)
     assert statistics.median(p.costs.seconds[16]) == pytest.approx(0.0072)
-    p = Policy(block=16, blocks=(16,), min_samples=4, min_rounds=1)         # without a switch's cost the same
+    p = Policy(opening=0, block=16, blocks=(16,), min_samples=4, min_rounds=1)         # without a switch's cost the same
     drive(p, 30, round_s=0.010, tokens=6)                                           # probes bring rounds back
     assert "RRR" in drive(p, 600, round_s=0.0052, tokens=6)
 
 
 def test_policy_margin_keeps_noise_near_break_even_from_starting_rounds():
-    p = Policy(block=16, blocks=(16,), min_samples=4, min_rounds=1)     # (no quick probes after the first round)
+    p = Policy(opening=0, block=16, blocks=(16,), min_samples=4, min_rounds=1)     # (no quick probes after the first round)
     drive(p, 5, round_s=0.010, tokens=6)                                       # loses: plain steps
     assert drive(p, 20, round_s=0.0058, tokens=6).count("R") <= 1              # gain 1.03: not enough to come back
     assert "RRR" in drive(p, 600, round_s=0.005, tokens=6)                     # gain 1.2: rounds again
@@ -191,22 +209,22 @@ def test_policy_chooses_the_verify_block_that_pays_most():
     it loses) until the acceptance holds 32 rows, then times each shorter block and takes rounds of 4, with a round
     of 8 now and then (its acceptance re-measured); where no block pays it takes plain steps. Where the whole block
     pays, shorter blocks are never timed: rounds stay with it."""
-    assert verify_blocks(16) == (16, 8, 4, 2) and verify_blocks(6) == (6, 3) == Policy(block=6).blocks
-    p = Policy(block=16)
+    assert verify_blocks(16) == (16, 8, 4, 2) and verify_blocks(6) == (6, 3) == Policy(opening=0, block=6).blocks
+    p = Policy(opening=0, block=16)
     assert drive(p, 4, round_s=0.01, tokens=6) == "...R"          # one round of 16 estimates every shorter block
     assert {k: list(v) for k, v in p.costs.tokens.items()} == {16: [6], 8: [6], 4: [4], 2: [2]}
-    p, blocks = Policy(block=16), []
+    p, blocks = Policy(opening=0, block=16), []
     kinds = drive(p, 300, round_s=lambda k: 0.001 + 0.00045 * k, tokens=6, blocks=blocks)
     assert kinds.startswith("..." + "R...." * 8 + "RRRR") and kinds.count(".") < 70 and blocks[:8] == [16] * 8
     assert {8, 4, 2} <= set(blocks[8:40]) and blocks[40:].count(4) > 0.9 * len(blocks[40:]) and 8 in blocks[40:]
-    p, blocks = Policy(block=16), []                                   # 0.3 ms + 0.9 ms per token: none pays
+    p, blocks = Policy(opening=0, block=16), []                                   # 0.3 ms + 0.9 ms per token: none pays
     kinds = drive(p, 1000, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1, blocks=blocks)    # each block timed 3
     assert blocks[:8] == [16] * 8 and sorted(blocks[8:17]) == sorted([8, 4, 2] * 3)  # times once 32 rows are
     assert kinds.count("R") == 24 and kinds.endswith("." * 100) and not p.feeds      # in, then losing probes: given up
-    p = Policy(block=16)                                               # the same with one row: no verdict
+    p = Policy(opening=0, block=16)                                               # the same with one row: no verdict
     kinds = drive(p, 600, round_s=lambda k: 0.0003 + 0.0009 * k, tokens=1, rows=1)    # from 4 probes of one row
     assert p.feeds and kinds.count("R") > 8
-    p, blocks = Policy(block=16), []                                   # 3 ms + 0.1 ms per token, 12 accepted
+    p, blocks = Policy(opening=0, block=16), []                                   # 3 ms + 0.1 ms per token, 12 accepted
     kinds = drive(p, 200, round_s=lambda k: 0.003 + 0.0001 * k, tokens=12, blocks=blocks)
     assert blocks == [16] * len(blocks) and kinds.count(".") < 30                # the whole block pays: only it
     first = {}                                  # a slow moment of the machine times the first rounds of 8 and 4 at 3x
@@ -214,7 +232,7 @@ def test_policy_chooses_the_verify_block_that_pays_most():
     def noisy(k):
         first[k] = first.get(k, 0) + 1
         return (0.001 + 0.00045 * k) * (3 if k in (8, 4) and first[k] == 1 else 1)
-    p, blocks = Policy(block=16), []
+    p, blocks = Policy(opening=0, block=16), []
     kinds = drive(p, 300, round_s=noisy, tokens=6, blocks=blocks)     # probes re-time them: rounds of 4 again
     assert kinds.count("R") > 200 and blocks[-100:].count(4) > 90
     with pytest.raises(dflash.GenerationError, match="policy blocks"):
