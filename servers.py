@@ -5,6 +5,7 @@ response read back as a trace check.py reads, and many requests sent with N in f
                             /v1/completions with token ids (vLLM, SGLang), SGLang's native /generate
     send_all(url, api, prompts, n, timeout, model)   -> [Reply], in prompt order, n requests in flight at a time
     level_summary(outcomes, reference)               -> one concurrency's counts, worst request, batch invariance
+    free_port(), wait_healthy(proc, url, log_path)   a port for a local server; wait until its /health answers
 
 Every request asks for greedy decoding (temperature 0; top_k 1 where the API has it), the prompt as token ids,
 max_new_tokens tokens with the end-of-sequence token ignored, and the generated ids back. Field names are the
@@ -26,6 +27,31 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local server to listen on."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, log_path: str, seconds: float = 120) -> None:
+    """Wait until the server started as `proc` (a subprocess.Popen) answers 200 on url/health (llama-server's
+    readiness endpoint); raises RuntimeError naming its log if it exits or is not ready in `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server did not become healthy in {seconds:.0f} s; see {log_path}")
 
 
 class ReplyError(Exception):

@@ -6,11 +6,9 @@ on, and the counts, the worst request, the engine's batch invariance and the req
 input is one error line. With LLAMA_SERVER naming a llama-server binary (and the recipe's GGUFs), the real engine."""
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -225,9 +223,7 @@ def test_batch_variance_is_the_engine_against_itself(cases, tmp_path, capsys):
 def test_refused_connection_and_other_prompt_ids_are_reported_per_request(cases, tmp_path, capsys):
     """A server that is not there: every request one 'failed' line, the run ends with its JSON line (exit 1). A
     server that ran other prompt ids than were sent: not judged, said so."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = servers.free_port()             # nothing listens there
     path = prompts_file(tmp_path, [cases["ok0"][0], cases["ok1"][0]])
     rc, out, err, res = run_check(capsys, f"http://127.0.0.1:{port}", "sglang", path, "--concurrency", "2")
     assert rc == 1 and res["concurrency"][0]["errors"] == 2 and out.count("failed: cannot reach") == 2
@@ -314,9 +310,7 @@ def test_real_llama_server_with_slots(mode, tmp_path, capsys):
     target = os.path.join(gguf, "tiny-qwen35-f32.gguf")
     if not os.path.exists(target):
         pytest.skip(f"{target} not found (set LLAMA_GGUF_DIR to the recipe's WORKDIR/gguf)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = servers.free_port()
     cmd = [LLAMA_SERVER, "-m", target, "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1", "-c", "2048", "-np", "4"]
     if mode == "dflash":
         cmd += ["-md", os.path.join(gguf, "tiny-qwen35-dflash-f32.gguf"), "--spec-type", "draft-dflash",
@@ -324,16 +318,7 @@ def test_real_llama_server_with_slots(mode, tmp_path, capsys):
     with open(tmp_path / "server.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        for _ in range(600):
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("llama-server did not become healthy in 60 s: " + (tmp_path / "server.log").read_text()[-2000:])
+        servers.wait_healthy(proc, f"http://127.0.0.1:{port}", str(tmp_path / "server.log"), 60)
         rc = check.cli(["--server", f"http://127.0.0.1:{port}", "--api", "llama.cpp", "--concurrency", "1,4", "--heldout", "8",
                         "--max-new-tokens", "64", "--engine-dtype", "float32"])
         res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -35,12 +35,9 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\n\ndef main(argv):"]   # the recipe's
@@ -165,27 +162,6 @@ def server_cmd(wd: Workdir, target: str, draft: str | None, threads: int, port: 
     return cmd
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(proc, base: str, log_path: str, seconds: float = 120) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"llama-server did not become healthy in {seconds:.0f} s; see {log_path}")
-
-
 def prompt_ids() -> list:
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(REPO, "checkpoints", "tiny-qwen35", "tokenizer.json"))
@@ -199,14 +175,14 @@ def run_server(wd: Workdir, target: str, draft: str | None, threads: int, prompt
     "acceptance": accepted drafts / drafted, summed}."""
     import servers                   # the repository's HTTP client: the request check.py --server sends
     api = servers.APIS["llama.cpp"]
-    port = free_port()
+    port = servers.free_port()
     cmd = server_cmd(wd, target, draft, threads, port)
     log(" ".join(cmd))
     with open(log_path, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, base, log_path)
+        servers.wait_healthy(proc, base, log_path)
         servers.post(base + api.path, api.body(prompts[0], 16, None), 600)          # warm-up
         per_prompt, drafted, accepted = [], 0, 0
         for ids in prompts:
