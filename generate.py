@@ -436,17 +436,12 @@ def main(argv=None) -> int:
         """One generation of the prompt on either engine (the same call)."""
         return engine.generate(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
 
-    compile_seconds, graphs = 0.0, {"graphs_compiled": 0, "graphs_cached": 0}
+    compile_seconds, graphs = 0.0, NO_GRAPHS
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
-        say(f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more on a "
-            "CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
-        t0, before = time.perf_counter(), compiling.graph_counts()
-        # every step kind a policy may take, the sampled ones when sampling
-        engine.warm_up([dflash.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)])
-        compile_seconds = time.perf_counter() - t0
-        graphs = {k: v - before[k] for k, v in compiling.graph_counts().items()}
-        say(f"compiled in {compile_seconds:.1f} s ({graphs['graphs_compiled']} graphs compiled, "
-            f"{graphs['graphs_cached']} from inductor's cache)")
+        compile_seconds, graphs = warm_up(
+            engine, [dflash.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)],
+            f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more "
+            "on a CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
     samples, label = [], ""
     try:
@@ -738,9 +733,10 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
     engine = dflash.Engine(target, proposer, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy, ATTENTION[args.attention])
-    compile_seconds, graphs = 0.0, {"graphs_compiled": 0, "graphs_cached": 0}
+    compile_seconds, graphs = 0.0, NO_GRAPHS
     if args.compile:
-        compile_seconds, graphs = warm_up(engine, reqs)
+        compile_seconds, graphs = warm_up(engine, reqs, f"compiling the batch's step functions ({engine.slots} slots, "
+                                                        f"a {engine.capacity}-position cache)...")
     t0 = time.perf_counter()
     results = engine.run(reqs)
     wall = time.perf_counter() - t0
@@ -766,10 +762,14 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     return 0
 
 
-def warm_up(engine, reqs: list) -> tuple:
-    """--compile with --prompts-file: Batch.warm_up before the timed run, said and timed -> (seconds, graph counts:
-    compiling.graph_counts over the warm-up)."""
-    say(f"compiling the batch's step functions ({engine.slots} slots, a {engine.capacity}-position cache)...")
+NO_GRAPHS = {"graphs_compiled": 0, "graphs_cached": 0}      # the graph counts of a run that compiles nothing
+
+
+def warm_up(engine, reqs: list, intro: str) -> tuple:
+    """--compile: Engine.warm_up on `reqs` before the timed run (every step kind a policy may take, the sampled ones
+    when sampling), said (`intro`, then the seconds and graph counts) -> (seconds, graph counts over the warm-up:
+    compiling.graph_counts)."""
+    say(intro)
     t0, before = time.perf_counter(), compiling.graph_counts()
     engine.warm_up(reqs)
     seconds = time.perf_counter() - t0
