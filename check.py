@@ -373,7 +373,8 @@ def seeded_scores(z: torch.Tensor, case: Case) -> torch.Tensor:
     its draw in the engine is argmax p / E = argmax of these scores (p = softmax(z / T) restricted)."""
     s = dflash.Sampling(case.temperature, case.top_p, case.top_k)
     pos = len(case.prompt_ids) + torch.arange(z.shape[0], device=z.device)
-    e = noise.vocab_noise(torch.tensor(noise.seed_key(case.seed), device=z.device), pos, z.shape[-1]).double()
+    e = noise.vocab_noise(torch.tensor(noise.seed_key(case.seed), device=z.device), pos,
+                          noise.vocab_keys(z.shape[-1], z.device)).double()
     kept = dflash.sampling_probs(z, s) > 0
     return torch.where(kept, z - case.temperature * e.log(), float("-inf"))
 

@@ -414,6 +414,7 @@ class Slots:
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.ratio = torch.zeros(slots, dtype=torch.bool, device=dev)     # a sampled row under the ratio rule
+        self.vocab_keys = noise.vocab_keys(target.cfg.vocab_size, dev)    # [V]: the noise's per-token half
         # each row's RoPE position = its cache position + rope_delta: 0 for text, after a prompt with images the
         # offset its 3-D image positions leave (vision.py)
         self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -454,7 +455,7 @@ class Slots:
                 if c is not None:
                     compiling.mark_static_(c)
             buffers = self.pending.buffers() if self.pending is not None else ()
-            for t in (self.last, self.start, self.keys, self.top_k, self.temperature, self.top_p, self.ratio,
+            for t in (self.last, self.start, self.keys, self.vocab_keys, self.top_k, self.temperature, self.top_p, self.ratio,
                       self.rope_delta, *buffers):
                 torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)
@@ -468,7 +469,7 @@ class Slots:
     def _choose(self, logits, at):
         if not self.sampled:
             return logits.argmax(-1)
-        return choose(logits, at, self.keys, self.temperature, self.top_p, self.top_k, self.cuts)
+        return choose(logits, at, self.keys, self.vocab_keys, self.temperature, self.top_p, self.top_k, self.cuts)
 
     def _decode(self, tok, pos):
         """One AR step for every row."""
@@ -495,8 +496,8 @@ class Slots:
         if q is None:
             posterior = self._choose(logits, pos + 1)                                    # [N,k]
         else:                    # (sampled drafts: some row samples) the draw's probabilities and noise kept
-            posterior, probs, expo = choose(logits, pos + 1, self.keys, self.temperature, self.top_p, self.top_k,
-                                            self.cuts, with_draw=True)
+            posterior, probs, expo = choose(logits, pos + 1, self.keys, self.vocab_keys, self.temperature, self.top_p,
+                                            self.top_k, self.cuts, with_draw=True)
         accepted = (block[:, 1:] == posterior[:, :-1]).int().cumprod(1).sum(1)          # [N]
         if q is not None:
             u = noise.accept_uniforms(self.keys[:, None], pos[:, 1:])
@@ -636,7 +637,7 @@ class Engine(Slots):
                                     rope_pos=None if img is None else img.rope_pos,
                                     image_embeds=None if img is None else img.embeds)
         row = slice(b, b + 1)
-        first = int(choose(logits[:, -1:], pos[-1:][None] + 1, self.keys[row], self.temperature[row], self.top_p[row],
+        first = int(choose(logits[:, -1:], pos[-1:][None] + 1, self.keys[row], self.vocab_keys, self.temperature[row], self.top_p[row],
                            self.top_k[row], (s.top_k > 0, s.top_p < 1))[0, 0])
         if self.feeding:
             t1 = time.perf_counter()

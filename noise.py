@@ -71,10 +71,9 @@ def _vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 
 def vocab_keys(vocab_size: int, device) -> torch.Tensor:
-    """token_keys of the whole vocabulary [V]: kept once per vocabulary size and device in eager code (half the
-    work of a draw's noise), recomputed inside a compiled step, where it fuses into the draw's single loop."""
-    if torch.compiler.is_compiling():
-        return token_keys(torch.arange(vocab_size, device=device))
+    """token_keys of the whole vocabulary [V] int64, kept once per vocabulary size and device: half the work of a
+    draw's noise. A compiled step reads them as an input (dflash.Engine.vocab_keys) rather than hashing the
+    vocabulary itself: the same numbers, and inductor generates code for a third of the hash's operations."""
     return _vocab_keys(vocab_size, torch.device(device))
 
 
@@ -95,10 +94,11 @@ def exponentials(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return _exponentials(rows, token_keys(ids))
 
 
-def vocab_noise(key: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_noise(key: torch.Tensor, pos: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     """E(TARGET, t, v) for every token v at each position t of pos [R] -> float32 [R, V]: what draws the token
-    that lands at t. A batch of requests, each with its own seed: key [N, 1], pos [N, R] -> [N, R, V]."""
-    return _exponentials(row_keys(key, pos, TARGET), vocab_keys(vocab_size, pos.device))
+    that lands at t; vocab: vocab_keys(V, device). A batch of requests, each with its own seed: key [N, 1],
+    pos [N, R] -> [N, R, V]."""
+    return _exponentials(row_keys(key, pos, TARGET), vocab)
 
 
 def accept_uniforms(key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -100,15 +100,16 @@ def sampling_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return p.reshape(shape)
 
 
-def choose(logits, at, keys, temperature, top_p, top_k, cuts=(True, True), with_draw=False):
+def choose(logits, at, keys, vocab, temperature, top_p, top_k, cuts=(True, True), with_draw=False):
     """The tokens that fill positions at [N,T] from logits [N,T,V]: a greedy row's argmax (temperature 0), a sampled
-    row's draw at its settings with the noise of its seed's key (keys [N]) at those positions (noise.py) -> [N,T].
+    row's draw at its settings with the noise of its seed's key (keys [N]) at those positions (noise.py; vocab:
+    noise.vocab_keys(V)) -> [N,T].
     The same position of the same seed draws the same token whatever step fills it (a plain step, a round's
     verify row, a prefill). cuts: as row_probs. with_draw: also return what the draw read, (tokens, probs [N,T,V],
     noise [N,T,V]) (the ratio rule reads them)."""
     greedy = temperature == 0
     probs = row_probs(logits, torch.where(greedy, 1.0, temperature), top_p, top_k, cuts)
-    expo = noise.vocab_noise(keys[:, None], at, logits.shape[-1])
+    expo = noise.vocab_noise(keys[:, None], at, vocab)
     tokens = torch.where(greedy[:, None], logits.argmax(-1), draw(probs, expo))
     return (tokens, probs, expo) if with_draw else tokens
 

@@ -148,15 +148,15 @@ def test_mix32_is_lowbias32_on_ints_and_tensors():
 
 def test_noise_is_a_function_of_seed_stream_position_and_token():
     key = torch.tensor(noise.seed_key(7))
-    pos = torch.tensor([5, 9, 5, 1000])
-    e = noise.vocab_noise(key, pos, 64)
+    pos, vocab = torch.tensor([5, 9, 5, 1000]), noise.vocab_keys(64, "cpu")
+    e = noise.vocab_noise(key, pos, vocab)
     assert torch.equal(e[0], e[2]) and not torch.equal(e[0], e[1])          # the same position, the same numbers
-    assert torch.equal(e[1], noise.vocab_noise(key, torch.tensor([9]), 64)[0])  # whatever else is computed beside it
+    assert torch.equal(e[1], noise.vocab_noise(key, torch.tensor([9]), vocab)[0])  # whatever else is computed beside it
     # a candidate subset sees the same numbers as the whole vocabulary at those token ids (a coupled draft's race)
     ids = torch.tensor([[3, 60, 11], [0, 1, 2], [63, 62, 7], [5, 5, 5]])
     sub = noise.exponentials(noise.row_keys(key, pos, noise.TARGET), ids)
     assert torch.equal(sub, e.gather(1, ids))
-    other = noise.vocab_noise(torch.tensor(noise.seed_key(8)), pos, 64)
+    other = noise.vocab_noise(torch.tensor(noise.seed_key(8)), pos, vocab)
     assert not torch.equal(e, other)
     rows = noise.row_keys(key, pos, noise.DRAFT)
     assert not torch.equal(noise.exponentials(rows, torch.arange(64)), e)     # streams differ
