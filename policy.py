@@ -61,7 +61,7 @@ class Costs:
         self._memo.pop(k, None)
         for j in self.blocks:
             if j <= k:          # what a round of j would have committed per row: min(committed, j)
-                self.tokens[j].append(statistics.mean(min(c, j) for c in committed))
+                self.tokens[j].append(statistics.fmean(min(c, j) for c in committed))
 
     def add_plain(self, seconds: float) -> None:
         self.plain.append(seconds)
@@ -86,7 +86,7 @@ class Costs:
     def gain(self, k: int) -> float:
         """Plain steps a round of k is worth: its mean tokens per row x plain seconds / its seconds."""
         plain_s, round_s = self.costs(k)
-        return statistics.mean(self.tokens[k]) * plain_s / round_s
+        return statistics.fmean(self.tokens[k]) * plain_s / round_s
 
     def best(self) -> int:
         """The block whose round is worth the most plain steps, among those timed."""
@@ -166,10 +166,10 @@ class Policy:
             self.next_probe = 0
             return
         if self.timed():
-            self.ledger += statistics.mean(committed) * self.costs.costs(k)[0] - seconds
+            self.ledger += statistics.fmean(committed) * self.costs.costs(k)[0] - seconds
             self.ledger_rows, self.ledger_rounds = self.ledger_rows + len(committed), self.ledger_rounds + 1
         best = self.costs.best()
-        gain, tokens = self.costs.gain(best), statistics.mean(self.costs.tokens[best])
+        gain, tokens = self.costs.gain(best), statistics.fmean(self.costs.tokens[best])
         # Shorter blocks are timed from when the acceptance holds min_samples rows and the best block does not pay
         # by the margin: until then (a text's first rounds are its worst, and a round's acceptance says little:
         # most commit a few tokens, a few the whole block) every round verifies the whole block, which measures
