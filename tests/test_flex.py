@@ -196,10 +196,11 @@ def test_masks_built_once_per_engine(monkeypatch):
 def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypatch):
     """A batch of 2 slots compiled with flex attention (batched block masks) and the command lines' CPU options
     (generate.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
-    for the one-query steps): AR, and DFlash through rounds, plain steps and plain steps that no longer feed the
-    drafter. Requests coming and going after the warm-up never recompile, and the tokens are the eager SDPA
-    batch's. Prompts cross the 128-position tile, so inductor's CPU flex kernel, which visits only the listed
-    tiles, runs the tile lists for real."""
+    for the one-query steps): DFlash through rounds, plain steps and plain steps that no longer feed the drafter,
+    which are AR's own step (Engine.decode_step, the step of an engine without a proposer). Requests coming and
+    going after the warm-up never recompile, and the tokens are the eager SDPA batch's. Prompts cross the
+    128-position tile, so inductor's CPU flex kernel, which visits only the listed tiles, runs the tile lists for
+    real."""
     import argparse
     import random
     import torch._dynamo
@@ -218,20 +219,20 @@ def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypat
     def requests(lengths):
         return [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
     early, later = requests((30, 9)), requests((140, 3, 121))
-    for proposer, block in ((None, 1), (dflash.DrafterProposer(drafter, target), 4)):
-        kw = dict(policy=policy.Alternate((4,))) if proposer is not None else {}
-        eng = dflash.Engine(target, proposer, block, 2, 256, "default", options, masks=flex.FlexMasks, **kw)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            eng.warm_up(early)                                    # every step kind compiles once
-            graphs = counters["stats"]["unique_graphs"]
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                got = eng.run(later)
-        assert counters["stats"]["unique_graphs"] == graphs
-        want = dflash.Engine(target, None, 1, 2, 256).run(later)
-        for a, b in zip(got, want):         # (float32: another summation order may part them at a near-tie only)
-            assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids,
-                                                                                a.output_ids, 1e-4)
+    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 2, 256, "default", options,
+                        masks=flex.FlexMasks, policy=policy.Alternate((4,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng.warm_up(early)                                    # every step kind compiles once
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = eng.run(later)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert {"plain", "verify"} <= {k for r in got for k in r.step_kinds}
+    want = dflash.Engine(target, None, 1, 2, 256).run(later)
+    for a, b in zip(got, want):             # (float32: another summation order may part them at a near-tie only)
+        assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids,
+                                                                            a.output_ids, 1e-4)
 
 
 def test_prefill_does_not_call_flex(monkeypatch):
