@@ -114,10 +114,10 @@ class Policy:
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
                  blocks: tuple | None = None, explore: int = 16, min_samples: int = 32, first_plain: int = 3,
-                 settle: float = 2.0, opening: int = 16):
+                 settle: float = 2.0, opening: int = 16, retime: float = 0.1):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
         self.opening = opening
-        self.settle, self.first_plain = settle, first_plain
+        self.settle, self.first_plain, self.retime = settle, first_plain, retime
         self.min_rounds, self.patience, self.explore, self.min_samples = min_rounds, patience, explore, min_samples
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
@@ -131,7 +131,7 @@ class Policy:
         self.k = self.last_k = self.blocks[0]               # the block of the next round; of the last one
         self.rounds = self.rows_seen = 0                    # rounds observed, and the live rows they held
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
-        self.streak = 0                                     # rounds since the last plain step
+        self.streak, self.streak_seconds = 0, 0.0           # rounds since the last plain step, and their seconds
         self.retiming = False                               # the next step is a plain step, timed (observe_plain)
         self.shortening = False                             # shorter blocks than the whole are being timed
 
@@ -145,8 +145,8 @@ class Policy:
 
     def speculate(self) -> int:
         """0 (a plain step) or the verify block k of a round."""
-        if len(self.costs.plain) < self.first_plain or self.streak >= self.explore or self.retiming:
-            return 0            # plain steps time one: the first ones, and two after every `explore` rounds in a row
+        if len(self.costs.plain) < self.first_plain or self._due() or self.retiming:
+            return 0            # plain steps time one: the first ones, and two after a long run of rounds (_due)
         if not self.feeds:
             return 0
         if not self.costs.seconds[self.blocks[0]]:
@@ -161,6 +161,7 @@ class Policy:
         speculating = self.rounds > 0 and self.next_probe == 0     # rounds were on (not a probe after plain steps)
         waited = self.since                                        # plain steps before this round
         self.since, self.rounds, self.streak = 0, self.rounds + 1, self.streak + 1
+        self.streak_seconds += seconds
         self.rows_seen += len(committed)
         if not self.costs.plain:
             self.next_probe = 0
@@ -186,7 +187,7 @@ class Policy:
     def observe_plain(self, seconds: float) -> None:
         """A plain step's seconds. The first after a round also carries the round's verify features into the drafter's
         context, a cost of switching: it is not a plain step's sample, and its extra over one is the last round's.
-        After `explore` rounds in a row that first step is followed by one more plain step, which is timed."""
+        When a plain step is due (`_due`) that first step is followed by one more plain step, which is timed."""
         if self.streak == 0:
             self.costs.add_plain(seconds)
         elif self.costs.plain and self.costs.seconds[self.last_k]:
@@ -195,8 +196,14 @@ class Policy:
             if self.timed():
                 self.ledger -= extra
         self.costs.count += 1            # every step counts, so that stretches of steps line up
-        self.retiming = self.streak >= self.explore
-        self.since, self.streak = self.since + 1, 0
+        self.retiming = self._due()
+        self.since, self.streak, self.streak_seconds = self.since + 1, 0, 0.0
+
+    def _due(self) -> bool:
+        """A plain step is due to be timed again: `explore` rounds in a row that took `retime` seconds together. The
+        plain step's time drifts with the machine's speed over seconds, not over a count of rounds: a count alone
+        would cost a short generation of fast rounds two plain steps of its twenty."""
+        return self.streak >= self.explore and self.streak_seconds >= self.retime
 
     def observe_upkeep(self, seconds: float) -> None:
         """Seconds the drafter's context cost outside rounds (a full run of plain steps' features appended, an admitted

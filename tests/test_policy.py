@@ -42,9 +42,11 @@ def test_policy_rounds_while_they_pay_and_probes_rarely_when_they_lose():
     """One verify block (blocks=(16,)): rounds or plain steps, from the measured costs (no opening: these are the
     decisions after it, test_policy_opening_rounds_go_on_until_their_rows_are_in)."""
     p = Policy(opening=0, block=16, blocks=(16,))
-    assert drive(p, 40, round_s=0.004, tokens=6) == "..." + ("R" * 16 + "..") * 2 + "R"   # 6 tokens for 4 plain
-    # steps: rounds, with two plain steps after every 16 (the second re-times one: the first after a round also
-    # carries the round's features into the drafter's context)
+    assert drive(p, 40, round_s=0.004, tokens=6) == "..." + "R" * 25 + ".." + "R" * 10   # 6 tokens for 4 plain
+    # steps: rounds, with two plain steps after each 16 or more that took 0.1 s (`retime`: here 25; the second
+    # re-times a plain step, the first after a round also carries the round's features into the drafter's context)
+    p = Policy(opening=0, block=16, blocks=(16,), retime=0.05)
+    assert drive(p, 40, round_s=0.004, tokens=6) == "..." + ("R" * 16 + "..") * 2 + "R"   # 16 rounds take 0.064 s
     p = Policy(opening=0, block=16, blocks=(16,))
     kinds = drive(p, 400, round_s=0.010, tokens=6, rows=8)                      # 6 tokens for 10 plain steps: loses
     assert kinds.startswith("...R.") and kinds.count("R") <= 8 and p.feeds      # probes, a few; a full block could pay
@@ -88,8 +90,8 @@ def test_policy_opening_rounds_go_on_until_their_rows_are_in():
     assert drive(p, 10, round_s=0.020, tokens=15, rows=1).startswith("...R.")
     p = Policy(block=16, blocks=(16,))                               # one row whose first rounds commit 1 token,
     kinds = drive(p, 10, round_s=0.005, tokens=1, rows=1)            # then the text turns easy: rounds go on
-    kinds += drive(p, 60, round_s=0.005, tokens=12, rows=1)         # (two plain steps after every 16: re-timing)
-    assert kinds == "..." + ("R" * 16 + "..") * 3 + "R" * 13
+    kinds += drive(p, 60, round_s=0.005, tokens=12, rows=1)         # (two plain steps after every 0.1 s of
+    assert kinds == "..." + ("R" * 20 + "..") * 3 + "R"              # rounds: re-timing)
 
 
 def test_policy_gives_rounds_up_when_they_do_not_pay_for_the_drafters_upkeep():
