@@ -242,3 +242,21 @@ def test_autotune_reports_are_off_unless_asked(monkeypatch):
     finally:
         monkeypatch.delenv("TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED")
         importlib.reload(compiling)
+
+
+def test_cache_writes_compile_in_place():
+    """model.write_slots inside a compiled step writes the call's rows where the cache lies: every loop of inductor's
+    code spans the call's rows, none the cache (a scatter_ into a step's input compiles to a copy of the whole
+    cache, the scatter and a copy back: two passes over every attention cache per call)."""
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+    import model as M
+    torch._dynamo.reset()
+    cache, want = torch.zeros(2, 2, 512, 16), torch.zeros(2, 2, 512, 16)
+    pos, x = torch.tensor([[3, 4, 5], [100, 101, 102]]), torch.randn(2, 2, 3, 16)
+    step = torch.compile(M.write_slots, fullgraph=True, dynamic=False)
+    _, codes = run_and_get_code(step, cache, pos, x)
+    bounds = [int(n) for n in re.findall(r"x\d+<static_cast<int64_t>\((\d+)L\)", "\n".join(codes))]
+    assert bounds and max(bounds) <= 2 * 2 * 3 * 16, bounds
+    want[0, :, 3:6], want[1, :, 100:103] = x[0], x[1]
+    assert torch.equal(cache, want)

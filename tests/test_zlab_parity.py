@@ -255,3 +255,20 @@ def test_shipped_pair_proposals_match_zlab():
             blk_feats, blk_pos = feats[:, start:start + B], torch.arange(start, start + B)[None]
             ctx_lo, start = start, start + adv
     assert hits >= len(steps) // 2        # a trained drafter: its first proposal is mostly the target's token
+
+
+@pytest.mark.parametrize("heads,per_row", [((4, 2), False), ((4, 4), True), ((8, 2), True)])
+def test_attention_two_equals_attention_over_the_concatenated_keys(heads, per_row):
+    """The drafter's block attends to [context cache ; its own keys] without concatenating them (M.attention_two):
+    the same as attention() over the concatenation (float64), grouped query heads or not, with a mask shared by
+    the rows [Tq, C+Tq] or one per row [B,1,Tq,C+Tq] (hidden cache slots included)."""
+    (hq, hkv), B, C, Tq, D = heads, 2, 24, 5, 8
+    g = torch.Generator().manual_seed(hq + hkv)
+    q = torch.randn(B, hq, Tq, D, dtype=torch.float64, generator=g)
+    kc, vc = (torch.randn(B, hkv, C, D, dtype=torch.float64, generator=g) for _ in range(2))
+    kb, vb = (torch.randn(B, hkv, Tq, D, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = torch.rand(B if per_row else 1, 1, Tq, C + Tq, generator=g) < 0.6
+    mask[..., C:] = True                                           # a block row always sees the block
+    mask = mask if per_row else mask[0, 0]
+    want = M.attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+    torch.testing.assert_close(M.attention_two(q, kc, vc, kb, vb, mask), want, rtol=0, atol=1e-12)
