@@ -113,14 +113,14 @@ def test_mark_static_covers_every_cache_tensor():
 
 def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
     """The batch's steps as the command lines compile them (inductor, fullgraph: DFlash2's row-by-row candidate
-    choice, its sort and gathers, stays on the device), 2 slots, whole-block rounds and plain steps fed or not:
-    after a warm-up, no recompiles, and the eager batch's tokens and proposals. Run for DFlash2 only: the
-    sliding-window drafter and the MTP head are made of the ops of the graphs compiled in the other tests
-    (attention under a mask, decoder layers); their batches' recompiles are tested traced (test_batching.py)."""
+    choice, its sort and gathers, stays on the device), 2 slots, pure rounds of the whole block: after a warm-up,
+    no recompiles, and the eager batch's tokens and proposals. Run for DFlash2's rounds only: its plain steps and
+    appends are a DFlash drafter's (compiled in test_flex.py, fed and not), and the sliding-window drafter and the
+    MTP head are made of the ops of the graphs compiled in the other tests (attention under a mask, decoder
+    layers); their batches' recompiles are tested traced (test_batching.py)."""
     import random
     import torch
     import torch._dynamo
-    import policy
     from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
@@ -133,13 +133,13 @@ def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
     def requests(k):
         return [dflash.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24)) for _ in range(k)]
     early, later = requests(2), requests(3)
-    eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default", policy=policy.Alternate((4,)))
+    eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default")
     eng.warm_up(early)                                                       # every step kind
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = eng.run(later)
-    # the eager engine with the same history: Alternate's plain steps that do not feed the drafter leave its
-    # context's slots as earlier requests wrote them, and the drafts read them
-    eager = dflash.Engine(target, make(), 4, 2, 64, policy=policy.Alternate((4,)))
+    # the eager engine with the same history: the drafter's context slots past a request's prompt hold what earlier
+    # requests wrote there until overwritten (hidden from the drafts by their masks)
+    eager = dflash.Engine(target, make(), 4, 2, 64)
     eager.warm_up(early)
     eager = eager.run(later)
     assert any(r.verify_lengths for r in got)
