@@ -455,8 +455,8 @@ class Slots:
                 if c is not None:
                     compiling.mark_static_(c)
             buffers = self.pending.buffers() if self.pending is not None else ()
-            for t in (self.last, self.start, self.keys, self.vocab_keys, self.top_k, self.temperature, self.top_p, self.ratio,
-                      self.rope_delta, *buffers):
+            for t in (self.last, self.start, self.keys, self.vocab_keys, self.top_k, self.temperature, self.top_p,
+                      self.ratio, self.rope_delta, *buffers):
                 torch._dynamo.mark_static_address(t, guard=False)
         self.decode_step = compiling.compile_step(self._decode, options)
         if self.proposer is not None:
@@ -637,8 +637,8 @@ class Engine(Slots):
                                     rope_pos=None if img is None else img.rope_pos,
                                     image_embeds=None if img is None else img.embeds)
         row = slice(b, b + 1)
-        first = int(choose(logits[:, -1:], pos[-1:][None] + 1, self.keys[row], self.vocab_keys, self.temperature[row], self.top_p[row],
-                           self.top_k[row], (s.top_k > 0, s.top_p < 1))[0, 0])
+        first = int(choose(logits[:, -1:], pos[-1:][None] + 1, self.keys[row], self.vocab_keys, self.temperature[row],
+                           self.top_p[row], self.top_k[row], (s.top_k > 0, s.top_p < 1))[0, 0])
         if self.feeding:
             t1 = time.perf_counter()
             self.proposer.admit(b, feats, pos, req.prompt_ids, first)

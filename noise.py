@@ -73,7 +73,8 @@ def _vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
 def vocab_keys(vocab_size: int, device) -> torch.Tensor:
     """token_keys of the whole vocabulary [V] int64, kept once per vocabulary size and device: half the work of a
     draw's noise. A compiled step reads them as an input (dflash.Engine.vocab_keys) rather than hashing the
-    vocabulary itself: the same numbers, and inductor generates code for a third of the hash's operations."""
+    vocabulary itself: the same numbers, one of the two hashes per (position, token) left to compile (its code
+    generation took most of a sampled step's compile time)."""
     return _vocab_keys(vocab_size, torch.device(device))
 
 
