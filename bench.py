@@ -121,6 +121,10 @@ def parse_args(argv=None):
                    help="instead of AR vs DFlash: where a plain AR decode step's time goes (compiled with --compile): step "
                         "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
                         "entries (the compiled graph, dynamo's checks, the gathering of its inputs, ...)")
+    p.add_argument("--profile-round", action="store_true",
+                   help="instead of AR vs DFlash: each step a round runs (draft, verify, commit) and an AR decode step, "
+                        "called directly on a live state of the first prompt (compiled with --compile): median ms per "
+                        "call, then torch.profiler's top entries per call")
     p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
                    help="requests in flight, e.g. 1,8,32: per N, DFlash and AR throughput of an Engine of N slots kept at "
                         "N requests until the queue runs dry (generated tokens / the batch's time while N requests are in "
@@ -182,6 +186,10 @@ def parse_args(argv=None):
     if args.profile_decode:
         refuse_flags(p, "--profile-decode times plain AR decoding of the target", {**others, "--compile": False,
                      "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive})
+    if args.profile_round:
+        refuse_flags(p, "--profile-round times a round's steps called directly", {**others, "--compile": False,
+                     "--draft-rules": args.draft_rules, "--vs-pure": args.vs_pure, "--no-adaptive": args.no_adaptive,
+                     "--profile-decode": args.profile_decode, "--concurrency": args.concurrency})
     return args
 
 
@@ -199,7 +207,7 @@ def prompt_flags_check(args) -> None:
 
 def other_mode(args) -> bool:
     """A mode other than the table was asked for (--dataset then only chooses its prompts)."""
-    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.profile_decode,
+    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.profile_decode, args.profile_round,
                 args.concurrency))
 
 
@@ -264,7 +272,8 @@ def mode_of(args):
     """The mode's function, each (args, device) -> dict: the first mode flag given, else AR vs DFlash side by side."""
     modes = ((args.preset, presets.preset_main), (args.parting, check.parting_main), (args.methods, tables.table_main),
              (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
-             (args.profile_decode, profile_decode_main), (args.concurrency, concurrency_main))
+             (args.profile_decode, profile_decode_main), (args.profile_round, profile_round_main),
+             (args.concurrency, concurrency_main))
     return next((mode_main for chosen, mode_main in modes if chosen), side_by_side_main)
 
 
@@ -443,6 +452,72 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
               "self_us_per_step": {e.key: e.self_cpu_time_total / n for e in rows}}
     print(json.dumps(result))
     return result
+
+
+ROUND_CALLS = 200           # --profile-round's calls of each step, timed, then profiled
+
+
+def profile_round_main(args, device, top: int = 8) -> dict:
+    """--profile-round: each step a round runs, called directly on a live state (one slot; compiled with --compile):
+    a draft of the whole block, its verify, a commit, and an AR engine's decode step, ROUND_CALLS times each in turn
+    after a generation of the first prompt (warm-up and state); their medians, then torch.profiler over as many of
+    each kind: the `top` entries by self CPU time, per call. The engine's bookkeeping between the steps (the accept
+    loop, the policy) is left out: these are the steps' own costs, each called after itself."""
+    from torch.profiler import ProfilerActivity, profile
+    dtype = pick_dtype(args.dtype, device)
+    target, _, _, proposer, block, prompts, _, products = load_pair(args, dtype, device)
+    mode = args.compile_mode if args.compile else None
+    capacity = bench_capacity(prompts, args.max_new_tokens, block)
+    calls = ROUND_CALLS
+    eng, ar = (tables.single_engine(args, target, p, b, capacity, False) for p, b in ((proposer, block), (None, 1)))
+    with torch.inference_mode():
+        steps = live_round_steps(eng, ar, prompts[0], args.max_new_tokens)
+        ms, profiled = {}, {}
+        for kind, fn in steps.items():
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            ms[kind] = statistics.median(times) * 1e3
+        print(f"per call, median of {calls} ({'compiled, ' + mode if mode else 'eager'}, {torch.get_num_threads()} "
+              f"threads, {products['products']} products, a cache of {capacity} positions, block {block}): "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+              + f"; verify / decode {ms['verify'] / ms['decode']:.2f}, draft / decode {ms['draft'] / ms['decode']:.2f}")
+        for kind, fn in steps.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(calls):
+                    fn()
+            rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+            profiled[kind] = {e.key: e.self_cpu_time_total / calls for e in rows}
+            print(f"{kind}, under torch.profiler, self CPU time per call:")
+            for e in rows:
+                print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / calls:9.1f} us  ({e.count / calls:.1f} calls)")
+    result = {"mode": "profile_round", "ms": ms, "verify_over_decode": ms["verify"] / ms["decode"],
+              "draft_over_decode": ms["draft"] / ms["decode"], "compile_mode": mode, "threads": torch.get_num_threads(),
+              "device": device, "dtype": str(dtype).replace("torch.", ""), "capacity": capacity, "block_size": block,
+              **products, "self_us_per_call": profiled}
+    print(json.dumps(result))
+    return result
+
+
+def live_round_steps(eng, ar, prompt: list, new: int) -> dict:
+    """After a generation of `prompt` on each engine (compiling their steps, and leaving their state live): the
+    calls of a round's steps on the DFlash engine `eng` (one slot) and of a decode step on the AR engine `ar`, each
+    a function of no arguments that waits for its result -> {decode, draft, verify, commit}."""
+    for engine in (eng, ar):
+        engine.generate(prompt, new)
+    block = eng.block
+    draft_step, verify_step, commit = eng.round_steps(block)
+    pending, at = eng.pending, eng.start[:, None] + eng.offsets[:block]
+
+    def draft():
+        return draft_step(eng.last, eng.start, pending.feats, pending.feat_pos, block - 1, pending.feat_next)
+    tokens, n = torch.cat([eng.last[:, None], draft().tokens], 1), eng.start.new_tensor([block // 2])
+    return {"decode": lambda: ar.decode_step(ar.last[:, None], ar.start[:, None]).tolist(),
+            "draft": lambda: draft().tokens.tolist(),
+            "verify": lambda: verify_step(tokens, at, None)[1].tolist(),
+            "commit": lambda: (commit(n), eng.start.tolist())}
 
 
 def concurrency_main(args, device) -> dict:

@@ -151,3 +151,29 @@ def test_profile_decode_reports_per_step_self_times(capsys):
     for other in (["--vs-pure"], ["--no-adaptive"], ["--methods", "dflash"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--profile-decode", *other])
+
+
+def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
+    """bench.py --profile-round (eager here, 3 calls of each step): the medians of a draft of the whole block, its
+    verify, a commit and an AR decode step on a live state, their ratios, then the profiler's top entries per call of
+    each; the JSON line carries them. The draft called again on the same state drafts the same block (its context
+    appends rewrite the same slots). It refuses the flags of the modes it does not run."""
+    import torch
+    monkeypatch.setattr(bench, "ROUND_CALLS", 3)
+    out = bench.main(["--profile-round", "--threads", "1", "--heldout", "1", "--max-new-tokens", "12"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1]) == json.loads(json.dumps(out))
+    kinds = {"decode", "draft", "verify", "commit"}
+    assert out["mode"] == "profile_round" and set(out["ms"]) == set(out["self_us_per_call"]) == kinds
+    assert all(v > 0 for v in out["ms"].values()) and out["block_size"] == 16 and out["compile_mode"] is None
+    assert out["verify_over_decode"] == out["ms"]["verify"] / out["ms"]["decode"]
+    assert any(line.startswith("per call, median of 3 (eager, 1 threads") for line in lines)
+    target, _, _, proposer, block, prompts, _, _ = bench.load_pair(bench.parse_args(["--heldout", "1"]), torch.float32, "cpu")
+    eng, ar = (bench.tables.single_engine(bench.parse_args([]), target, p, b, 200, False)
+               for p, b in ((proposer, block), (None, 1)))
+    with torch.inference_mode():
+        steps = bench.live_round_steps(eng, ar, prompts[0], 12)
+        assert steps["draft"]() == steps["draft"]() and len(steps["draft"]()[0]) == block - 1
+    for other in (["--vs-pure"], ["--no-adaptive"], ["--profile-decode"], ["--concurrency", "2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--profile-round", *other])
