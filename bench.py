@@ -442,16 +442,22 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
         n = len(engine.generate(prompts[0], args.max_new_tokens, on_step=start_after_prefill).output_ids) - 1
     finally:
         prof.__exit__(None, None, None)
-    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     print(f"decode step, median over {len(res)} generations: {decode_ms:.3f} ms ({'compiled, ' + mode if mode else 'eager'}, "
           f"{torch.get_num_threads()} threads)\nunder torch.profiler, {n} decode steps, self CPU time per step:")
-    for e in rows:
-        print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / n:9.1f} us  ({e.count / n:.1f} calls)")
     result = {"mode": "profile_decode", "decode_ms": decode_ms, "compile_mode": mode, "threads": torch.get_num_threads(),
               "device": device, "dtype": str(dtype).replace("torch.", ""), "profiled_steps": n,
-              "self_us_per_step": {e.key: e.self_cpu_time_total / n for e in rows}}
+              "self_us_per_step": print_self_times(prof, n, top)}
     print(json.dumps(result))
     return result
+
+
+def print_self_times(prof, per: int, top: int) -> dict:
+    """A finished torch.profiler run over `per` steps: its `top` entries by self CPU time printed, one line each (us
+    per step, calls per step) -> {entry: self us per step}."""
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    for e in rows:
+        print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / per:9.1f} us  ({e.count / per:.1f} calls)")
+    return {e.key: e.self_cpu_time_total / per for e in rows}
 
 
 ROUND_CALLS = 200           # --profile-round's calls of each step, timed, then profiled
@@ -488,11 +494,8 @@ def profile_round_main(args, device, top: int = 8) -> dict:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(calls):
                     fn()
-            rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-            profiled[kind] = {e.key: e.self_cpu_time_total / calls for e in rows}
             print(f"{kind}, under torch.profiler, self CPU time per call:")
-            for e in rows:
-                print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / calls:9.1f} us  ({e.count / calls:.1f} calls)")
+            profiled[kind] = print_self_times(prof, calls, top)
     result = {"mode": "profile_round", "ms": ms, "verify_over_decode": ms["verify"] / ms["decode"],
               "draft_over_decode": ms["draft"] / ms["decode"], "compile_mode": mode, "threads": torch.get_num_threads(),
               "device": device, "dtype": str(dtype).replace("torch.", ""), "capacity": capacity, "block_size": block,
