@@ -137,8 +137,8 @@ def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
     eng.warm_up(early)                                                       # every step kind
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = eng.run(later)
-    # the eager engine with the same history: the drafter's context slots past a request's prompt hold what earlier
-    # requests wrote there until overwritten (hidden from the drafts by their masks)
+    # the eager engine with the same history (a warm-up on the same requests): both start the later requests from
+    # the same state
     eager = dflash.Engine(target, make(), 4, 2, 64)
     eager.warm_up(early)
     eager = eager.run(later)
