@@ -29,3 +29,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_collection_finish(session):
+    """Start the slow work the collected modules declared (helpers.Early) in the background."""
+    from helpers import Early
+    Early.start_for({item.module.__name__ for item in session.items if getattr(item, "module", None) is not None})

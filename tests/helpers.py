@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import random
+import threading
 
 import torch
 
@@ -14,6 +16,58 @@ from check import zlab_module
 import dflash
 import kernels
 import model as M
+
+
+class Early:
+    """Slow work of a test module, started in a background thread right after collection when any of the module's
+    tests was collected (conftest.py), so that it runs on the core the suite's one-thread tests leave idle: work
+    that runs in other processes anyway (process groups of ranks, command lines), or, with process=True, a
+    module-level function run in a process of its own (a spawned interpreter, one torch thread; its value must
+    pickle). Declared at module level, `runs = Early(fn)`; a test calls `runs.result()`, which waits for fn's value
+    (or raises its exception), and runs fn there and then if nothing started it. The tests' assertions stay in the
+    tests; the work only computes what they check."""
+    registry: list = []
+
+    def __init__(self, fn, process: bool = False):
+        self.fn, self.module = (functools.partial(in_own_process, fn) if process else fn), fn.__module__
+        self.lock, self.done, self.started = threading.Lock(), threading.Event(), False
+        self.value = self.error = None
+        Early.registry.append(self)
+
+    def start(self) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+        try:
+            self.value = self.fn()
+        except BaseException as e:          # raised again in the test that asks for the result
+            self.error = e
+        finally:
+            self.done.set()
+
+    def result(self):
+        self.start()
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    @staticmethod
+    def start_for(modules: set) -> None:
+        """Start, one after another in one background thread, the work declared by these modules."""
+        jobs = [j for j in Early.registry if j.module in modules]
+        if jobs:
+            threading.Thread(target=lambda: [j.start() for j in jobs], daemon=True).start()
+
+
+def in_own_process(fn):
+    """fn() in a freshly spawned interpreter with one torch thread (as conftest.py sets), -> its value."""
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        return pool.submit(fn).result()
 
 
 def tiny_target_config(**kw) -> M.TargetConfig:

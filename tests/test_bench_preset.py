@@ -7,6 +7,7 @@ import torch
 
 import bench
 import checkpoint as ckpt
+from helpers import Early
 import generate
 import presets
 import model as M
@@ -100,21 +101,32 @@ def test_heldout_prompts_extend_without_changing_the_first():
     assert all(30 <= len(p) <= 60 for p in many)
 
 
-def test_bench_gpu_script_runs_on_cpu(tmp_path):
-    """bench_gpu.sh end to end with the small preset on the CPU (the GPU run uses the same lines): it writes
-    the JSON, prints the summary, and has no bars to judge off CUDA. Short generations and prompts (MAX_NEW,
-    PROMPT_LEN: the script is checked, not its numbers); the time limit only guards against a hang."""
+def run_bench_gpu_on_cpu() -> tuple:
+    """bench_gpu.sh with the small preset on the CPU, short generations and prompts (MAX_NEW, PROMPT_LEN: the script
+    is checked, not its numbers); the time limit only guards against a hang. -> (the run, its two JSON lines)."""
     import os
     import subprocess
+    import tempfile
     from helpers import ROOT
-    env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=str(tmp_path), CONCURRENCY="1,2",
-               MAX_NEW="8", PROMPT_LEN="16")
-    run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], env=env, capture_output=True, text=True, timeout=1200)
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=out, CONCURRENCY="1,2",
+                   MAX_NEW="8", PROMPT_LEN="16", OMP_NUM_THREADS="1")
+        run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], env=env, capture_output=True, text=True,
+                             timeout=1200)
+        read = lambda name: json.loads(open(os.path.join(out, name)).read()) if run.returncode == 0 else None
+        return run, read("bench_gpu_sdpa.json"), read("bench_gpu_concurrency.json")
+
+
+BENCH_GPU = Early(run_bench_gpu_on_cpu)          # started with the suite, in the background
+
+
+def test_bench_gpu_script_runs_on_cpu():
+    """bench_gpu.sh end to end with the small preset on the CPU (the GPU run uses the same lines): it writes
+    the JSON, prints the summary, and has no bars to judge off CUDA."""
+    run, r, c = BENCH_GPU.result()
     assert run.returncode == 0, run.stderr[-2000:]
     assert "SKIP  tests/test_gpu.py" in run.stdout and "no bars" in run.stdout
-    r = json.loads((tmp_path / "bench_gpu_sdpa.json").read_text())
     assert r["preset"] == "tiny-9b-shape" and r["device"] == "cpu" and r["verify_ms"] > 0
-    c = json.loads((tmp_path / "bench_gpu_concurrency.json").read_text())
     assert [row["n"] for row in c["concurrency"]] == [1, 2] and all(row["round_ms"] > 0 for row in c["concurrency"])
 
 

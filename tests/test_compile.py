@@ -11,7 +11,7 @@ import torch
 import compiling
 import cppwrapper
 import dflash
-from helpers import HAS_EMBEDDED_PAIR, ROOT, embedded_pair
+from helpers import HAS_EMBEDDED_PAIR, ROOT, Early, embedded_pair
 
 
 def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
@@ -22,19 +22,19 @@ def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-@pytest.mark.parametrize("wrapper", ["python", "cpp"])
-def test_each_distinct_layer_compiles_once(wrapper, tmp_path, monkeypatch):
-    """Both inductor wrappers (cppwrapper.py's C++ one is the CPU default of the command lines): in the compiled
-    decode step of the embedded target each distinct decoder layer is compiled once and called per layer
-    (torch.compiler.nested_compile_region), and the tokens are the eager batch's. One step kind: the regions are
-    the model's, whichever step calls it (recompiles and the other kinds: the tests below)."""
+def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
+    """With the command lines' CPU wrapper (cppwrapper.py's C++ one; the Python wrapper where this torch cannot take
+    the patch): in the compiled decode step of the embedded target each distinct decoder layer is compiled once and
+    called per layer (torch.compiler.nested_compile_region), and the tokens are the eager batch's. Inductor lowers a
+    region's body once whatever the wrapper; the C++ wrapper's calls of it are cppwrapper.py's own code. One step
+    kind: the regions are the model's, whichever step calls it (recompiles and the other kinds: the tests below)."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # fresh code, not a cached graph
     torch._dynamo.reset()
     target, _, p1, _ = embedded_pair()
-    options = cppwrapper.options() if wrapper == "cpp" else {}
-    assert options.get("cpp_wrapper", False) == (wrapper == "cpp")
+    options = cppwrapper.options()
+    wrapper = "cpp" if options.get("cpp_wrapper") else "python"
     eng = dflash.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
     request = [dflash.Request(p1, 12)]
     got, codes = run_and_get_code(eng.run, request)
@@ -69,25 +69,66 @@ class Cycle:
         pass
 
 
-@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-def test_compiled_sampling_equals_eager_and_follows_new_settings():
-    """Sampling constants are compiled into the sampling step: a generation with other constants must run a
-    graph made for them (dynamo's guards), never the previous one. Same seed -> the eager engine's tokens, and
-    plain eager sampled decoding's (the position-keyed noise computed inside the compiled steps is the eager one),
-    with pure rounds and with rounds and plain steps."""
+def compiled_sampling() -> dict:
+    """The work of the test below, in a process of its own (helpers.Early): the embedded pair's sampled generations,
+    compiled and eager, pure rounds and mixed with plain steps, and plain eager sampled decoding."""
+    if not HAS_EMBEDDED_PAIR:
+        return {}
     target, drafter, p1, p2 = embedded_pair()
     compiled = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256, compile_mode="default")
     eager = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256)
-    for s in (dflash.Sampling(0.7, 0.9, 0), dflash.Sampling(1.3, 1.0, 5), dflash.Sampling(0.7, 0.9, 0)):
-        for p in (p1, p2):
-            got = compiled.generate(p, 40, sampling=s, seed=7)
-            want = eager.generate(p, 40, sampling=s, seed=7)
-            assert got.output_ids == want.output_ids, s
-    ar = dflash.run(target, p1, 40, sampling=s, seed=7)
+    s = dflash.Sampling(0.7, 0.9, 5)
+    out = {"rounds": [(compiled.generate(p, 40, sampling=s, seed=7).output_ids,
+                       eager.generate(p, 40, sampling=s, seed=7).output_ids) for p in (p1, p2)]}
     compiled.policy = Cycle([0, 0, 16, 0])             # plain steps (feeding the drafter's context) and rounds
     mixed = compiled.generate(p1, 40, sampling=s, seed=7)
-    assert set(mixed.step_kinds) == {"plain", "verify"}
-    assert mixed.output_ids == eager.generate(p1, 40, sampling=s, seed=7).output_ids == ar.output_ids
+    out["mixed"] = (set(mixed.step_kinds), mixed.output_ids, eager.generate(p1, 40, sampling=s, seed=7).output_ids,
+                    dflash.run(target, p1, 40, sampling=s, seed=7).output_ids)
+    return out
+
+
+SAMPLING = Early(compiled_sampling, process=True)     # started with the suite, in a process of its own
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_compiled_sampling_equals_eager():
+    """Sampled steps compiled by inductor (temperature, top-p and top-k, so both cuts' code): same seed -> the eager
+    engine's tokens, and plain eager sampled decoding's (the position-keyed noise computed inside the compiled steps is
+    the eager one), with pure rounds and with rounds and plain steps. (Other settings run other graphs: the test
+    below.)"""
+    r = SAMPLING.result()
+    for got, want in r["rounds"]:
+        assert got == want
+    kinds, mixed, eager, ar = r["mixed"]
+    assert kinds == {"plain", "verify"}
+    assert mixed == eager == ar
+
+
+def test_new_sampling_settings_run_graphs_made_for_them(monkeypatch):
+    """Which cuts a run's sampling makes (top-k, top-p) are constants of the compiled steps: a generation with other
+    settings must run a graph made for them (dynamo's guards), never the previous one, and settings seen before run
+    their graph again without compiling. Each generation gives the eager engine's tokens for the same seed. Which
+    graph a call runs is dynamo's decision, so the steps run traced, without inductor's code (helpers.dynamo_only;
+    inductor's sampled code: the test above)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from helpers import dynamo_only, random_drafter, random_target, tiny_draft_config, tiny_target_config
+    dynamo_only(monkeypatch)
+    torch._dynamo.reset()
+    cfg = tiny_target_config(vocab_size=60)
+    target = random_target(cfg, 3, torch.float32)
+    drafter = random_drafter(tiny_draft_config(cfg, block_size=4), 4, torch.float32)
+    engines = [dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, capacity=64, **kw)
+               for kw in ({"compile_mode": "default", "policy": Cycle([4])}, {"policy": Cycle([4])})]
+    prompt, graphs = list(range(5, 25)), []
+    settings = [dflash.Sampling(0.7, 0.9, 0), dflash.Sampling(1.3, 1.0, 5), dflash.Sampling(0.7, 0.9, 0),
+                dflash.Sampling(1.0, 0.8, 3)]
+    for s in settings:
+        got, want = (e.generate(prompt, 24, sampling=s, seed=11) for e in engines)
+        assert got.output_ids == want.output_ids, s
+        graphs.append(counters["stats"]["unique_graphs"])
+    new = [b > a for a, b in zip(graphs, graphs[1:])]
+    assert new == [True, False, True], graphs              # top-k only; top-p again; both
 
 
 def test_mark_static_covers_every_cache_tensor():
@@ -111,40 +152,52 @@ def test_mark_static_covers_every_cache_tensor():
     assert seen == 6 * n_gdn + 2 * (len(tcfg.layer_types) - n_gdn) + 2 * tiny_draft_config(tcfg).num_hidden_layers
 
 
-def test_compiled_batch_with_a_dflash2_drafter(tmp_path, monkeypatch):
+def compiled_dflash2_batch() -> list:
+    """The work of the test below, in a process of its own (helpers.Early): a 2-slot DFlash2 batch compiled, warmed
+    up, then run on later requests with recompiles raising; and the eager batch with the same history. -> per
+    request (compiled output, compiled drafts, eager output, eager drafts, whether it verified)."""
+    import random
+    import tempfile
+    import torch._dynamo
+    from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache                 # fresh code, not a cached graph
+        target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
+        dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
+        drafter = random_drafter(dcfg, 12, torch.float32)
+        make = lambda: dflash.DrafterProposer(drafter, target)
+        rng = random.Random(3)
+
+        def requests(k):
+            return [dflash.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24))
+                    for _ in range(k)]
+        early, later = requests(2), requests(3)
+        eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default")
+        eng.warm_up(early)                                                       # every step kind
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = eng.run(later)
+        # the eager engine with the same history (a warm-up on the same requests): both start the later requests
+        # from the same state
+        eager = dflash.Engine(target, make(), 4, 2, 64)
+        eager.warm_up(early)
+        eager = eager.run(later)
+        return [(a.output_ids, a.draft_ids, b.output_ids, b.draft_ids, bool(a.verify_lengths)) for a, b in zip(got, eager)]
+
+
+DFLASH2_BATCH = Early(compiled_dflash2_batch, process=True)     # started with the suite, in a process of its own
+
+
+def test_compiled_batch_with_a_dflash2_drafter():
     """The batch's steps as the command lines compile them (inductor, fullgraph: DFlash2's row-by-row candidate
     choice, its sort and gathers, stays on the device), 2 slots, pure rounds of the whole block: after a warm-up,
     no recompiles, and the eager batch's tokens and proposals. Run for DFlash2's rounds only: its plain steps and
     appends are a DFlash drafter's (compiled in test_flex.py, fed and not), and the sliding-window drafter and the
     MTP head are made of the ops of the graphs compiled in the other tests (attention under a mask, decoder
     layers); their batches' recompiles are tested traced (test_batching.py)."""
-    import random
-    import torch
-    import torch._dynamo
-    from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
-    dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
-    drafter = random_drafter(dcfg, 12, torch.float32)
-    make = lambda: dflash.DrafterProposer(drafter, target)
-    rng = random.Random(3)
-
-    def requests(k):
-        return [dflash.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24)) for _ in range(k)]
-    early, later = requests(2), requests(3)
-    eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default")
-    eng.warm_up(early)                                                       # every step kind
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        got = eng.run(later)
-    # the eager engine with the same history (a warm-up on the same requests): both start the later requests from
-    # the same state
-    eager = dflash.Engine(target, make(), 4, 2, 64)
-    eager.warm_up(early)
-    eager = eager.run(later)
-    assert any(r.verify_lengths for r in got)
-    for a, b in zip(got, eager):
-        assert a.output_ids == b.output_ids and a.draft_ids == b.draft_ids
+    rows = DFLASH2_BATCH.result()
+    assert any(verified for *_, verified in rows)
+    for out, drafts, eager_out, eager_drafts, _ in rows:
+        assert out == eager_out and drafts == eager_drafts
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -161,7 +214,7 @@ def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     counters.clear()
-    flags = ["--compile", "--compile-mode", "default", "--no-cpp-wrapper", "--max-new-tokens", "20", "--json",
+    flags = ["--compile", "--compile-mode", "default", "--max-new-tokens", "20", "--json",
              "--block-size", "2", "--no-adaptive"]    # (pure rounds of 2: three step kinds to compile, not six)
     runs = []
     for prompt in ("def f(x):", "class Stack:\n    def push(self, item):\n        self.items.append(item)"):
@@ -193,16 +246,17 @@ def test_default_capacity_is_a_power_of_two():
     assert dflash.default_capacity(300, 200) == 300             # never below the need (check_inputs refuses it later)
 
 
-def test_compiled_steps_check_the_models_once_per_generation(tmp_path, monkeypatch):
+def test_compiled_steps_check_the_models_once_per_generation(monkeypatch):
     """Compiled steps skip dynamo's per-call checks of the models (Engine._compile) and the Engine checks them once
     per generation instead (compiling.model_state). So: two Engines over models of the same shapes that differ only in
     a constant compiled into the steps (the norms' eps) each run steps of their own and give their eager tokens;
     weights edited in place are read by the next call; a model changed in what the steps take as fixed (a dtype,
-    an attribute, a hook) is refused with a one-line error before any step runs."""
+    an attribute, a hook) is refused with a one-line error before any step runs. Which graph a call runs is dynamo's
+    decision, so the steps run traced, without inductor's code (helpers.dynamo_only)."""
     import torch
     import torch._dynamo
-    from helpers import random_target, tiny_target_config
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from helpers import dynamo_only, random_target, tiny_target_config
+    dynamo_only(monkeypatch)
     torch._dynamo.reset()
     prompt = list(range(3, 20))
     models = [random_target(tiny_target_config(rms_norm_eps=eps), 21, torch.float32) for eps in (1e-6, 4.0)]

@@ -4,6 +4,7 @@ Eager flex_attention on CPU evaluates only the mask_mod (it ignores the BlockMas
 lists are checked directly here (test_step_masks_*): the mask a fused kernel applies is (tile listed) AND
 mask_mod, and it must equal the SDPA path's boolean mask for every start position and step width. The
 compiled test runs inductor's CPU flex kernel, which does skip unlisted tiles."""
+import os
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ import dflash
 import flex
 import model as M
 import policy
-from helpers import (OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
+from helpers import (Early, OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
                      tiny_target_config)
 from test_spec_equals_ar import first_divergence_is_near_tie
 
@@ -193,7 +194,46 @@ def test_masks_built_once_per_engine(monkeypatch):
     assert sorted(calls) == ["causal_block_mask", "draft_block_mask"]
 
 
-def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypatch):
+def compiled_flex_batch() -> dict:
+    """The work of the test below, in a process of its own (helpers.Early): a 2-slot batch compiled with flex
+    attention and the command lines' CPU options, warmed up on two requests, then three more run with recompiles
+    raising; and the eager SDPA batch on those three."""
+    import argparse
+    import random
+    import tempfile
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    import generate
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache                 # fresh code, not a cached graph
+        cfg = tiny_target_config(vocab_size=40)
+        target = random_target(cfg, 4, torch.float32)
+        drafter = random_drafter(kind_draft_config(cfg, "dflash", block_size=4, target_layer_ids=[0, 2],
+                                                   num_target_layers=None), 5, torch.float32)
+        options = generate.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
+        rng = random.Random(2)
+
+        def requests(lengths):
+            return [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
+        early, later = requests((30, 9)), requests((140, 3, 121))
+        eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 2, 256, "default", options,
+                            masks=flex.FlexMasks, policy=policy.Alternate((4,)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.warm_up(early)                                    # every step kind compiles once
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = eng.run(later)
+        want = dflash.Engine(target, None, 1, 2, 256).run(later)
+        return {"epilogue_fusion": options.get("epilogue_fusion"), "graphs": (graphs, counters["stats"]["unique_graphs"]),
+                "kinds": {k for r in got for k in r.step_kinds}, "target": target,
+                "pairs": [(a.prompt_ids, a.output_ids, b.output_ids) for a, b in zip(got, want)]}
+
+
+FLEX_BATCH = Early(compiled_flex_batch, process=True)     # started with the suite, in a process of its own
+
+
+def test_compiled_flex_batch_as_the_command_lines_compile_it():
     """A batch of 2 slots compiled with flex attention (batched block masks) and the command lines' CPU options
     (generate.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
     for the one-query steps): DFlash through rounds, plain steps and plain steps that no longer feed the drafter,
@@ -201,38 +241,12 @@ def test_compiled_flex_batch_as_the_command_lines_compile_it(tmp_path, monkeypat
     going after the warm-up never recompile, and the tokens are the eager SDPA batch's. Prompts cross the
     128-position tile, so inductor's CPU flex kernel, which visits only the listed tiles, runs the tile lists for
     real."""
-    import argparse
-    import random
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    import generate
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    cfg = tiny_target_config(vocab_size=40)
-    target = random_target(cfg, 4, torch.float32)
-    drafter = random_drafter(kind_draft_config(cfg, "dflash", block_size=4, target_layer_ids=[0, 2], num_target_layers=None),
-                             5, torch.float32)
-    options = generate.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
-    assert options.get("epilogue_fusion") is False
-    rng = random.Random(2)
-
-    def requests(lengths):
-        return [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
-    early, later = requests((30, 9)), requests((140, 3, 121))
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 2, 256, "default", options,
-                        masks=flex.FlexMasks, policy=policy.Alternate((4,)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng.warm_up(early)                                    # every step kind compiles once
-        graphs = counters["stats"]["unique_graphs"]
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            got = eng.run(later)
-    assert counters["stats"]["unique_graphs"] == graphs
-    assert {"plain", "verify"} <= {k for r in got for k in r.step_kinds}
-    want = dflash.Engine(target, None, 1, 2, 256).run(later)
-    for a, b in zip(got, want):             # (float32: another summation order may part them at a near-tie only)
-        assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids,
-                                                                            a.output_ids, 1e-4)
+    r = FLEX_BATCH.result()
+    assert r["epilogue_fusion"] is False
+    assert r["graphs"][0] == r["graphs"][1]
+    assert {"plain", "verify"} <= r["kinds"]
+    for prompt, got, want in r["pairs"]:    # (float32: another summation order may part them at a near-tie only)
+        assert got == want or first_divergence_is_near_tie(r["target"], prompt, want, got, 1e-4)
 
 
 def test_prefill_does_not_call_flex(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 
 import model as M
 import tp
-from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
+from helpers import Early, random_drafter, random_target, tiny_draft_config, tiny_target_config
 
 
 
@@ -353,13 +353,24 @@ def rank_main(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def ranks(request, tmp_path_factory):
+def run_ranks() -> dict:
+    """degree -> every rank's results: the gloo process groups of 2, then of 4 ranks."""
+    import tempfile
     import torch.multiprocessing as mp
-    world = request.param
-    store = str(tmp_path_factory.mktemp(f"tp{world}"))
-    mp.spawn(rank_main, args=(world, store), nprocs=world, join=True)
-    return world, [torch.load(f"{store}/rank{r}.pt", weights_only=False) for r in range(world)]
+    out = {}
+    for world in (2, 4):
+        with tempfile.TemporaryDirectory(prefix=f"tp{world}") as store:
+            mp.spawn(rank_main, args=(world, store), nprocs=world, join=True)
+            out[world] = [torch.load(f"{store}/rank{r}.pt", weights_only=False) for r in range(world)]
+    return out
+
+
+RANKS = Early(run_ranks)        # started with the suite, on the core its one-thread tests leave idle
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    return request.param, RANKS.result()[request.param]
 
 
 @pytest.mark.parametrize("name", list(CASES))
