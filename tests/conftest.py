@@ -32,6 +32,9 @@ def one_thread():
 
 
 def pytest_collection_finish(session):
-    """Start the slow work the collected modules declared (helpers.Early) in the background."""
+    """Start the slow work the collected modules declared (helpers.Early) in the background (not for --collect-only)."""
     from helpers import Early
-    Early.start_for({item.module.__name__ for item in session.items if getattr(item, "module", None) is not None})
+    if session.config.option.collectonly:
+        return
+    Early.start_for({(item.module.__name__, item.originalname) for item in session.items
+                     if getattr(item, "module", None) is not None})

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import random
 import threading
 
@@ -23,13 +24,15 @@ class Early:
     tests was collected (conftest.py), so that it runs on the core the suite's one-thread tests leave idle: work
     that runs in other processes anyway (process groups of ranks, command lines), or, with process=True, a
     module-level function run in a process of its own (a spawned interpreter, one torch thread; its value must
-    pickle). Declared at module level, `runs = Early(fn)`; a test calls `runs.result()`, which waits for fn's value
-    (or raises its exception), and runs fn there and then if nothing started it. The tests' assertions stay in the
-    tests; the work only computes what they check."""
+    pickle). Declared at module level, `runs = Early(fn)` (started when any test of the module was collected) or
+    `Early(fn, used_by=[test names])` (when one of those was); a test calls `runs.result()`, which waits for fn's
+    value (or raises its exception), and runs fn there and then if nothing started it. The tests' assertions stay in
+    the tests; the work only computes what they check."""
     registry: list = []
 
-    def __init__(self, fn, process: bool = False):
+    def __init__(self, fn, process: bool = False, used_by: tuple = ()):
         self.fn, self.module = (functools.partial(in_own_process, fn) if process else fn), fn.__module__
+        self.used_by = set(used_by)
         self.lock, self.done, self.started = threading.Lock(), threading.Event(), False
         self.value = self.error = None
         Early.registry.append(self)
@@ -54,20 +57,44 @@ class Early:
         return self.value
 
     @staticmethod
-    def start_for(modules: set) -> None:
-        """Start, one after another in one background thread, the work declared by these modules."""
-        jobs = [j for j in Early.registry if j.module in modules]
+    def start_for(tests: set) -> None:
+        """Start, one after another in one background thread, the work these tests ((module, function name) pairs,
+        the collected ones) use."""
+        modules = {m for m, _ in tests}
+        jobs = [j for j in Early.registry
+                if j.module in modules and (not j.used_by or any((j.module, t) in tests for t in j.used_by))]
         if jobs:
             threading.Thread(target=lambda: [j.start() for j in jobs], daemon=True).start()
 
 
 def in_own_process(fn):
-    """fn() in a freshly spawned interpreter with one torch thread (as conftest.py sets), -> its value."""
-    import concurrent.futures
+    """fn() in a freshly spawned interpreter with one torch thread (as conftest.py sets), -> its value (or its
+    exception raised again here). The process is a daemon: a session that ends before it does (a failure under
+    -x) ends it instead of waiting for it."""
     import multiprocessing
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        return pool.submit(fn).result()
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_and_send, args=(fn, send), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        ok, value = pickle.loads(receive.recv_bytes())
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{fn.__name__} ended without a result (exit code {proc.exitcode})") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _run_and_send(fn, send) -> None:
+    torch.set_num_threads(1)
+    try:
+        out = (True, fn())
+    except BaseException as e:
+        out = (False, e)
+    send.send_bytes(pickle.dumps(out))     # by value (tensors too): nothing is left to fetch from this process
 
 
 def tiny_target_config(**kw) -> M.TargetConfig:

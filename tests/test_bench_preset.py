@@ -117,7 +117,8 @@ def run_bench_gpu_on_cpu() -> tuple:
         return run, read("bench_gpu_sdpa.json"), read("bench_gpu_concurrency.json")
 
 
-BENCH_GPU = Early(run_bench_gpu_on_cpu)          # started with the suite, in the background
+# started with the suite, in the background
+BENCH_GPU = Early(run_bench_gpu_on_cpu, used_by=["test_bench_gpu_script_runs_on_cpu"])
 
 
 def test_bench_gpu_script_runs_on_cpu():

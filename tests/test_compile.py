@@ -87,7 +87,8 @@ def compiled_sampling() -> dict:
     return out
 
 
-SAMPLING = Early(compiled_sampling, process=True)     # started with the suite, in a process of its own
+# started with the suite, in a process of its own
+SAMPLING = Early(compiled_sampling, process=True, used_by=["test_compiled_sampling_equals_eager"])
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -181,10 +182,12 @@ def compiled_dflash2_batch() -> list:
         eager = dflash.Engine(target, make(), 4, 2, 64)
         eager.warm_up(early)
         eager = eager.run(later)
-        return [(a.output_ids, a.draft_ids, b.output_ids, b.draft_ids, bool(a.verify_lengths)) for a, b in zip(got, eager)]
+        return [(a.output_ids, a.draft_ids, b.output_ids, b.draft_ids, bool(a.verify_lengths))
+                for a, b in zip(got, eager)]
 
 
-DFLASH2_BATCH = Early(compiled_dflash2_batch, process=True)     # started with the suite, in a process of its own
+# started with the suite, in a process of its own
+DFLASH2_BATCH = Early(compiled_dflash2_batch, process=True, used_by=["test_compiled_batch_with_a_dflash2_drafter"])
 
 
 def test_compiled_batch_with_a_dflash2_drafter():

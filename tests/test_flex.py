@@ -230,7 +230,9 @@ def compiled_flex_batch() -> dict:
                 "pairs": [(a.prompt_ids, a.output_ids, b.output_ids) for a, b in zip(got, want)]}
 
 
-FLEX_BATCH = Early(compiled_flex_batch, process=True)     # started with the suite, in a process of its own
+# started with the suite, in a process of its own
+FLEX_BATCH = Early(compiled_flex_batch, process=True,
+                   used_by=["test_compiled_flex_batch_as_the_command_lines_compile_it"])
 
 
 def test_compiled_flex_batch_as_the_command_lines_compile_it():

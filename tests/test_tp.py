@@ -360,7 +360,7 @@ def run_ranks() -> dict:
     out = {}
     for world in (2, 4):
         with tempfile.TemporaryDirectory(prefix=f"tp{world}") as store:
-            mp.spawn(rank_main, args=(world, store), nprocs=world, join=True)
+            mp.spawn(rank_main, args=(world, store), nprocs=world, join=True, daemon=True)   # (daemons: end with the session)
             out[world] = [torch.load(f"{store}/rank{r}.pt", weights_only=False) for r in range(world)]
     return out
 
