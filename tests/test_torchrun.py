@@ -2,14 +2,12 @@
 embedded pair (adaptive speculation: the ranks share rank 0's step times), on a mixture-of-experts checkpoint with
 its experts and drafter cut, and for a file of requests; the JSON records the degree."""
 import atexit
-import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
 import pytest
 import torch
@@ -43,11 +41,9 @@ def torchrun(args: list, procs: int = 2) -> list:
     return [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
 
 
-_files_lock = threading.Lock()
-
-
-@functools.cache
-def _files() -> dict:
+def make_files() -> dict:
+    """A mixture-of-experts checkpoint and a drafter for it, and a file of requests, in a directory kept to the end
+    of the session -> their paths."""
     root = tempfile.mkdtemp(prefix="torchrun")
     atexit.register(shutil.rmtree, root, True)
     cfg = tiny_target_config(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -62,36 +58,31 @@ def _files() -> dict:
     return {"target": t, "draft": d, "requests": reqs}
 
 
-def files() -> dict:
-    """A mixture-of-experts checkpoint and a drafter for it, and a file of requests (made once, kept to the end)."""
-    with _files_lock:
-        return _files()
-
-
 SAME = ("output_ids", "seed")                          # what adaptive speculation's timing never changes
 ROUNDS = SAME + ("acceptance_lengths", "step_kinds", "draft_ids")     # and with --no-adaptive, every round
 EMBEDDED = ["generate.py", "--prompt-ids", "1,2,3,4,5,6,7", "--max-new-tokens", "48", "--json"]
 
 
-def moe_flags() -> list:
-    f = files()
+def moe_flags(f: dict) -> list:
     return ["generate.py", "--target", f["target"], "--draft", f["draft"], "--prompt-ids", "1,2,3,4,5",
             "--max-new-tokens", "24", "--json", "--temperature", "0.8", "--seed", "4", "--dtype", "float64",
             "--no-adaptive"]
 
 
-def file_flags() -> list:
-    return ["generate.py", "--prompts-file", files()["requests"], "--concurrency", "2", "--max-new-tokens", "32",
+def file_flags(f: dict) -> list:
+    return ["generate.py", "--prompts-file", f["requests"], "--concurrency", "2", "--max-new-tokens", "32",
             "--json"]
 
 
 def run_all() -> dict:
-    """Every torchrun command of this module, one after another."""
+    """Every torchrun command of this module, one after another; "files": what they read (make_files), for the
+    tests' one-process runs."""
     if not HAS_EMBEDDED_PAIR:
         return {}
-    return {"embedded": torchrun(EMBEDDED + ["--threads", "1"]),
-            "moe": torchrun(moe_flags() + ["--expert-parallel", "--tp-drafter", "sharded", "--threads", "1"]),
-            "file": torchrun(file_flags() + ["--threads", "1"]),
+    f = make_files()
+    return {"files": f, "embedded": torchrun(EMBEDDED + ["--threads", "1"]),
+            "moe": torchrun(moe_flags(f) + ["--expert-parallel", "--tp-drafter", "sharded", "--threads", "1"]),
+            "file": torchrun(file_flags(f) + ["--threads", "1"]),
             "bench": torchrun(["bench.py", "--heldout", "2", "--max-new-tokens", "24", "--threads", "1"])}
 
 
@@ -109,7 +100,8 @@ def test_generate_on_the_embedded_pair(capsys):
 
 def test_generate_on_a_moe_target(capsys):
     """Experts whole per rank and the drafter cut by head, sampled, pure rounds: every round as in one process."""
-    one, two = one_process(moe_flags(), capsys)[-1], RUNS.result()["moe"][-1]
+    runs = RUNS.result()
+    one, two = one_process(moe_flags(runs["files"]), capsys)[-1], runs["moe"][-1]
     assert {k: two[k] for k in ROUNDS} == {k: one[k] for k in ROUNDS}
     assert (two["tensor_parallel"], two["expert_parallel"], two["tp_drafter"]) == (2, True, "sharded")
 
@@ -117,7 +109,8 @@ def test_generate_on_a_moe_target(capsys):
 def test_a_file_of_requests(capsys):
     """--prompts-file --concurrency 2: the batch's policy shares rank 0's times, and a request without a seed gets
     rank 0's random one (so both ranks draw the same tokens)."""
-    one, two = one_process(file_flags(), capsys), RUNS.result()["file"]
+    runs = RUNS.result()
+    one, two = one_process(file_flags(runs["files"]), capsys), runs["file"]
     assert [r["index"] for r in two] == [0, 1, 2]
     assert [[r[k] for k in SAME] for r in two] == [[r[k] for k in SAME] for r in one]
     assert {r["tensor_parallel"] for r in two} == {2}
