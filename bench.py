@@ -122,7 +122,7 @@ def parse_args(argv=None):
                         "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
                         "entries (the compiled graph, dynamo's checks, the gathering of its inputs, ...)")
     p.add_argument("--profile-round", action="store_true",
-                   help="instead of AR vs DFlash: each step a round runs (draft, verify, commit) and an AR decode step, "
+                   help="instead of AR vs DFlash: each step a round runs (draft, verify with its commit) and an AR decode step, "
                         "called directly on a live state of the first prompt (compiled with --compile): median ms per "
                         "call, then torch.profiler's top entries per call")
     p.add_argument("--concurrency", default=None, metavar="N1,N2,...",
@@ -465,7 +465,7 @@ ROUND_CALLS = 200           # --profile-round's calls of each step, timed, then 
 
 def profile_round_main(args, device, top: int = 8) -> dict:
     """--profile-round: each step a round runs, called directly on a live state (one slot; compiled with --compile):
-    a draft of the whole block, its verify, a commit, and an AR engine's decode step, ROUND_CALLS times each in turn
+    a draft of the whole block, its verify (with the commit), and an AR engine's decode step, ROUND_CALLS times each in turn
     after a generation of the first prompt (warm-up and state); their medians, then torch.profiler over as many of
     each kind: the `top` entries by self CPU time, per call. The engine's bookkeeping between the steps (the accept
     loop, the policy) is left out: these are the steps' own costs, each called after itself."""
@@ -507,20 +507,20 @@ def profile_round_main(args, device, top: int = 8) -> dict:
 def live_round_steps(eng, ar, prompt: list, new: int) -> dict:
     """After a generation of `prompt` on each engine (compiling their steps, and leaving their state live): the
     calls of a round's steps on the DFlash engine `eng` (one slot) and of a decode step on the AR engine `ar`, each
-    a function of no arguments that waits for its result -> {decode, draft, verify, commit}."""
+    a function of no arguments that waits for its result -> {decode, draft, verify} (the verify commits its accepted
+    tokens, as in a round; the rows stay at their positions, so every call writes the same cache slots)."""
     for engine in (eng, ar):
         engine.generate(prompt, new)
     block = eng.block
-    draft_step, verify_step, commit = eng.round_steps(block)
-    pending, at = eng.pending, eng.start[:, None] + eng.offsets[:block]
+    draft_step, verify_step = eng.round_steps(block)
+    pending = eng.pending
 
     def draft():
         return draft_step(eng.last, eng.start, pending.feats, pending.feat_pos, block - 1, pending.feat_next)
-    tokens, n = torch.cat([eng.last[:, None], draft().tokens], 1), eng.start.new_tensor([block // 2])
+    proposals = draft().tokens
     return {"decode": lambda: ar.decode_step(ar.last[:, None], ar.start[:, None]).tolist(),
             "draft": lambda: draft().tokens.tolist(),
-            "verify": lambda: verify_step(tokens, at, None)[1].tolist(),
-            "commit": lambda: (commit(n), eng.start.tolist())}
+            "verify": lambda: verify_step(eng.last, proposals, eng.start[:, None] + eng.offsets[:block], None).tolist()}
 
 
 def concurrency_main(args, device) -> dict:

@@ -4,8 +4,9 @@ method, step by step: docs/method.md#one-round; many requests: docs/method.md#ma
 
 Engine.round is one round for every live row: DRAFT (the proposer's k - 1 tokens after each row's `last`, its last
 committed token), VERIFY (the target over [last, proposals]; GDN layers keep each token's state write), ACCEPT
-(the leading proposals equal to the target's own tokens, plus one token of the target's: the bonus; cut at a stop
-token or max_new_tokens) and COMMIT (TargetCache.commit(n): each row's GDN states rolled back to its n tokens).
+(the leading proposals equal to the target's own tokens, plus one token of the target's: the bonus) and COMMIT
+(TargetCache.commit(n): each row's GDN states rolled back to its n accepted tokens), the last three in one call;
+then the host cuts each row's tokens at a stop token or max_new_tokens, which ends the row.
 A plain step (Engine.plain) is one AR step for every row: without a proposer it is plain decoding, the baseline
 DFlash must equal; with one, the adaptive policy (policy.py) takes it while rounds lose.
 
@@ -20,7 +21,7 @@ near-ties only; float64: the same tokens in every test).
     Proposer         what drafts for every row at once (typing.Protocol): DrafterProposer (DFlash, DFlash2),
                      mtp.MTPProposer (Qwen3.5's MTP head); trees plug in through tree.TreeEngine's round
     Pending          the target features the drafter's context has not taken yet, per row
-    Slots            the N slots' caches and fixed-shape step functions (decode, plain, verify, draft, commit)
+    Slots            the N slots' caches and fixed-shape step functions (decode, plain, draft, verify)
     Engine           the loop: admit requests into free slots, then rounds or plain steps until each ends
     Observer         what a benchmark hooks in: the clock requests are timed on, and a call after each step
 
@@ -365,16 +366,22 @@ class Pending:
             self.feat_next[b, :c] = torch.tensor(ids[T0 - c + 1:], device=self.feat_next.device)
         self.feat_pos[b] = T0 - c + self.span
 
-    def after_round(self, feats, posterior, k: int, start) -> None:
-        """A round of k verified rows at positions start [N] + 0..k-1: its features feats [N,k,F] (None: a proposer
-        that reads none) and the target's token after each (posterior [N,k]) are pending for the next draft. Columns
-        past k keep older rows at positions >= start + k, past the next start: hidden and rewritten later, like the
-        verify's own rows past the committed tokens. (Copies: CUDA graphs reuse their outputs.)"""
+    def keep_round(self, feats, posterior) -> None:
+        """Inside a verify step: its k rows' features feats [N,k,F] (None: a proposer that reads none) and the target's
+        token after each (posterior [N,k]) written into round_buf and round_next, pending for the next draft.
+        Columns past k keep older rows at positions >= start + k, past the next start: hidden and rewritten later,
+        like the verify's own rows past the committed tokens."""
+        k = posterior.shape[1]
         if feats is not None:
             self.round_buf[:, :k] = feats
-            self.feats = self.round_buf
         if self.back:
             self.round_next[:, :k] = posterior
+
+    def after_round(self, k: int, start) -> None:
+        """After a round of k verified rows at positions start [N] + 0..k-1 (keep_round wrote them): they are what
+        is pending."""
+        self.feats = self.round_buf               # (a proposer that reads no features: all buffers have width 0)
+        if self.back:
             self.feat_next = self.round_next
         self.feat_pos, self.plain_run = start[:, None] + self.span, None
 
@@ -384,9 +391,9 @@ class Slots:
     and fixed-shape step functions, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
         decode_step  (tok [N,1], pos [N,1])                        -> tokens [N]      AR
         plain_step   (tok [N,1], pos [N,1], buf [N,P,F], slot [1]) -> tokens [N]      AR, the features kept in buf
-        verify_step  (block [N,k], pos [N,k], q)                   -> posterior [N,k], accepted [N], feats [N,k,F]
         draft_step   (last [N], start [N], feats [N,P,F], feat_pos [N,P], k-1, next_ids [N,P], ...) -> Draft
-        commit       (n [N])                                       -> each row's GDN states after its n-th block token
+        verify_step  (last [N], proposals [N,k-1], pos [N,k], q)   -> [N,2k] accepted, posterior, proposals; each
+                     row's GDN states committed to its accepted tokens, the features pending (Pending.keep_round)
         append_step  (feats [N,P,F], feat_pos [N,P], next_ids [N,P]) -> pending features into the drafter's context
     Per row on the device: last (the last committed token), start (its position), the request's sampling settings,
     noise key and RoPE offset. Everything that varies per step is a device tensor, so after warm-up nothing
@@ -434,11 +441,11 @@ class Slots:
             self._compile(compile_mode, compile_options or {})
 
     def round_steps(self, k: int) -> tuple:
-        """(draft_step, verify_step, commit) for a round that verifies k <= block tokens per row. Compiled steps are
+        """(draft_step, verify_step) for a round that verifies k <= block tokens per row. Compiled steps are
         made per k, on first use (their shapes follow k; warm_up makes every k a policy may choose)."""
         if k not in self._by_block:
             self.masks.prepare(k)                    # (FlexAttention: the draft mask of blocks of k, built eagerly)
-            steps = (self.proposer.propose, self._verify, self.cache.commit)
+            steps = (self.proposer.propose, self._verify)
             if self._options is not None:
                 steps = tuple(compiling.compile_step(f, self._options) for f in steps)
             self._by_block[k] = steps
@@ -485,12 +492,18 @@ class Slots:
             buf.index_copy_(1, slot, own)
         return self._choose(logits, pos + 1)[:, 0]
 
-    def _verify(self, block, pos, q=None):
-        """The target over every row's block (GDN layers keep its writes); row i of a block judges proposal i by the
-        token the target puts at position pos[i] + 1: greedy its argmax, sampled its draw with that position's
-        noise, which is exactly plain decoding's draw there (the coupled rule). q [N,k-1,V]: sampled drafts'
-        distributions; the rows of requests with the ratio rule are judged by speculative_accept's min(1, p/q)
-        instead, with the uniforms and residual draws of their positions."""
+    def _verify(self, last, proposals, pos, q=None):
+        """The target over every row's block [last, proposals] at positions pos [N,k] (start .. start + k - 1; GDN
+        layers keep its writes); row i of a block judges proposal i by the token the target puts at position pos[i] + 1:
+        greedy its argmax, sampled its draw with that position's noise, which is exactly plain decoding's draw there
+        (the coupled rule). q [N,k-1,V]: sampled drafts' distributions; the rows of requests with the ratio rule are
+        judged by speculative_accept's min(1, p/q) instead, with the uniforms and residual draws of their positions.
+        Then, in the same call, COMMIT: each row keeps its accepted proposals and the bonus (TargetCache.commit), and
+        the block's features and the target's tokens become the drafter's pending context (Pending.keep_round).
+        A row the host then cuts shorter (a stop token, max_new_tokens) has ended: its slot is reset when the next
+        request is admitted into it, so what it kept does not matter.
+        -> [N, 2k] per row: accepted count, the target's k tokens (posterior), the k-1 proposals (the round's host read)"""
+        block = torch.cat([last[:, None], proposals], 1)
         logits, feats = self.target(block, pos, self.cache, verify=True, feature_layers=self.feature_layers,
                                     rope_pos=pos + self.rope_delta[:, None])
         if q is None:
@@ -504,7 +517,9 @@ class Slots:
             by_ratio, drawn = speculative_accept(probs, block[:, 1:], u, expo, q)
             accepted = torch.where(self.ratio, by_ratio, accepted)
             posterior = torch.where(self.ratio[:, None], drawn, posterior)
-        return posterior, accepted, feats
+        self.cache.commit(accepted + 1)
+        self.pending.keep_round(feats, posterior)
+        return torch.cat([accepted[:, None], posterior, proposals], 1)
 
     def _upload(self, values: list, region: int) -> torch.Tensor:
         """Host ints [N] -> a LongTensor on the device without a sync: on CUDA a non-blocking copy from region
@@ -676,7 +691,7 @@ class Engine(Slots):
     def round(self, rows: list, k: int) -> list:
         """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each live
         row committed (docs/method.md#one-round)."""
-        draft_step, verify_step, commit = self.round_steps(k)
+        draft_step, verify_step = self.round_steps(k)
         pending, start = self.pending, self.start
         t0 = time.perf_counter()
         draft = Draft(torch.zeros(self.slots, 0, dtype=torch.long, device=self.device))
@@ -688,17 +703,14 @@ class Engine(Slots):
         if self.profile:                        # the draft's own time (else a device's queue runs on into the verify)
             _sync(self.device)
         t1 = time.perf_counter()
-        block = torch.cat([self.last[:, None], draft.tokens], 1)                      # VERIFY
-        posterior, accepted, feats = verify_step(block, start[:, None] + self.offsets[:k], draft.q)
-        host = torch.cat([accepted[:, None], posterior, draft.tokens], 1).tolist()    # the round's one host sync
-        n, committed, t2 = [1] * self.slots, [], time.perf_counter()                  # (a free row keeps 1: ignored)
+        pos = start[:, None] + self.offsets[:k]          # (an input: CPU FlexAttention takes no computed positions)
+        host = verify_step(self.last, draft.tokens, pos, draft.q).tolist()           # VERIFY, COMMIT; one host sync
+        committed, t2 = [], time.perf_counter()
         for b, row in enumerate(rows):                                                # ACCEPT
             if row is not None:
                 a, post, props = host[b][0], host[b][1:k + 1], host[b][k + 1:]
-                n[b] = len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1)))
-                committed.append(n[b])
-        commit(self._upload(n, 0))                                                    # COMMIT: each row's rollback
-        pending.after_round(feats, posterior, k, start)
+                committed.append(len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1))))
+        pending.after_round(k, start)
         return committed
 
     def plain(self, rows: list) -> None:

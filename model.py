@@ -16,6 +16,8 @@ Glossary (code name: meaning; the DFlash paper's symbol in brackets)
     GDN             Gated DeltaNet, the linear-attention layer; its state is (conv window, recurrent S)
     capacity        positions the static caches hold (prompt + new tokens + one block of slack)
     masks           who sees whom in a cached call: DenseMasks (boolean, for SDPA) or flex.FlexMasks
+    SHARED_INPUT    a layer's linears that read one input (q/k/v, gate/up, the GDN input projections); the forward
+                    runs them through `linears`, one product per group where packed.py joined their weights
 
 How a GDN layer's cache moves (the rollback of docs/method.md#rollback-on-a-hybrid-target):
     verify=False    prefill (chunked rule) and decode (recurrent step): every token is committed, the cache
@@ -196,8 +198,20 @@ class GatedRMSNorm(RMSNorm):
         return (super().forward(x) * F.silu(z.to(state_dtype(x.dtype)))).to(x.dtype)
 
 
+def linears(x, *layers) -> tuple:
+    """x [..., H] through linears that all read it -> their outputs, in order. A layer class names such groups in
+    SHARED_INPUT; where packed.py made one product of a group (packed.PackedGroup, kept as the first layer's `group`),
+    the group runs as that one product, split; else each layer runs its own."""
+    group = getattr(layers[0], "group", None)
+    if group is not None and group.members == layers:
+        return group(x)
+    return tuple(layer(x) for layer in layers)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    SHARED_INPUT = (("gate_proj", "up_proj"),)
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -206,7 +220,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -462,6 +477,8 @@ class GatedAttention(nn.Module):
     """Full-attention layer: q_proj gives the query and an output gate interleaved per head; zero-centred q/k
     norms before partial RoPE; causal GQA; output * sigmoid(gate); o_proj (docs/qwen35.md#gated-attention)."""
 
+    SHARED_INPUT = (("q_proj", "k_proj", "v_proj"),)
+
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -476,11 +493,12 @@ class GatedAttention(nn.Module):
         """x [B,T,H]; cos, sin [T,R] (or [B,1,T,R]); pos [T] (or [B,T]: each row's own); mask over the keys (the
         call's own without a cache, else the cache's)."""
         bsz, T, _ = x.shape
-        qg = self.q_proj(x).view(bsz, T, self.nh, 2 * self.hd)
+        qg, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.view(bsz, T, self.nh, 2 * self.hd)
         q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(bsz, T, self.nh * self.hd)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)                         # [B,nh,T,hd]
-        k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(bsz, T, self.nkv, self.hd).transpose(1, 2)
+        k = apply_rope(self.k_norm(k.view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
+        v = v.view(bsz, T, self.nkv, self.hd).transpose(1, 2)
         if cache is not None:                          # written at the absolute positions; the mask hides the rest
             write_slots(cache.k, pos, k)
             write_slots(cache.v, pos, v)
@@ -500,6 +518,7 @@ class GatedDeltaNet(nn.Module):
     # The verify kernel (kernels.py): the closed form of one chunk. Tests swap in the step-by-step
     # kernels.recurrent_gated_delta_rule, the same maths token by token, as a reference.
     block_rule = staticmethod(kernels.block_gated_delta_rule)
+    SHARED_INPUT = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),)
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -521,9 +540,10 @@ class GatedDeltaNet(nn.Module):
     def project(self, x):
         """x [B,T,H] -> z [B,T,Hv,dv], beta and g [B,T,Hv] (state dtype), the pre-conv inputs [B,T,conv_dim]."""
         sd = state_dtype(x.dtype)
-        beta = torch.sigmoid(self.in_proj_b(x)).to(sd)
-        g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
-        return self.in_proj_z(x).unflatten(-1, (self.hv, self.dv)), beta, g, self.in_proj_qkv(x)
+        pre, z, b, a = linears(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        beta = torch.sigmoid(b).to(sd)
+        g = -self.A_log.to(sd).exp() * F.softplus(a.to(sd) + self.dt_bias.to(sd))
+        return z.unflatten(-1, (self.hv, self.dv)), beta, g, pre
 
     def heads(self, u):
         """Conv outputs u [B,T,conv_dim] -> q (scaled), k: L2-normed [B,T,Hk,dk] in the state dtype; v [B,T,Hv,dv]."""
@@ -532,8 +552,10 @@ class GatedDeltaNet(nn.Module):
         return q * self.dk ** -0.5, k, v.unflatten(-1, (self.hv, self.dv))
 
     def forward(self, x, cache: GDNCache | None, verify: bool = False):
-        """x [B,T,H] -> [B,T,H]. Without a cache: from a zero state, nothing kept (training, reference). With one,
-        verify=False commits every token (the cache advances); verify=True keeps the block for the commit.
+        """x [B,T,H] -> ([B,T,H], kept). Without a cache: from a zero state, nothing kept (training, reference). With
+        one, verify=False commits every token (the cache advances; kept None); verify=True leaves the cache alone and
+        returns kept = (k, writes, g, window), what GDNCache.keep_block keeps for the commit: the caller keeps it
+        (DecoderLayer.forward, outside the compile region, so that a commit in the same compiled step reads it).
         (tree.py runs the same pieces, project, heads and finish, over a tree of tokens.)"""
         bsz, T, _ = x.shape
         z, beta, g, pre = self.project(x)
@@ -544,7 +566,7 @@ class GatedDeltaNet(nn.Module):
         if verify:
             rule = self.block_rule if T > 1 else kernels.recurrent_gated_delta_rule
             o, writes = rule(q, k, v, g, beta, state)[:2]
-            cache.keep_block(k, writes, g, window)
+            return self.finish(o, z, x.dtype), (k, writes, g, window)
         else:
             if T > 1:
                 o, final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, state)
@@ -552,7 +574,7 @@ class GatedDeltaNet(nn.Module):
                 o, _, final = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
             if cache is not None:
                 cache.advance(final, window)
-        return self.finish(o, z, x.dtype)
+        return self.finish(o, z, x.dtype), None
 
     def finish(self, o, z, dtype):
         """The rule's output o [B,T,Hv,dv] gated by z, normed and projected -> [B,T,H] in `dtype`."""
@@ -578,19 +600,27 @@ class DecoderLayer(nn.Module):
         """The cache goes to `step` as plain tensors, so torch.compile traces one layer of each kind and calls it for
         every layer of that kind instead of compiling all L of them (a nested compile region; eager: a plain call).
         Inductor (torch 2.13) does not track what a region writes: its output must be used, and nothing else in
-        the same compiled step may read what it writes (true here: each layer alone touches its cache)."""
+        the same compiled step may read what it writes (true here: each layer alone touches its cache). So what a GDN
+        verify keeps for the commit comes out of the region and is written here, where the commit that follows in
+        the same compiled step (dflash.Slots._verify) sees the write."""
         # FlexAttention block masks carry views of one another, which a region's inputs may not: inlined then.
         step = self.step if isinstance(mask, torch.Tensor) else self.layer
-        return step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
+        x, kept = step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
+        if kept is not None:
+            cache.keep_block(*kept)
+        return x
 
     def layer(self, x, cos, sin, pos, mask, verify: bool, *cache):
+        """-> the layer's output [B,T,H], and a GDN verify's kept tensors (GatedDeltaNet.forward) or None."""
         cache = (GDNCache if self.layer_type == "linear_attention" else AttnCache)(*cache) if cache else None
         h = self.input_layernorm(x)
+        kept = None
         if self.layer_type == "linear_attention":
-            x = x + self.linear_attn(h, cache, verify)
+            out, kept = self.linear_attn(h, cache, verify)
+            x = x + out
         else:
             x = x + self.self_attn(h, cos, sin, pos, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x)), kept
 
     step = torch.compiler.nested_compile_region(layer)
 
@@ -716,6 +746,8 @@ class DraftAttention(nn.Module):
     """Qwen3 attention with KV injection: Q from the block only; K, V from [context ; block]; k_norm on both;
     1-D RoPE over the full head dim; NOT causal."""
 
+    SHARED_INPUT = (("k_proj", "v_proj"),)        # (not q: the context's rows need only keys and values)
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -730,8 +762,9 @@ class DraftAttention(nn.Module):
     def kv(self, x, cos, sin):
         """x [B,T,H] -> k, v [B,Hkv,T,hd] (k normed and rotated)."""
         bsz, T, _ = x.shape
-        k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
-        return k, self.v_proj(x).view(bsz, T, self.nkv, self.hd).transpose(1, 2)
+        k, v = linears(x, self.k_proj, self.v_proj)
+        k = apply_rope(self.k_norm(k.view(bsz, T, self.nkv, self.hd)).transpose(1, 2), cos, sin)
+        return k, v.view(bsz, T, self.nkv, self.hd).transpose(1, 2)
 
     def attend(self, x, rope, kc, vc, mask):
         """The block x [B,Tq,H] (RoPE cos, sin [Tq,hd]) reads the keys [kc ; its own]; mask over them."""

@@ -6,6 +6,8 @@ queries) on weights packed once for them, applied to a loaded model by swapping 
                       reordered into its blocked layout, for products of 2..FEW_ROWS rows). "plain" is F.linear.
     PackedLinear      an nn.Linear (the same Parameters, the same state-dict names) that also keeps a packed copy of
                       its weight and uses it for the float32 CPU products it applies to, outside autograd.
+    PackedGroup       the linears of a layer that read one input (its SHARED_INPUT: q/k/v, gate/up, the GDN input
+                      projections) as one packed product, split back (model.linears runs it): fewer, wider products.
     swap_linears_     replaces the nn.Linear layers of a float32 CPU module by PackedLinears of one kind (the way
                       gpt-fast's quantize.py swaps linears); refresh_ repacks copies whose weight changed.
     linear, linear_op the product itself: a direct call for eager code, and a custom op torch.compile can trace.
@@ -163,6 +165,8 @@ class PackedLinear(nn.Linear):
 
     packed: torch.Tensor | None = None     # pack(weight, kind, rows), or None: always F.linear
     _packed_for = None                     # (weakref to the weight, its data_ptr, its _version or None)
+    grouped = False                        # a PackedGroup's member: the group holds the packed copy, not the layer
+    group = None                           # the PackedGroup whose first member this layer is (model.linears runs it)
 
     @classmethod
     def sharing(cls, lin: nn.Linear, kind: str = "onednn", rows: int = PACK_ROWS) -> "PackedLinear":
@@ -206,8 +210,10 @@ class PackedLinear(nn.Linear):
         """Repack the copy if its weight changed since it was made (always, for an inference-mode weight);
         drop it when the weight is no longer float32 on the CPU. -> bytes packed now."""
         w = self.weight
-        if not _packable(w):
-            self.packed = self._packed_for = None
+        if not _packable(w) or self.grouped:
+            self.packed = None
+            if not self.grouped:
+                self._packed_for = None
             return 0
         if self.packed is not None and not self._stale(unversioned_stale=True):
             return 0
@@ -227,6 +233,80 @@ class PackedLinear(nn.Linear):
                 return F.linear(x, self.weight, self.bias)
             self._pack()
         return linear(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+
+
+class PackedGroup:
+    """Linears that all read one input (the members: PackedLinears of one kind and row count, all with a bias or all
+    without) as one product. Their weights become row blocks of one tensor, `weight` (each member's Parameter a view
+    of it: the same names, values and memory), packed once; `__call__` splits the product back into each member's
+    output, in order. The members keep no packed copy of their own. Eager calls check each member's weight as
+    PackedLinear checks its own (a member's weight replaced, moved or changed in place) and join and pack again;
+    products the kind does not apply to run each member's F.linear. Not an nn.Module: it adds no parameters."""
+
+    def __init__(self, members: tuple, kind: str, rows: int):
+        self.members, self.kind, self.rows = tuple(members), kind, rows
+        self.sizes = [m.out_features for m in self.members]
+        self.weight = self.bias = self.packed = None
+        for m in self.members:
+            m.grouped, m.packed = True, None
+        self.refresh_()
+
+    def _stale(self, unversioned_stale: bool) -> bool:
+        return self.packed is None or any(m._stale(unversioned_stale) for m in self.members)
+
+    def refresh_(self) -> int:
+        """Join the members' current weights (and biases) into one tensor and pack it, if any changed since the last
+        time (always, for inference-mode weights); no copy when a weight is no longer float32 on the CPU. -> bytes
+        packed now."""
+        if not all(_packable(m.weight) for m in self.members):
+            self.weight = self.bias = self.packed = None
+            return 0
+        if not self._stale(unversioned_stale=True):
+            return 0
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.detach() for m in self.members])
+            parts = [("weight", self.weight)]
+            if self.members[0].bias is not None:
+                self.bias = torch.cat([m.bias.detach() for m in self.members])
+                parts.append(("bias", self.bias))
+            for name, joined in parts:                 # the members' Parameters become views of the joined tensor
+                for m, view in zip(self.members, joined.split(self.sizes)):
+                    getattr(m, name).data = view
+        self.packed = pack(self.weight, self.kind, self.rows)
+        for m in self.members:
+            m._packed_for = (weakref.ref(m.weight), m.weight.data_ptr(), _version(m.weight))
+        return self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> tuple:
+        """x [..., K] -> each member's output [..., N_i], in order: one product over the joined weight (packed where
+        the kind applies, else F.linear), split. Where autograd records, or the weights are no longer float32 on the
+        CPU, each member runs its own. Compiled code reads only the joined tensors, never the members' views of
+        them (a compiled layer region refuses inputs that alias one another)."""
+        if self.packed is None or torch.is_grad_enabled():
+            return tuple(m(x) for m in self.members)
+        if not torch.compiler.is_compiling() and self._stale(unversioned_stale=False):    # (not traced)
+            self.refresh_()
+            if self.packed is None:
+                return tuple(m(x) for m in self.members)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not applies(self.kind, x.numel() // max(x.shape[-1], 1), self.rows):
+            out = F.linear(x, self.weight, self.bias)
+        elif torch.compiler.is_compiling():
+            out = linear_op(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+        else:
+            out = linear(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+        return out.split(self.sizes, -1)
+
+
+def _group_(module: nn.Module) -> None:
+    """A PackedGroup for each SHARED_INPUT group of module's layers whose members were all swapped alike (one kind,
+    one row count, packed, all with a bias or all without, none in a group yet), kept as its first member's
+    `group` (model.linears)."""
+    for layer in module.modules():
+        for names in getattr(type(layer), "SHARED_INPUT", ()):
+            members = tuple(getattr(layer, n, None) for n in names)
+            if (all(isinstance(m, PackedLinear) and m.packed is not None and not m.grouped for m in members)
+                    and len({(m.kind, m.rows, m.bias is None) for m in members}) == 1 and len(set(map(id, members))) == len(members)):
+                members[0].group = PackedGroup(members, members[0].kind, members[0].rows)
 
 
 def _available_memory() -> int | None:
@@ -268,6 +348,7 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
                 copies[id(w)] = (new.packed, new._packed_for)
             new.packed, new._packed_for = copies[id(w)]
         setattr(parent, name, made[id(child)])
+    _group_(module)
     return need
 
 
@@ -275,14 +356,16 @@ def refresh_(module: nn.Module) -> int:
     """Repack every PackedLinear copy in `module` (itself included) whose weight changed since it was made --
     eager calls do this on their own; do it before running compiled code after such a change. Inference-mode
     weights are always repacked. -> bytes packed now."""
-    return sum(m.refresh_() for m in module.modules() if isinstance(m, PackedLinear))
+    linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    groups = {id(m.group): m.group for m in linears if getattr(m, "group", None) is not None}
+    return sum(m.refresh_() for m in linears) + sum(g.refresh_() for g in groups.values())
 
 
 def kind_of(modules) -> str:
     """The kind of packed products `modules` (None entries skipped) run: "plain" when none is swapped."""
     for module in modules:
         for m in (module.modules() if module is not None else ()):
-            if isinstance(m, PackedLinear) and m.packed is not None:
+            if isinstance(m, PackedLinear) and (m.packed is not None or m.grouped):
                 return m.kind
     return "plain"
 

@@ -210,8 +210,8 @@ class TreeEngine(Engine):
         commit_path(self.cache, kept, path[:len(new)], start)
         # the committed nodes' features (and the token after each) pending for the next draft, at start, start + 1, ..
         dev = self.device
-        pending.after_round(None if feats is None else feats[:, path[:len(new)]],
-                            torch.tensor([new], device=dev), len(new), torch.tensor([start], device=dev))
+        pending.keep_round(None if feats is None else feats[:, path[:len(new)]], torch.tensor([new], device=dev))
+        pending.after_round(len(new), torch.tensor([start], device=dev))
         return [len(new)]
 
 

@@ -168,7 +168,7 @@ def test_profile_decode_reports_per_step_self_times(capsys):
 
 def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
     """bench.py --profile-round (eager here, 3 calls of each step): the medians of a draft of the whole block, its
-    verify, a commit and an AR decode step on a live state, their ratios, then the profiler's top entries per call of
+    verify (which commits) and an AR decode step on a live state, their ratios, then the profiler's top entries per call of
     each; the JSON line carries them. The draft called again on the same state drafts the same block (its context
     appends rewrite the same slots). It refuses the flags of the modes it does not run."""
     import torch
@@ -176,7 +176,7 @@ def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
     out = bench.main(["--profile-round", "--threads", "1", "--heldout", "1", "--max-new-tokens", "12"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(out))
-    kinds = {"decode", "draft", "verify", "commit"}
+    kinds = {"decode", "draft", "verify"}
     assert out["mode"] == "profile_round" and set(out["ms"]) == set(out["self_us_per_call"]) == kinds
     assert all(v > 0 for v in out["ms"].values()) and out["block_size"] == 16 and out["compile_mode"] is None
     assert out["verify_over_decode"] == out["ms"]["verify"] / out["ms"]["decode"]
@@ -187,6 +187,7 @@ def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
     with torch.inference_mode():
         steps = bench.live_round_steps(eng, ar, prompts[0], 12)
         assert steps["draft"]() == steps["draft"]() and len(steps["draft"]()[0]) == block - 1
+        assert len(steps["verify"]()[0]) == 2 * block            # accepted, the target's block, the proposals
     for other in (["--vs-pure"], ["--no-adaptive"], ["--profile-decode"], ["--concurrency", "2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--profile-round", *other])

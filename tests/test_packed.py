@@ -255,9 +255,10 @@ def test_compiled_products_call_the_kernels_directly(kind, cpp_wrapper, tmp_path
 
 
 def test_swapped_target_logits_equal_unswapped(kind, spy):
-    """A tiny random Qwen35 (tied lm_head) swapped: every linear is a PackedLinear, a 16-token call's logits
-    are the unswapped model's within float32 tolerance, and after weights are edited between two calls the
-    swapped model serves the edited weights (fresh copies), not the copies made before."""
+    """A tiny random Qwen35 (tied lm_head) swapped: every linear is a PackedLinear, the linears of each layer's
+    SHARED_INPUT groups run as one product (packed.PackedGroup), a 16-token call's logits are the unswapped model's
+    within float32 tolerance, and after weights are edited between two calls (grouped ones among them) the swapped
+    model serves the edited weights (fresh copies), not the copies made before."""
     from helpers import random_target, tiny_target_config
     cfg = tiny_target_config(tie_word_embeddings=True)
     plain, swapped = random_target(cfg, 7, torch.float32), random_target(cfg, 7, torch.float32)
@@ -273,13 +274,18 @@ def test_swapped_target_logits_equal_unswapped(kind, spy):
         with torch.inference_mode():
             return model(ids, pos)[0]
 
+    groups = [m.group for m in swapped.modules() if getattr(m, "group", None) is not None]
+    declared = [names for m in swapped.modules() for names in getattr(type(m), "SHARED_INPUT", ())]
+    assert len(groups) == len(declared) == 2 * cfg.num_hidden_layers      # (the attention's or GDN's, the MLP's)
+    products = n_linear - sum(len(g.members) - 1 for g in groups)
     want, got = logits(plain), logits(swapped)
-    assert spy["linear"] >= n_linear                        # every product of the call took the packed path
+    assert spy["linear"] == products                        # every product of the call took the packed path
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for model in (plain, swapped):
         with torch.no_grad():
             for layer in model.layers:
                 layer.mlp.down_proj.weight.mul_(1.5)
+                layer.mlp.up_proj.weight.mul_(-2.0)         # a grouped weight: its group packs again
             model.embed_tokens.weight.mul_(-1.0)            # the tied lm_head weight changes with it
     edited, got = logits(plain), logits(swapped)
     assert not torch.allclose(edited, want, rtol=1e-2, atol=1e-2)
@@ -380,3 +386,78 @@ def test_eager_use_never_imports_inductor():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+class Shared(nn.Module):
+    """Three linears that read one input, declared as a group (model.linears' contract), and a lone fourth."""
+    SHARED_INPUT = (("a", "b", "c"),)
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.a, self.b, self.c = (random_linear(48, n, bias, seed) for seed, n in enumerate((64, 8, 40)))
+        self.d = random_linear(48, 16, bias, seed=9)
+
+    def forward(self, x):
+        from model import linears
+        return (*linears(x, self.a, self.b, self.c), self.d(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_group_is_its_members_products(kind, bias, spy):
+    """swap_linears_ groups a layer's SHARED_INPUT linears (packed.PackedGroup): one packed product over their
+    weights side by side, split back, equal to each member's own product for the rows the kind serves, for one row
+    (F.linear over the joined weight) and compiled; the members' Parameters become views of the joined weight
+    (same names and values, no copy), a lone member still runs, and grad-enabled calls reach the Parameters."""
+    m = Shared(bias)
+    want_state = {k: v.clone() for k, v in m.state_dict().items()}
+    assert packed.swap_linears_(m, kind, 16) > 0
+    group = m.a.group
+    assert group is not None and group.members == (m.a, m.b, m.c) and m.d.group is None
+    assert all(x.grouped and x.packed is None for x in group.members) and m.d.packed is not None
+    assert m.a.weight.data_ptr() == group.weight.data_ptr() and m.c.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+    assert list(m.state_dict()) == list(want_state)
+    assert all(torch.equal(v, want_state[k]) for k, v in m.state_dict().items())
+    g = torch.Generator().manual_seed(3)
+    for shape in [(16, 48), (1, 16, 48), (1, 1, 48), (2, 3, 48)]:
+        x = torch.randn(*shape, generator=g)
+        spy["linear"] = 0
+        with torch.inference_mode():
+            got = m(x)
+        served = packed.applies(kind, x.numel() // 48, 16)
+        assert spy["linear"] == (2 if served else 0)            # the group's one product and the lone layer's
+        for out, lin in zip(got, (m.a, m.b, m.c, m.d)):
+            assert out.shape == (*shape[:-1], lin.out_features)
+            assert (out.double() - reference(lin, x)).abs().max() < TOL * 48
+    x = torch.randn(1, 16, 48, generator=g)
+    with torch.inference_mode():
+        eager = m(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(m, fullgraph=True, dynamic=False)(x)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+    assert m.b(x).shape == (1, 16, 8)                            # a member alone: its own F.linear
+    out = m(x)                                                   # grad enabled: each member's own, through autograd
+    out[1].sum().backward()
+    assert m.b.weight.grad is not None and m.a.weight.grad is None
+
+
+def test_a_group_packs_again_when_a_member_changes(kind):
+    """A member's weight changed in place, or replaced by a new Parameter, between two eager calls: the group joins
+    and packs the current weights again (the members' views of the new joined weight); refresh_ counts the bytes."""
+    m = Shared(False)
+    packed.swap_linears_(m, kind, 16)
+    x = torch.randn(1, 16, 48, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        m.b.weight.mul_(-3.0)
+    with torch.inference_mode():
+        got = m(x)
+    assert (got[1].double() - reference(m.b, x)).abs().max() < TOL * 48 * 3
+    m.c.weight = nn.Parameter(torch.randn(40, 48), requires_grad=False)
+    with torch.inference_mode():
+        got = m(x)
+    assert (got[2].double() - reference(m.c, x)).abs().max() < TOL * 48
+    assert m.c.weight.data_ptr() == m.a.group.weight.data_ptr() + (64 + 8) * 48 * 4
+    with torch.no_grad():
+        m.a.weight.add_(1.0)
+    assert packed.refresh_(m) == (64 + 8 + 40) * 48 * 4        # the group's joined weight, packed again
+    assert packed.refresh_(m) == 0

@@ -93,8 +93,9 @@ def test_core_files_are_small_and_plain():
     # batching.py's 955 lines) brought it to about 1,870. The policy of adaptive speculation lives in policy.py,
     # the sampling rules and the noise keyed by position in sampling.py and noise.py; how the steps compile
     # (inductor options, the checks dynamo skips, model_state) in compiling.py. The drafter's attention over the
-    # cache where it lies (model.attention_two) and cache writes inductor keeps in place: about 1,910.
-    assert total <= 1930, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,930)"
+    # cache where it lies (model.attention_two) and cache writes inductor keeps in place: about 1,910. The
+    # commit inside the verify step, and a layer's products of one input run as one (model.linears): about 1,950.
+    assert total <= 1970, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,970)"
 
 
 def flat_modules() -> set:
