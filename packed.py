@@ -297,16 +297,17 @@ class PackedGroup:
         return out.split(self.sizes, -1)
 
 
-def _group_(module: nn.Module) -> None:
-    """A PackedGroup for each SHARED_INPUT group of module's layers whose members were all swapped alike (one kind,
-    one row count, packed, all with a bias or all without, none in a group yet), kept as its first member's
-    `group` (model.linears)."""
+def _groups(module: nn.Module) -> list:
+    """The SHARED_INPUT groups of module's layers that swap_linears_ joins: (layer, names) whose members are all
+    swappable nn.Linears, distinct, all with a bias or all without."""
+    out = []
     for layer in module.modules():
         for names in getattr(type(layer), "SHARED_INPUT", ()):
-            members = tuple(getattr(layer, n, None) for n in names)
-            if (all(isinstance(m, PackedLinear) and m.packed is not None and not m.grouped for m in members)
-                    and len({(m.kind, m.rows, m.bias is None) for m in members}) == 1 and len(set(map(id, members))) == len(members)):
-                members[0].group = PackedGroup(members, members[0].kind, members[0].rows)
+            members = [getattr(layer, n, None) for n in names]
+            if (all(_swappable(m) for m in members) and len({m.bias is None for m in members}) == 1
+                    and len(set(map(id, members))) == len(members)):
+                out.append((layer, names))
+    return out
 
 
 def _available_memory() -> int | None:
@@ -327,8 +328,10 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
     `rows`-row products over the same Parameters (tied weights stay tied: lm_head.weight is still
     embed_tokens.weight; state_dict keys do not change). Changes nothing when the kind is unavailable in this torch,
     when no linear is float32 on the CPU, or when the copies would take more than half of the memory free now (a big
-    float32 model keeps F.linear rather than run out of memory). `module` itself is not replaced: wrap a lone linear
-    with PackedLinear.from_linear. Apply after the weights are final (module docstring). -> bytes of copies made."""
+    float32 model keeps F.linear rather than run out of memory). The linears of a layer's SHARED_INPUT groups are
+    joined into one PackedGroup each (model.linears runs it), packed once as one product; their Parameters become
+    views of the joined weight. `module` itself is not replaced: wrap a lone linear with PackedLinear.from_linear.
+    Apply after the weights are final (module docstring). -> bytes of copies made."""
     if not AVAILABLE.get(kind):
         return 0
     todo = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()
@@ -338,17 +341,22 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
     free = _available_memory()
     if not todo or (free is not None and need > free // 2):
         return 0
+    groups = _groups(module)
+    joined = {id(getattr(layer, n)) for layer, names in groups for n in names}    # packed by their group only
     made, copies = {}, {}
     for parent, name, child in todo:
         if id(child) not in made:            # a layer reachable under two names gets one replacement
             new = made[id(child)] = PackedLinear.sharing(child, kind, rows)
             w = child.weight                 # one copy per weight, however many layers share it
-            if id(w) not in copies:
-                new._pack()
-                copies[id(w)] = (new.packed, new._packed_for)
-            new.packed, new._packed_for = copies[id(w)]
+            if id(child) not in joined:
+                if id(w) not in copies:
+                    new._pack()
+                    copies[id(w)] = (new.packed, new._packed_for)
+                new.packed, new._packed_for = copies[id(w)]
         setattr(parent, name, made[id(child)])
-    _group_(module)
+    for layer, names in groups:               # (the layers are the swapped ones now)
+        members = tuple(getattr(layer, n) for n in names)
+        members[0].group = PackedGroup(members, kind, rows)
     return need
 
 
