@@ -523,12 +523,12 @@ class Slots:
 
     def _upload(self, values: list, region: int) -> torch.Tensor:
         """Host ints [N] -> a LongTensor on the device without a sync: on CUDA a non-blocking copy from region
-        `region` (0: a round's n, 1: last, 2: start) of a pinned buffer. Each region is rewritten once per step,
+        `region` (0: last, 1: start) of a pinned buffer. Each region is rewritten once per step,
         after the step's one host read, which has waited for the previous step's copies."""
         if self.device.type != "cuda":
             return torch.tensor(values, device=self.device)
         if self._host is None:
-            self._host = torch.empty(3, self.slots, dtype=torch.long, pin_memory=True)
+            self._host = torch.empty(2, self.slots, dtype=torch.long, pin_memory=True)
         host = self._host[region]
         host.copy_(torch.tensor(values))
         return host.to(self.device, non_blocking=True)
@@ -685,8 +685,8 @@ class Engine(Slots):
             if self.policy is not None:
                 self.policy.observe_plain(time.perf_counter() - t0)
         live = [r is not None and not r.done for r in rows]
-        self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 1))
-        self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 2))
+        self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 0))
+        self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 1))
 
     def round(self, rows: list, k: int) -> list:
         """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each live

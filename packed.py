@@ -241,7 +241,8 @@ class PackedGroup:
     of it: the same names, values and memory), packed once; `__call__` splits the product back into each member's
     output, in order. The members keep no packed copy of their own. Eager calls check each member's weight as
     PackedLinear checks its own (a member's weight replaced, moved or changed in place) and join and pack again;
-    products the kind does not apply to run each member's F.linear. Not an nn.Module: it adds no parameters."""
+    products the kind does not apply to (one row, another row count) are F.linear over the joined weight. Not an
+    nn.Module: it adds no parameters."""
 
     def __init__(self, members: tuple, kind: str, rows: int):
         self.members, self.kind, self.rows = tuple(members), kind, rows
