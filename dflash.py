@@ -377,9 +377,9 @@ class Pending:
         if self.back:
             self.round_next[:, :k] = posterior
 
-    def after_round(self, k: int, start) -> None:
-        """After a round of k verified rows at positions start [N] + 0..k-1 (keep_round wrote them): they are what
-        is pending."""
+    def after_round(self, start) -> None:
+        """After a round whose verified rows sit at positions start [N] + 0, 1, .. (keep_round wrote them): they are
+        what is pending."""
         self.feats = self.round_buf               # (a proposer that reads no features: all buffers have width 0)
         if self.back:
             self.feat_next = self.round_next
@@ -710,7 +710,7 @@ class Engine(Slots):
             if row is not None:
                 a, post, props = host[b][0], host[b][1:k + 1], host[b][k + 1:]
                 committed.append(len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1))))
-        pending.after_round(k, start)
+        pending.after_round(start)
         return committed
 
     def plain(self, rows: list) -> None:

@@ -156,6 +156,11 @@ def _version(w: torch.Tensor) -> int | None:
         return None
 
 
+def _made_from(w: torch.Tensor) -> tuple:
+    """What a packed copy remembers of the weight it was made from (PackedLinear._stale compares it)."""
+    return weakref.ref(w), w.data_ptr(), _version(w)
+
+
 class PackedLinear(nn.Linear):
     """nn.Linear with the same Parameters (shared with the layer it replaced, not copied) and state-dict names, plus
     `packed`, a copy of the weight of `kind` packed for `rows`-row products. Float32 CPU products outside autograd
@@ -203,17 +208,17 @@ class PackedLinear(nn.Linear):
     def _pack(self) -> torch.Tensor:
         w = self.weight
         self.packed = pack(w, self.kind, self.rows)
-        self._packed_for = (weakref.ref(w), w.data_ptr(), _version(w))
+        self._packed_for = _made_from(w)
         return self.packed
 
     def refresh_(self) -> int:
         """Repack the copy if its weight changed since it was made (always, for an inference-mode weight);
         drop it when the weight is no longer float32 on the CPU. -> bytes packed now."""
+        if self.grouped:                     # its PackedGroup packs it (PackedGroup.refresh_)
+            return 0
         w = self.weight
-        if not _packable(w) or self.grouped:
-            self.packed = None
-            if not self.grouped:
-                self._packed_for = None
+        if not _packable(w):
+            self.packed = self._packed_for = None
             return 0
         if self.packed is not None and not self._stale(unversioned_stale=True):
             return 0
@@ -275,7 +280,7 @@ class PackedGroup:
                     getattr(m, name).data = view
         self.packed = pack(self.weight, self.kind, self.rows)
         for m in self.members:
-            m._packed_for = (weakref.ref(m.weight), m.weight.data_ptr(), _version(m.weight))
+            m._packed_for = _made_from(m.weight)
         return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> tuple:
@@ -366,7 +371,7 @@ def refresh_(module: nn.Module) -> int:
     eager calls do this on their own; do it before running compiled code after such a change. Inference-mode
     weights are always repacked. -> bytes packed now."""
     linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
-    groups = {id(m.group): m.group for m in linears if getattr(m, "group", None) is not None}
+    groups = {id(m.group): m.group for m in linears if m.group is not None}
     return sum(m.refresh_() for m in linears) + sum(g.refresh_() for g in groups.values())
 
 

@@ -211,7 +211,7 @@ class TreeEngine(Engine):
         # the committed nodes' features (and the token after each) pending for the next draft, at start, start + 1, ..
         dev = self.device
         pending.keep_round(None if feats is None else feats[:, path[:len(new)]], torch.tensor([new], device=dev))
-        pending.after_round(len(new), torch.tensor([start], device=dev))
+        pending.after_round(torch.tensor([start], device=dev))
         return [len(new)]
 
 
