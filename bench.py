@@ -551,15 +551,15 @@ def concurrency_main(args, device) -> dict:
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
         warm = time.perf_counter() - t0
-        runs, given_up = {"ar": [], "dflash": []}, None
+        runs, given_up = {"ar": [], "dflash": []}, []
         for r in range(args.repeat):        # AR first in even repeats, DFlash first in odd ones: neither arm always
             order = list(engines.items())[::1 if r % 2 == 0 else -1]     # runs on the machine the other left
             for name, run in (whole_runs(order, reqs) if args.whole_runs else in_turns(order, reqs)).items():
                 runs[name].append(run)
-            if policy is not None and not policy.feeds and given_up is None:
-                given_up = len(runs["dflash"])
+            if policy is not None and not policy.feeds:       # (the next run probes again: Policy.reset)
+                given_up.append(len(runs["dflash"]))
         row = concurrency_row(n, runs, warm)
-        row["rounds_given_up_in_repeat"] = given_up       # the Policy's verdict (None: rounds were kept all along)
+        row["rounds_given_up_in_repeats"] = given_up      # the repeats whose run ended with rounds given up
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  {'AR again' if args.aa else 'DFlash'} "
               f"{row['dflash_tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x, "
@@ -569,7 +569,7 @@ def concurrency_main(args, device) -> dict:
               f"{row['queue_paired_speedup']:.2f}x, N in flight {row['dflash_held_share']:.0%} of DFlash's time)  per request: AR "
               f"{row['ar_request_tokens_per_s']:.1f}, DFlash {row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance "
               f"{row['mean_acceptance']:.2f}  rounds {row['round_share']:.0%} of DFlash steps (verify blocks "
-              f"{row['verify_blocks']})  identical {row['identical']}  rounds given up in repeat {given_up}  "
+              f"{row['verify_blocks']})  identical {row['identical']}  rounds given up in repeats {given_up or 'none'}  "
               f"({len(reqs)} requests; warm-up {warm:.1f} s)", flush=True)
     out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
            "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not (args.no_adaptive or args.aa),

@@ -8,9 +8,9 @@ rounds go on whatever they commit until their acceptance holds `opening` rows (1
 two of eight), unless even a whole block accepted could not pay. Rounds verify the whole block until the
 acceptance holds `min_samples` rows and the best block's gain is below 1 + `margin`; from then on the shorter
 blocks are timed too (`min_rounds` times each). While rounds lose, a probe round re-measures the acceptance every
-`wait` plain steps, the wait keeping the probes' loss under `budget` of the time. Rounds are given up for good
-(`feeds` False: plain steps no longer keep features for the drafter's context, so they cost exactly AR's) when one
-of these holds once every block is timed `min_rounds` times:
+`wait` plain steps, the wait keeping the probes' loss under `budget` of the time. Rounds are given up for the
+rest of the run (`feeds` False: plain steps no longer keep features for the drafter's context, so they cost exactly
+AR's) when one of these holds once every block is timed `min_rounds` times:
   - even a whole block accepted could not pay at any k (k x plain / round(k) < 1 - margin);
   - `patience` probes in a row lost by more than the margin, or probes in a row near break-even stalled (4 x
     `patience` of them, or `patience` holding 4 x `min_samples` rows) over at least `max_wait` plain steps or
@@ -109,7 +109,8 @@ class Policy:
     """Adaptive speculation for a batch (the module docstring states the rule). speculate() -> 0 or the verify block
     of a round; the engine reports each step's seconds back (observe_round, observe_plain) and the drafter's upkeep
     outside rounds (observe_upkeep). Timings carry over from one run of the Engine to the next (the costs depend on
-    N, which an Engine fixes); every verdict is for the life of the Policy."""
+    N, which an Engine fixes); a verdict that gave rounds up lasts for its run, and the next run starts with a
+    revival probe (reset)."""
 
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
@@ -134,10 +135,20 @@ class Policy:
         self.streak, self.streak_seconds = 0, 0.0           # rounds since the last plain step, and their seconds
         self.retiming = False                               # the next step is a plain step, timed (observe_plain)
         self.shortening = False                             # shorter blocks than the whole are being timed
+        self.reviving = False                               # the next round is a revival probe (reset)
 
     def reset(self) -> None:
-        """A new run of requests (the measurements are kept)."""
+        """A new run of requests (the timings are kept). If rounds were given up, the run feeds the drafter's context
+        again and probes once after `first_wait` plain steps, on acceptance measured afresh (the old rounds' tokens
+        are the old texts'); every verdict's count starts over."""
         self.since = 0
+        if not self.feeds:
+            self.feeds, self.reviving, self.next_probe = True, True, self.first_wait
+            for tokens in self.costs.tokens.values():
+                tokens.clear()
+            self.losing = self.stalled = self.stalled_rows = self.stalled_steps = 0
+            self.stalled_seconds = 0.0
+            self.ledger, self.ledger_rows, self.ledger_rounds = 0.0, 0, 0
 
     def timed(self) -> bool:
         """Every block's round timed `min_rounds` times: no verdict rests on one timing of a shared machine."""
@@ -182,6 +193,9 @@ class Policy:
         if self.rows_seen < self.opening and self.costs.full_block_gain() >= 1 - self.margin:
             self.next_probe = 0     # the opening: rounds go on until their acceptance holds `opening` rows
         self.k = self._next_block(best, explore=self.next_probe > 0 or self.rounds % self.explore == 0)
+        if self.reviving:       # a revival probe that did not pay by the margin: given up for this run too
+            self.reviving, self.feeds = False, self.next_probe == 0
+            return
         self._judge(gain, len(committed), waited)
 
     def observe_plain(self, seconds: float) -> None:
@@ -229,7 +243,7 @@ class Policy:
         return longer[-1] if longer and (self.next_probe == 0 or self.rounds % 2) else best
 
     def _judge(self, gain: float, rows: int, waited: int) -> None:
-        """After a round: whether rounds are given up for good (the module docstring's three verdicts)."""
+        """After a round: whether rounds are given up for the rest of the run (the module docstring's three verdicts)."""
         timed = self.timed()
         counts = timed and self.rows_seen > self.min_samples
         self.losing = self.losing + 1 if gain < 1 - self.margin and counts else 0

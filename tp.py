@@ -368,16 +368,22 @@ class Synced:
         self.blocks, self.feeds = policy.blocks, True
 
     def reset(self) -> None:
+        """A new run: every rank's policy reset, and rank 0's word on whether the run's admissions feed the drafter
+        (a policy that gave rounds up feeds again in a new run: Policy.reset)."""
         self.policy.reset()
+        self.feeds = bool(self._from_rank0([int(self.policy.feeds)])[0])
 
     def speculate(self) -> int:
         """Rank 0's decision on every rank: 0 (a plain step) or the block k of a round."""
-        mine = [self.policy.speculate(), int(self.policy.feeds)]
-        t = torch.tensor(mine, dtype=torch.long, device=self.parallel.device)
-        dist.broadcast(t, src=0, group=self.parallel.group)
-        k, feeds = t.tolist()
+        k, feeds = self._from_rank0([self.policy.speculate(), int(self.policy.feeds)])
         self.feeds = bool(feeds)
         return k
+
+    def _from_rank0(self, mine: list) -> list:
+        """Rank 0's list of ints on every rank (one broadcast)."""
+        t = torch.tensor(mine, dtype=torch.long, device=self.parallel.device)
+        dist.broadcast(t, src=0, group=self.parallel.group)
+        return t.tolist()
 
     def observe_round(self, committed: list, k: int, seconds: float) -> None:
         self.policy.observe_round(committed, k, seconds)

@@ -111,6 +111,29 @@ def test_policy_gives_rounds_up_when_they_do_not_pay_for_the_drafters_upkeep():
     assert kinds.endswith("." * 300)
 
 
+def test_policy_gives_rounds_up_for_a_run_and_probes_once_in_the_next():
+    """A verdict lasts for its run (Engine.run). The next run (Policy.reset: new texts) feeds the drafter's context
+    again and probes once after `first_wait` plain steps, judged on that probe's own acceptance with the kept
+    timings: rounds come back if it pays by the margin, else they stay given up for that run too."""
+    p = Policy(opening=0, block=16, blocks=(16,))
+    kinds = drive(p, 2000, round_s=0.010, tokens=6, rows=8)                     # 0.6 plain steps a round: given up
+    assert not p.feeds and kinds.endswith("." * 500)
+    rounds_before = kinds.count("R")
+    p.reset()
+    assert p.feeds                                          # the run's admissions feed the drafter's context again
+    assert drive(p, 300, round_s=0.010, tokens=6, rows=8) == "....R" + "." * 295    # one probe, still losing
+    assert not p.feeds and list(p.costs.tokens[16]) == [6]                           # (judged on its own acceptance)
+    p.reset()
+    kinds = drive(p, 300, round_s=0.010, tokens=14, rows=8)                   # the new texts are easy: 1.4 plain steps
+    assert kinds.startswith("....RRRR") and kinds.count("R") > 250 and p.feeds
+    assert p.ledger_rounds < kinds.count("R") + rounds_before                 # every verdict's count started over
+    p = Policy(opening=0, block=16, blocks=(16,))
+    drive(p, 300, round_s=0.020, tokens=15)                                  # 20 plain steps a round: never pays
+    assert not p.feeds
+    p.reset()
+    assert drive(p, 100, round_s=0.020, tokens=15) == "....R" + "." * 95 and not p.feeds
+
+
 def test_policy_gives_up_near_break_even_after_seconds_not_only_steps():
     """At N = 32 a plain step takes 16 ms: probes near break-even (gain 0.95) in a row, four or more (each holds 32
     rows: four hold 128), end rounds once they span `settle` seconds (2 s: 125 plain steps), not only after 512
@@ -257,6 +280,28 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
     for i, (r, got) in enumerate(zip(reqs, res)):
         assert got.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
         assert {"plain", "verify"} <= set(got.step_kinds) or (slots == 1 and i > 0 and set(got.step_kinds) == {"plain"})
+
+
+def test_policy_revives_rounds_in_the_next_run_of_the_engine():
+    """An Engine whose policy gave rounds up in one run (its plain steps fed nothing) probes again in the next: the
+    run's admissions feed the drafter's context, one round is taken after `first_wait` plain steps, and every output
+    is AR's in both runs."""
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 12)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
+    rng = random.Random(5)
+    reqs = [dflash.Request([rng.randrange(40) for _ in range(12)], 30) for _ in range(2)]
+    p = Policy(block=8, opening=0)
+    eng = dflash.Engine(target, dflash.DrafterProposer(d, target), 8, 1, 64, policy=p)
+    first = eng.run(reqs)
+    assert "verify" in first[0].step_kinds
+    p.feeds = False                                         # a verdict, as _judge gives one
+    second = eng.run(reqs)
+    kinds = [k for r in second for k in r.step_kinds]
+    assert kinds.count("verify") == 1 and kinds.index("verify") == 4      # 4 plain steps, then the probe
+    assert not p.feeds                      # the probe's drafts (this drafter never agrees) did not pay: given up again
+    for r, a, b in zip(reqs, first, second):
+        assert a.output_ids == b.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
