@@ -466,9 +466,10 @@ ROUND_CALLS = 200           # --profile-round's calls of each step, timed, then 
 def profile_round_main(args, device, top: int = 8) -> dict:
     """--profile-round: each step a round runs, called directly on a live state (one slot; compiled with --compile):
     a draft of the whole block, its verify (with the commit), and an AR engine's decode step, ROUND_CALLS times each in turn
-    after a generation of the first prompt (warm-up and state); their medians, then torch.profiler over as many of
-    each kind: the `top` entries by self CPU time, per call. The engine's bookkeeping between the steps (the accept
-    loop, the policy) is left out: these are the steps' own costs, each called after itself."""
+    after a generation of the first prompt (warm-up and state); their medians; the draft and verify medians again
+    called in turn, as rounds call them (each then follows the other, whose weights have taken the caches); then
+    torch.profiler over as many of each kind: the `top` entries by self CPU time, per call. The engine's bookkeeping
+    between the steps (the accept loop, the policy) is left out: these are the steps' own costs."""
     from torch.profiler import ProfilerActivity, profile
     dtype = pick_dtype(args.dtype, device)
     target, _, _, proposer, block, prompts, _, products = load_pair(args, dtype, device)
@@ -490,13 +491,23 @@ def profile_round_main(args, device, top: int = 8) -> dict:
               f"threads, {products['products']} products, a cache of {capacity} positions, block {block}): "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
               + f"; verify / decode {ms['verify'] / ms['decode']:.2f}, draft / decode {ms['draft'] / ms['decode']:.2f}")
+        turns = {"draft": [], "verify": []}          # a round's two steps in turn, as rounds call them
+        for _ in range(calls):
+            for kind in turns:
+                t0 = time.perf_counter()
+                steps[kind]()
+                turns[kind].append(time.perf_counter() - t0)
+        in_turn = {kind: statistics.median(times) * 1e3 for kind, times in turns.items()}
+        print(f"in turn (draft, verify, draft, ...), median of {calls}: draft {in_turn['draft']:.3f} ms "
+              f"({in_turn['draft'] / ms['draft']:.2f}x alone), verify {in_turn['verify']:.3f} ms "
+              f"({in_turn['verify'] / ms['verify']:.2f}x alone)")
         for kind, fn in steps.items():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(calls):
                     fn()
             print(f"{kind}, under torch.profiler, self CPU time per call:")
             profiled[kind] = print_self_times(prof, calls, top)
-    result = {"mode": "profile_round", "ms": ms, "verify_over_decode": ms["verify"] / ms["decode"],
+    result = {"mode": "profile_round", "ms": ms, "in_turn_ms": in_turn, "verify_over_decode": ms["verify"] / ms["decode"],
               "draft_over_decode": ms["draft"] / ms["decode"], "compile_mode": mode, "threads": torch.get_num_threads(),
               "device": device, "dtype": str(dtype).replace("torch.", ""), "capacity": capacity, "block_size": block,
               **products, "self_us_per_call": profiled}

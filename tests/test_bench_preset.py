@@ -168,8 +168,8 @@ def test_profile_decode_reports_per_step_self_times(capsys):
 
 def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
     """bench.py --profile-round (eager here, 3 calls of each step): the medians of a draft of the whole block, its
-    verify (which commits) and an AR decode step on a live state, their ratios, then the profiler's top entries per call of
-    each; the JSON line carries them. The draft called again on the same state drafts the same block (its context
+    verify (which commits) and an AR decode step on a live state, their ratios, the draft and verify again in turn,
+    then the profiler's top entries per call of each; the JSON line carries them. The draft called again on the same state drafts the same block (its context
     appends rewrite the same slots). It refuses the flags of the modes it does not run."""
     import torch
     monkeypatch.setattr(bench, "ROUND_CALLS", 3)
@@ -180,7 +180,9 @@ def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
     assert out["mode"] == "profile_round" and set(out["ms"]) == set(out["self_us_per_call"]) == kinds
     assert all(v > 0 for v in out["ms"].values()) and out["block_size"] == 16 and out["compile_mode"] is None
     assert out["verify_over_decode"] == out["ms"]["verify"] / out["ms"]["decode"]
+    assert set(out["in_turn_ms"]) == {"draft", "verify"} and all(v > 0 for v in out["in_turn_ms"].values())
     assert any(line.startswith("per call, median of 3 (eager, 1 threads") for line in lines)
+    assert any(line.startswith("in turn (draft, verify, draft, ...), median of 3: draft ") for line in lines)
     target, _, _, proposer, block, prompts, _, _ = bench.load_pair(bench.parse_args(["--heldout", "1"]), torch.float32, "cpu")
     eng, ar = (bench.tables.single_engine(bench.parse_args([]), target, p, b, 200, False)
                for p, b in ((proposer, block), (None, 1)))
