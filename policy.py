@@ -17,6 +17,9 @@ AR's) when one of these holds once every block is timed `min_rounds` times:
     `settle` seconds, once they hold `min_samples` rows;
   - the ledger (what rounds saved over plain steps, less the drafter's upkeep outside rounds) is below 0 after
     2 x `explore` rounds holding 8 x `min_samples` rows.
+The next run (new requests, whose acceptance may differ) feeds the drafter's context again and takes one revival
+probe after `first_wait` plain steps, judged on its own acceptance with the kept timings: rounds come back if it
+pays by the margin, else they stay given up for that run too.
 The output never depends on any of this: every kind of step commits the target's own tokens. Why each part is
 there, with the measurements behind it: docs/method.md#adaptive-speculation.
 
