@@ -479,25 +479,13 @@ def profile_round_main(args, device, top: int = 8) -> dict:
     eng, ar = (tables.single_engine(args, target, p, b, capacity, False) for p, b in ((proposer, block), (None, 1)))
     with torch.inference_mode():
         steps = live_round_steps(eng, ar, prompts[0], args.max_new_tokens)
-        ms, profiled = {}, {}
-        for kind, fn in steps.items():
-            times = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            ms[kind] = statistics.median(times) * 1e3
+        profiled = {}
+        ms = {kind: median_ms(steps, [kind], calls)[kind] for kind in steps}          # each called after itself
         print(f"per call, median of {calls} ({'compiled, ' + mode if mode else 'eager'}, {torch.get_num_threads()} "
               f"threads, {products['products']} products, a cache of {capacity} positions, block {block}): "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
               + f"; verify / decode {ms['verify'] / ms['decode']:.2f}, draft / decode {ms['draft'] / ms['decode']:.2f}")
-        turns = {"draft": [], "verify": []}          # a round's two steps in turn, as rounds call them
-        for _ in range(calls):
-            for kind in turns:
-                t0 = time.perf_counter()
-                steps[kind]()
-                turns[kind].append(time.perf_counter() - t0)
-        in_turn = {kind: statistics.median(times) * 1e3 for kind, times in turns.items()}
+        in_turn = median_ms(steps, ["draft", "verify"], calls)                       # in turn, as rounds call them
         print(f"in turn (draft, verify, draft, ...), median of {calls}: draft {in_turn['draft']:.3f} ms "
               f"({in_turn['draft'] / ms['draft']:.2f}x alone), verify {in_turn['verify']:.3f} ms "
               f"({in_turn['verify'] / ms['verify']:.2f}x alone)")
@@ -513,6 +501,18 @@ def profile_round_main(args, device, top: int = 8) -> dict:
               **products, "self_us_per_call": profiled}
     print(json.dumps(result))
     return result
+
+
+def median_ms(steps: dict, kinds: list, calls: int) -> dict:
+    """The steps `kinds` of `steps` ({kind: function of no arguments}) called in turn, `calls` times each -> {kind:
+    median milliseconds of its calls}."""
+    times = {kind: [] for kind in kinds}
+    for _ in range(calls):
+        for kind in kinds:
+            t0 = time.perf_counter()
+            steps[kind]()
+            times[kind].append(time.perf_counter() - t0)
+    return {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
 
 
 def live_round_steps(eng, ar, prompt: list, new: int) -> dict:

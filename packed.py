@@ -227,17 +227,27 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The cheap tests first: this runs for every product of an eager step.
-        if (self.packed is None or x.dtype != torch.float32 or torch.is_grad_enabled() or x.device.type != "cpu"
-                or not applies(self.kind, x.numel() // max(x.shape[-1], 1), self.rows)):
+        if self.packed is None or torch.is_grad_enabled() or not _serves(x, self.kind, self.rows):
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():     # the staleness check is not traced (module docstring)
-            return linear_op(x, self.packed, self.weight, self.bias, self.kind, self.rows)
-        if self._stale(unversioned_stale=False):
+        if not torch.compiler.is_compiling() and self._stale(unversioned_stale=False):   # (not traced: docstring)
             if not _packable(self.weight):     # converted to another dtype or device since it was packed
                 self.packed = self._packed_for = None
                 return F.linear(x, self.weight, self.bias)
             self._pack()
-        return linear(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+        return _packed_product(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+
+
+def _serves(x: torch.Tensor, kind: str, rows: int) -> bool:
+    """Whether a copy of `kind` packed for `rows` serves the product of x [..., K]: float32 on the CPU, a row count
+    the kind applies to."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu"
+            and applies(kind, x.numel() // max(x.shape[-1], 1), rows))
+
+
+def _packed_product(x, packed, weight, bias, kind: str, rows: int) -> torch.Tensor:
+    """The product over a packed copy: under torch.compile the custom op (lowered to a direct kernel call), else the
+    direct call."""
+    return (linear_op if torch.compiler.is_compiling() else linear)(x, packed, weight, bias, kind, rows)
 
 
 class PackedGroup:
@@ -294,12 +304,10 @@ class PackedGroup:
             self.refresh_()
             if self.packed is None:
                 return tuple(m(x) for m in self.members)
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not applies(self.kind, x.numel() // max(x.shape[-1], 1), self.rows):
-            out = F.linear(x, self.weight, self.bias)
-        elif torch.compiler.is_compiling():
-            out = linear_op(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+        if _serves(x, self.kind, self.rows):
+            out = _packed_product(x, self.packed, self.weight, self.bias, self.kind, self.rows)
         else:
-            out = linear(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+            out = F.linear(x, self.weight, self.bias)
         return out.split(self.sizes, -1)
 
 

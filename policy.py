@@ -128,10 +128,7 @@ class Policy:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
         self.costs = Costs(self.blocks, window)
         self.feeds = True                                   # plain steps keep features for the drafter's context
-        self.losing = 0                                     # probes in a row that lost by more than the margin
-        self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
-        self.stalled_steps, self.stalled_seconds = 0, 0.0   # and the plain steps between them, and their seconds
-        self.ledger, self.ledger_rows, self.ledger_rounds = 0.0, 0, 0    # seconds saved, from when all are timed
+        self._count_verdicts_afresh()
         self.k = self.last_k = self.blocks[0]               # the block of the next round; of the last one
         self.rounds = self.rows_seen = 0                    # rounds observed, and the live rows they held
         self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
@@ -149,9 +146,14 @@ class Policy:
             self.feeds, self.reviving, self.next_probe = True, True, self.first_wait
             for tokens in self.costs.tokens.values():
                 tokens.clear()
-            self.losing = self.stalled = self.stalled_rows = self.stalled_steps = 0
-            self.stalled_seconds = 0.0
-            self.ledger, self.ledger_rows, self.ledger_rounds = 0.0, 0, 0
+            self._count_verdicts_afresh()
+
+    def _count_verdicts_afresh(self) -> None:
+        """What the verdicts count (_judge), from zero."""
+        self.losing = 0                                     # probes in a row that lost by more than the margin
+        self.stalled = self.stalled_rows = 0                # probes in a row that did not bring rounds back; their rows
+        self.stalled_steps, self.stalled_seconds = 0, 0.0   # and the plain steps between them, and their seconds
+        self.ledger, self.ledger_rows, self.ledger_rounds = 0.0, 0, 0    # seconds saved, from when all are timed
 
     def timed(self) -> bool:
         """Every block's round timed `min_rounds` times: no verdict rests on one timing of a shared machine."""
