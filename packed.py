@@ -394,18 +394,16 @@ def kind_of(modules) -> str:
 
 # ---- the choice: measured once per machine ---------------------------------------------------------
 
-def _linears(modules) -> Counter:
-    """How many swappable linears of `modules` (None entries skipped) have each weight shape, keyed by one
-    such layer: {nn.Linear: count}. One step runs each of them once per few-row product."""
-    seen, by_shape, counts = set(), {}, Counter()
+def _linears(modules) -> list:
+    """The swappable linears of `modules` (None entries skipped), each once, in the order the modules list them
+    (the order a step runs them in)."""
+    seen, out = set(), []
     for module in modules:
         for m in (module.modules() if module is not None else ()):
-            if id(m) in seen or not _swappable(m):
-                continue
-            seen.add(id(m))
-            key = (m.out_features, m.in_features, m.bias is not None)
-            counts[by_shape.setdefault(key, m)] += 1
-    return counts
+            if id(m) not in seen and _swappable(m):
+                seen.add(id(m))
+                out.append(m)
+    return out
 
 
 def _seconds(fn, reps: int) -> float:
@@ -416,31 +414,40 @@ def _seconds(fn, reps: int) -> float:
 
 
 @torch.no_grad()
-def measure(modules, rows: int, trials: int = 7, batch_seconds: float = 2e-3) -> dict:
+def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) -> dict:
     """Seconds that one pass of `rows`-row products through every swappable linear of `modules` takes, per kind
-    ("plain" and each available kind that applies to `rows`), measured now on this machine's threads. Per weight
-    shape: one warm-up call each, then `trials` rounds of batches of about `batch_seconds`, the kinds in turn (so
-    all see the same moments of a noisy machine), and the median batch; shapes are weighted by their layer count.
-    Random rows, the layers' own weights (copies packed for the measurement, dropped afterwards).
+    ("plain" and each available kind that applies to `rows`), measured now on this machine's threads.
+
+    A pass runs every layer's product once, in the modules' order, as a step does: each weight is read once per
+    pass, after the others have taken the caches. (Repeating one layer's product while its weight stays hot in the
+    core's cache favours plain products, which repack the weight at every call: on a CPU whose last-level cache
+    barely holds the model that inverts the verdict.) One warm-up pass per kind, then `trials` rounds of the kinds
+    in turn (so all see the same moments of a noisy machine), each timing passes for about `batch_seconds`; the
+    median round. Random rows, the layers' own weights (copies packed for the measurement, dropped afterwards).
     -> {kind: seconds}, all 0 when nothing is swappable."""
     kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows)]
-    total = dict.fromkeys(kinds, 0.0)
-    for lin, count in _linears(modules).items():
-        w, b = lin.weight, lin.bias
-        x = torch.randn(rows, lin.in_features, dtype=w.dtype)
-        runs = {"plain": lambda: F.linear(x, w, b)}
-        for k in kinds[1:]:
-            runs[k] = lambda copy=pack(w, k, rows), k=k: linear(x, copy, w, b, k, rows)
-        for run in runs.values():                                       # the first calls set things up
-            run()
-        reps = max(1, int(batch_seconds / max(max(_seconds(run, 1) for run in runs.values()), 1e-7)))
-        times = {k: [] for k in kinds}
-        for _ in range(trials):
-            for k, run in runs.items():
-                times[k].append(_seconds(run, reps))
-        for k in kinds:
-            total[k] += count * statistics.median(times[k])
-    return total
+    lins = _linears(modules)
+    if not lins:
+        return dict.fromkeys(kinds, 0.0)
+    xs = [torch.randn(rows, lin.in_features, dtype=lin.weight.dtype) for lin in lins]
+    copies = {k: [pack(lin.weight, k, rows) for lin in lins] for k in kinds[1:]}
+
+    def one_pass(kind):
+        if kind == "plain":
+            for lin, x in zip(lins, xs):
+                F.linear(x, lin.weight, lin.bias)
+        else:
+            for lin, x, copy in zip(lins, xs, copies[kind]):
+                linear(x, copy, lin.weight, lin.bias, kind, rows)
+    runs = {k: (lambda k=k: one_pass(k)) for k in kinds}
+    for run in runs.values():                                       # the first calls set things up
+        run()
+    reps = max(1, int(batch_seconds / max(max(_seconds(run, 1) for run in runs.values()), 1e-7)))
+    times = {k: [] for k in kinds}
+    for _ in range(trials):
+        for k, run in runs.items():
+            times[k].append(_seconds(run, reps))
+    return {k: statistics.median(t) for k, t in times.items()}
 
 
 def cache_path() -> str:
@@ -453,8 +460,9 @@ def cache_path() -> str:
 
 def _key(modules, rows: int) -> str:
     from tables import cpu_model          # (the record's CPU name; imported here: the verdict's key needs it once)
-    shapes = sorted((lin.out_features, lin.in_features, lin.bias is not None, n) for lin, n in _linears(modules).items())
-    return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
+    shapes = sorted(Counter((lin.out_features, lin.in_features, lin.bias is not None) for lin in _linears(modules)).items())
+    return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])  # "passes":
+    # how `measure` times (a verdict measured another way is measured again)
 
 
 def choose(modules, rows: int) -> tuple:

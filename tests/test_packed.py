@@ -316,26 +316,36 @@ def test_engine_over_a_swapped_pair_serves_edited_weights():
 # the default choice: measured once per machine, then cached
 # --------------------------------------------------------------------------------------------------
 
-def test_measure_times_every_kind_on_the_models_shapes(monkeypatch):
-    """measure times each weight shape once however many layers share it (the layers' count weights it), on
-    rows of the asked count, for plain and every kind, and adds nothing for what cannot be swapped (bfloat16, or
-    no linear at all)."""
-    calls = []
-    real = packed.linear
+def test_measure_times_passes_through_every_layer_in_order(monkeypatch):
+    """measure times whole passes: each swappable layer's product once per pass, in the modules' order, on its own
+    weight and rows of the asked count, for plain and every kind (so a shape shared by three layers is three
+    products, as in a step); a layer two modules share counts once; nothing that cannot be swapped (bfloat16, no
+    linear at all) is timed."""
+    calls, plain = [], []
+    real, real_f = packed.linear, F.linear
 
     def counted(x, copy, weight, bias, kind, rows):
-        calls.append((tuple(x.shape), weight.shape[0], kind))
+        calls.append((tuple(x.shape), weight.data_ptr(), kind))
         return real(x, copy, weight, bias, kind, rows)
 
+    def counted_plain(x, weight, bias=None):
+        plain.append((tuple(x.shape), weight.data_ptr()))
+        return real_f(x, weight, bias)
+
     monkeypatch.setattr(packed, "linear", counted)
+    monkeypatch.setattr(packed.F, "linear", counted_plain)
     same = [random_linear(32, 48, False, seed=s) for s in range(3)]          # one shape, three layers
     other = random_linear(48, 16, True)
     m = nn.Sequential(*same, nn.Sequential(other), random_linear(16, 8, False, dtype=torch.bfloat16))
-    times = packed.measure([m, None], rows=12, trials=3, batch_seconds=1e-4)
+    order = [(12, lin.in_features) for lin in (*same, other)], [lin.weight.data_ptr() for lin in (*same, other)]
+    times = packed.measure([m, None, other], rows=12, trials=3, batch_seconds=0)
     assert set(times) == {"plain", *packed.KINDS} and all(t > 0 for t in times.values())
-    assert {(s, n) for s, n, _ in calls} == {((12, 32), 48), ((12, 48), 16)} and {k for *_, k in calls} == set(packed.KINDS)
-    monkeypatch.setattr(packed, "_seconds", lambda fn, reps: 1.0)          # every product "takes" 1 s:
-    assert set(packed.measure([m], rows=12).values()) == {4.0}              # 3 layers of one shape + 1 other
+    passes = 1 + 1 + 3                    # a warm-up pass, one that sizes the batches, one per trial (batch_seconds 0)
+    assert plain == list(zip(*order)) * passes
+    for kind in packed.KINDS:
+        assert [c[:2] for c in calls if c[2] == kind] == list(zip(*order)) * passes
+    monkeypatch.setattr(packed, "_seconds", lambda fn, reps: 1.0)          # every pass "takes" 1 s
+    assert set(packed.measure([m], rows=12).values()) == {1.0}
     assert set(packed.measure([nn.Sequential(nn.ReLU())], rows=12).values()) == {0.0}
     assert set(packed.measure([random_linear(16, 8, False, dtype=torch.bfloat16)], rows=12).values()) == {0.0}
 
