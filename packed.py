@@ -12,8 +12,9 @@ queries) on weights packed once for them, applied to a loaded model by swapping 
                       gpt-fast's quantize.py swaps linears); refresh_ repacks copies whose weight changed.
     linear, linear_op the product itself: a direct call for eager code, and a custom op torch.compile can trace.
     lower_linear_op   an inductor lowering so compiled code calls the MKL or oneDNN kernel itself, not the custom op.
-    measure, choose   times one step's few-row products each way on the models' own shapes; choose keeps the fastest
-                      kind (by a margin over plain) and caches the verdict on disk beside inductor's compile cache.
+    measure, choose   times passes of one step's few-row products (every layer once, in order, as a step reads them)
+                      each way; choose keeps the fastest kind (by a margin over plain) and caches the verdict on disk
+                      beside inductor's compile cache.
 
 Why measured, and why cached: which product is fastest for a few rows depends on the CPU (docs/measurements.md
 names them), and the packed copies cost the weights' size again. A choice measured at every load is a race:
