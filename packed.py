@@ -55,6 +55,8 @@ KINDS = tuple(k for k, ok in AVAILABLE.items() if ok)
 FEW_ROWS = 64            # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
 PACK_ROWS = 16           # the default row count weights are packed for (the verify block)
 MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
+PASS_BYTES = 1 << 29     # `measure`'s pass reads at most about this many bytes of weights (their packed copies are
+#                          alive at once), and one layer of every shape past them
 
 
 def pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
@@ -407,6 +409,21 @@ def _linears(modules) -> list:
     return out
 
 
+def _pass_layers(lins: list) -> list:
+    """The layers `measure` runs a pass through: from the first, in order, those that fit in PASS_BYTES of weights,
+    and the first layer of every shape not among them. (A model larger than that streams its weights from memory in
+    a step, as the first PASS_BYTES of them already do in the pass; all of them packed at once could double its
+    memory.)"""
+    out, shapes, total = [], set(), 0
+    for lin in lins:
+        shape, size = (lin.out_features, lin.in_features, lin.bias is not None), lin.weight.nbytes
+        if total + size <= PASS_BYTES or shape not in shapes:
+            out.append(lin)
+            shapes.add(shape)
+            total += size
+    return out
+
+
 def _seconds(fn, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -420,14 +437,15 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
     ("plain" and each available kind that applies to `rows`), measured now on this machine's threads.
 
     A pass runs every layer's product once, in the modules' order, as a step does: each weight is read once per
-    pass, after the others have taken the caches. (Repeating one layer's product while its weight stays hot in the
+    pass, after the others have taken the caches (a model of more than PASS_BYTES of weights: the first layers up
+    to them and one layer of every other shape, `_pass_layers`). (Repeating one layer's product while its weight stays hot in the
     core's cache favours plain products, which repack the weight at every call: on a CPU whose last-level cache
     barely holds the model that inverts the verdict.) One warm-up pass per kind, then `trials` rounds of the kinds
     in turn (so all see the same moments of a noisy machine), each timing passes for about `batch_seconds`; the
     median round. Random rows, the layers' own weights (copies packed for the measurement, dropped afterwards).
     -> {kind: seconds}, all 0 when nothing is swappable."""
     kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows)]
-    lins = _linears(modules)
+    lins = _pass_layers(_linears(modules))
     if not lins:
         return dict.fromkeys(kinds, 0.0)
     xs = [torch.randn(rows, lin.in_features, dtype=lin.weight.dtype) for lin in lins]

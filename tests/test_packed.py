@@ -350,6 +350,24 @@ def test_measure_times_passes_through_every_layer_in_order(monkeypatch):
     assert set(packed.measure([random_linear(16, 8, False, dtype=torch.bfloat16)], rows=12).values()) == {0.0}
 
 
+def test_measure_bounds_the_weights_a_pass_packs(monkeypatch):
+    """A model of more weights than PASS_BYTES: the pass runs the first layers that fit in them, in order, and the
+    first layer of every other shape (here the lm_head-like last one), so the copies measure packs at once stay
+    bounded; a model within the bound runs every layer."""
+    shape_a = [random_linear(32, 48, False, seed=s) for s in range(4)]       # 4 x 6 KB
+    last = random_linear(48, 8, False, seed=9)
+    m = nn.Sequential(*shape_a, last)
+    monkeypatch.setattr(packed, "PASS_BYTES", 2 * shape_a[0].weight.nbytes)
+    assert packed._pass_layers(packed._linears([m])) == [shape_a[0], shape_a[1], last]
+    plain = []
+    real_f = F.linear
+    monkeypatch.setattr(packed.F, "linear", lambda x, w, b=None: plain.append(w.data_ptr()) or real_f(x, w, b))
+    packed.measure([m], rows=4, trials=1, batch_seconds=0)
+    assert set(plain) == {shape_a[0].weight.data_ptr(), shape_a[1].weight.data_ptr(), last.weight.data_ptr()}
+    monkeypatch.setattr(packed, "PASS_BYTES", 1 << 29)
+    assert packed._pass_layers(packed._linears([m])) == [*shape_a, last]
+
+
 def test_choose_wants_a_margin_and_caches_its_verdict(monkeypatch, tmp_path):
     """choose takes the fastest kind only when it is at least MARGIN faster than plain; it measures once per
     machine, threads, rows and shapes and then reads the verdict from its file (so a second run chooses alike even
