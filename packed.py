@@ -437,12 +437,12 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
     ("plain" and each available kind that applies to `rows`), measured now on this machine's threads.
 
     A pass runs every layer's product once, in the modules' order, as a step does: each weight is read once per
-    pass, after the others have taken the caches (a model of more than PASS_BYTES of weights: the first layers up
-    to them and one layer of every other shape, `_pass_layers`). (Repeating one layer's product while its weight stays hot in the
-    core's cache favours plain products, which repack the weight at every call: on a CPU whose last-level cache
-    barely holds the model that inverts the verdict.) One warm-up pass per kind, then `trials` rounds of the kinds
-    in turn (so all see the same moments of a noisy machine), each timing passes for about `batch_seconds`; the
-    median round. Random rows, the layers' own weights (copies packed for the measurement, dropped afterwards).
+    pass, after the others have taken the caches (past PASS_BYTES of weights, one layer of each other shape only:
+    `_pass_layers`). Repeating one layer's product while its weight stays hot in the core's cache would favour
+    plain products, which repack the weight at every call: on a CPU whose last-level cache barely holds the model,
+    that inverts the verdict. One warm-up pass per kind, then `trials` rounds of the kinds in turn (so all see the
+    same moments of a noisy machine), each timing passes for about `batch_seconds`; the median round. Random rows,
+    the layers' own weights (copies packed for the measurement, dropped afterwards).
     -> {kind: seconds}, all 0 when nothing is swappable."""
     kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows)]
     lins = _pass_layers(_linears(modules))
