@@ -479,9 +479,9 @@ def cache_path() -> str:
 
 def _key(modules, rows: int) -> str:
     from tables import cpu_model          # (the record's CPU name; imported here: the verdict's key needs it once)
-    shapes = sorted(Counter((lin.out_features, lin.in_features, lin.bias is not None) for lin in _linears(modules)).items())
-    return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])  # "passes":
-    # how `measure` times (a verdict measured another way is measured again)
+    shapes = sorted(Counter((m.out_features, m.in_features, m.bias is not None) for m in _linears(modules)).items())
+    # "passes": how `measure` times (a verdict measured another way, or by an older version, is measured again)
+    return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
 
 
 def choose(modules, rows: int) -> tuple:

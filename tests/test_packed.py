@@ -340,7 +340,7 @@ def test_measure_times_passes_through_every_layer_in_order(monkeypatch):
     order = [(12, lin.in_features) for lin in (*same, other)], [lin.weight.data_ptr() for lin in (*same, other)]
     times = packed.measure([m, None, other], rows=12, trials=3, batch_seconds=0)
     assert set(times) == {"plain", *packed.KINDS} and all(t > 0 for t in times.values())
-    passes = 1 + 1 + 3                    # a warm-up pass, one that sizes the batches, one per trial (batch_seconds 0)
+    passes = 1 + 1 + 3                  # a warm-up pass, one that sizes the batches, one per trial (batch_seconds 0)
     assert plain == list(zip(*order)) * passes
     for kind in packed.KINDS:
         assert [c[:2] for c in calls if c[2] == kind] == list(zip(*order)) * passes
