@@ -409,6 +409,11 @@ def _linears(modules) -> list:
     return out
 
 
+def _shape(lin: nn.Linear) -> tuple:
+    """What a measured verdict and a pass tell a layer's product by: (out features, in features, whether biased)."""
+    return lin.out_features, lin.in_features, lin.bias is not None
+
+
 def _pass_layers(lins: list) -> list:
     """The layers `measure` runs a pass through: from the first, in order, those that fit in PASS_BYTES of weights,
     and the first layer of every shape not among them. (A model larger than that streams its weights from memory in
@@ -416,7 +421,7 @@ def _pass_layers(lins: list) -> list:
     memory.)"""
     out, shapes, total = [], set(), 0
     for lin in lins:
-        shape, size = (lin.out_features, lin.in_features, lin.bias is not None), lin.weight.nbytes
+        shape, size = _shape(lin), lin.weight.nbytes
         if total + size <= PASS_BYTES or shape not in shapes:
             out.append(lin)
             shapes.add(shape)
@@ -479,7 +484,7 @@ def cache_path() -> str:
 
 def _key(modules, rows: int) -> str:
     from tables import cpu_model          # (the record's CPU name; imported here: the verdict's key needs it once)
-    shapes = sorted(Counter((m.out_features, m.in_features, m.bias is not None) for m in _linears(modules)).items())
+    shapes = sorted(Counter(map(_shape, _linears(modules))).items())
     # "passes": how `measure` times (a verdict measured another way, or by an older version, is measured again)
     return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
 

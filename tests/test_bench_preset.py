@@ -169,8 +169,9 @@ def test_profile_decode_reports_per_step_self_times(capsys):
 def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
     """bench.py --profile-round (eager here, 3 calls of each step): the medians of a draft of the whole block, its
     verify (which commits) and an AR decode step on a live state, their ratios, the draft and verify again in turn,
-    then the profiler's top entries per call of each; the JSON line carries them. The draft called again on the same state drafts the same block (its context
-    appends rewrite the same slots). It refuses the flags of the modes it does not run."""
+    then the profiler's top entries per call of each; the JSON line carries them. The draft called again on the same
+    state drafts the same block (its context appends rewrite the same slots). It refuses the flags of the modes it
+    does not run."""
     import torch
     monkeypatch.setattr(bench, "ROUND_CALLS", 3)
     out = bench.main(["--profile-round", "--threads", "1", "--heldout", "1", "--max-new-tokens", "12"])

@@ -337,13 +337,13 @@ def test_measure_times_passes_through_every_layer_in_order(monkeypatch):
     same = [random_linear(32, 48, False, seed=s) for s in range(3)]          # one shape, three layers
     other = random_linear(48, 16, True)
     m = nn.Sequential(*same, nn.Sequential(other), random_linear(16, 8, False, dtype=torch.bfloat16))
-    order = [(12, lin.in_features) for lin in (*same, other)], [lin.weight.data_ptr() for lin in (*same, other)]
+    order = [((12, lin.in_features), lin.weight.data_ptr()) for lin in (*same, other)]   # (x's shape, weight)
     times = packed.measure([m, None, other], rows=12, trials=3, batch_seconds=0)
     assert set(times) == {"plain", *packed.KINDS} and all(t > 0 for t in times.values())
     passes = 1 + 1 + 3                  # a warm-up pass, one that sizes the batches, one per trial (batch_seconds 0)
-    assert plain == list(zip(*order)) * passes
+    assert plain == order * passes
     for kind in packed.KINDS:
-        assert [c[:2] for c in calls if c[2] == kind] == list(zip(*order)) * passes
+        assert [c[:2] for c in calls if c[2] == kind] == order * passes
     monkeypatch.setattr(packed, "_seconds", lambda fn, reps: 1.0)          # every pass "takes" 1 s
     assert set(packed.measure([m], rows=12).values()) == {1.0}
     assert set(packed.measure([nn.Sequential(nn.ReLU())], rows=12).values()) == {0.0}
