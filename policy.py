@@ -17,9 +17,15 @@ AR's) when one of these holds once every block is timed `min_rounds` times:
     `settle` seconds, once they hold `min_samples` rows;
   - the ledger (what rounds saved over plain steps, less the drafter's upkeep outside rounds) is below 0 after
     2 x `explore` rounds holding 8 x `min_samples` rows.
-The next run (new requests, whose acceptance may differ) feeds the drafter's context again and takes one revival
+A later run (new requests, whose acceptance may differ) feeds the drafter's context again and takes one revival
 probe after `first_wait` plain steps, judged on its own acceptance with the kept timings: rounds come back if it
-pays by the margin, else they stay given up for that run too.
+pays by the margin, else they stay given up for that run too. Revivals keep to a budget of their own,
+`revival_budget` (a quarter of the probes'): a run revives only once the plain steps since rounds were given up
+(counted across runs) reach the last revival's loss / revival_budget, its loss in plain steps being what it cost
+over AR's steps (its fed admissions and plain steps, its round) less the tokens it committed; after a verdict
+within a run, the loss its last round would take as a probe. A revival costs more than a probe (it feeds the
+drafter's context again) and asks a vaguer question (whether new texts draft better), and where rounds lose it is
+all DFlash loses to AR.
 The output never depends on any of this: every kind of step commits the target's own tokens. Why each part is
 there, with the measurements behind it: docs/method.md#adaptive-speculation.
 
@@ -118,8 +124,9 @@ class Policy:
     def __init__(self, window: int = 16, first_wait: int = 4, max_wait: int = 512, budget: float = 0.02,
                  margin: float = 0.1, block: int = 16, min_rounds: int = 3, patience: int = 4,
                  blocks: tuple | None = None, explore: int = 16, min_samples: int = 32, first_plain: int = 3,
-                 settle: float = 2.0, opening: int = 16, retime: float = 0.1):
+                 settle: float = 2.0, opening: int = 16, retime: float = 0.1, revival_budget: float = 0.005):
         self.first_wait, self.max_wait, self.budget, self.margin = first_wait, max_wait, budget, margin
+        self.revival_budget = revival_budget
         self.opening = opening
         self.settle, self.first_plain, self.retime = settle, first_plain, retime
         self.min_rounds, self.patience, self.explore, self.min_samples = min_rounds, patience, explore, min_samples
@@ -136,14 +143,19 @@ class Policy:
         self.retiming = False                               # the next step is a plain step, timed (observe_plain)
         self.shortening = False                             # shorter blocks than the whole are being timed
         self.reviving = False                               # the next round is a revival probe (reset)
+        self.revival_seconds, self.revival_steps = 0.0, 0   # a revival's seconds and plain steps so far (reset)
+        self.idle, self.revive_after = 0, 0                 # plain steps since rounds were given up, across runs; and
+        #                                                     how many a run waits for before it revives them
 
     def reset(self) -> None:
-        """A new run of requests (the timings are kept). If rounds were given up, the run feeds the drafter's context
-        again and probes once after `first_wait` plain steps, on acceptance measured afresh (the old rounds' tokens
-        are the old texts'); every verdict's count starts over."""
+        """A new run of requests (the timings are kept). If rounds were given up at least `revive_after` plain steps
+        ago, the run feeds the drafter's context again and probes once after `first_wait` plain steps, on acceptance
+        measured afresh (the old rounds' tokens are the old texts'); every verdict's count starts over. If not, they
+        stay given up for this run too."""
         self.since = 0
-        if not self.feeds:
+        if not self.feeds and self.idle >= self.revive_after:
             self.feeds, self.reviving, self.next_probe = True, True, self.first_wait
+            self.revival_seconds, self.revival_steps = 0.0, 0
             for tokens in self.costs.tokens.values():
                 tokens.clear()
             self._count_verdicts_afresh()
@@ -200,8 +212,13 @@ class Policy:
         self.k = self._next_block(best, explore=self.next_probe > 0 or self.rounds % self.explore == 0)
         if self.reviving:       # a revival probe that did not pay by the margin: given up for this run too
             self.reviving, self.feeds = False, self.next_probe == 0
+            if not self.feeds:  # its loss: what the revival cost over AR's steps, less what it committed
+                spent = self.revival_seconds + seconds
+                self._gave_up(spent / self.costs.costs(k)[0] - self.revival_steps - statistics.fmean(committed))
             return
         self._judge(gain, len(committed), waited)
+        if not self.feeds:
+            self._gave_up(self._loss(gain, tokens))
 
     def observe_plain(self, seconds: float) -> None:
         """A plain step's seconds. The first after a round also carries the round's verify features into the drafter's
@@ -215,6 +232,10 @@ class Policy:
             if self.timed():
                 self.ledger -= extra
         self.costs.count += 1            # every step counts, so that stretches of steps line up
+        if self.reviving:
+            self.revival_seconds, self.revival_steps = self.revival_seconds + seconds, self.revival_steps + 1
+        if not self.feeds:
+            self.idle += 1
         self.retiming = self._due()
         self.since, self.streak, self.streak_seconds = self.since + 1, 0, 0.0
 
@@ -226,14 +247,24 @@ class Policy:
 
     def observe_upkeep(self, seconds: float) -> None:
         """Seconds the drafter's context cost outside rounds (a full run of plain steps' features appended, an admitted
-        prompt's), charged to the ledger."""
+        prompt's), charged to the ledger, and to a revival's loss while one runs."""
+        if self.reviving:
+            self.revival_seconds += seconds
         if self.timed():
             self.ledger -= seconds
 
+    def _loss(self, gain: float, tokens: float) -> float:
+        """What a probe round loses, in plain steps: its cost in plain steps, minus its tokens per row."""
+        return tokens / gain - tokens if gain > 0 else self.max_wait
+
     def wait(self, gain: float, tokens: float) -> int:
         """Plain steps before the next probe: a probe's loss over the wait stays within `budget`."""
-        loss = tokens / gain - tokens if gain > 0 else self.max_wait   # a round's cost in plain steps, minus its tokens
-        return int(min(self.max_wait, max(self.first_wait, loss / self.budget)))
+        return int(min(self.max_wait, max(self.first_wait, self._loss(gain, tokens) / self.budget)))
+
+    def _gave_up(self, loss: float) -> None:
+        """Rounds given up (by a verdict, or a revival probe that did not pay), a revival having lost `loss` plain
+        steps: a later run revives them once `loss / revival_budget` plain steps have passed (reset)."""
+        self.idle, self.revive_after = 0, int(max(self.first_wait, loss / self.revival_budget))
 
     def _next_block(self, best: int, explore: bool) -> int:
         """The best block, or when exploring a block timed fewer than `min_rounds` times (once shorter blocks are

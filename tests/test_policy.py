@@ -112,26 +112,55 @@ def test_policy_gives_rounds_up_when_they_do_not_pay_for_the_drafters_upkeep():
 
 
 def test_policy_gives_rounds_up_for_a_run_and_probes_once_in_the_next():
-    """A verdict lasts for its run (Engine.run). The next run (Policy.reset: new texts) feeds the drafter's context
-    again and probes once after `first_wait` plain steps, judged on that probe's own acceptance with the kept
-    timings: rounds come back if it pays by the margin, else they stay given up for that run too."""
+    """A verdict lasts for its run (Engine.run). The next run (Policy.reset: new texts), once its revival is due
+    (test_policy_spaces_revivals_across_runs_by_their_loss; here the runs are long enough), feeds the drafter's
+    context again and probes once after `first_wait` plain steps, judged on that probe's own acceptance with the
+    kept timings: rounds come back if it pays by the margin, else they stay given up for that run too."""
     p = Policy(opening=0, block=16, blocks=(16,))
-    kinds = drive(p, 2000, round_s=0.010, tokens=6, rows=8)                     # 0.6 plain steps a round: given up
-    assert not p.feeds and kinds.endswith("." * 500)
+    kinds = drive(p, 3000, round_s=0.010, tokens=6, rows=8)                     # 0.6 plain steps a round: given up
+    assert not p.feeds and kinds.endswith("." * 1000)
     rounds_before = kinds.count("R")
     p.reset()
     assert p.feeds                                          # the run's admissions feed the drafter's context again
-    assert drive(p, 300, round_s=0.010, tokens=6, rows=8) == "....R" + "." * 295    # one probe, still losing
+    assert drive(p, 900, round_s=0.010, tokens=6, rows=8) == "....R" + "." * 895    # one probe, still losing
     assert not p.feeds and list(p.costs.tokens[16]) == [6]                           # (judged on its own acceptance)
     p.reset()
     kinds = drive(p, 300, round_s=0.010, tokens=14, rows=8)                   # the new texts are easy: 1.4 plain steps
     assert kinds.startswith("....RRRR") and kinds.count("R") > 250 and p.feeds
     assert p.ledger_rounds == kinds.count("R") < kinds.count("R") + rounds_before   # every verdict's count started over
     p = Policy(opening=0, block=16, blocks=(16,))
-    drive(p, 300, round_s=0.020, tokens=15)                                  # 20 plain steps a round: never pays
+    drive(p, 1100, round_s=0.020, tokens=15)                                 # 20 plain steps a round: never pays
     assert not p.feeds
     p.reset()
     assert drive(p, 100, round_s=0.020, tokens=15) == "....R" + "." * 95 and not p.feeds
+
+
+def test_policy_spaces_revivals_across_runs_by_their_loss():
+    """Revivals keep to their budget (`revival_budget`, 0.5% of the steps): a run revives rounds only once the plain
+    steps since they were given up, counted across runs, reach the last revival's loss / revival_budget. Its loss:
+    what it cost over AR's steps (here the admissions' context, 6 plain steps' worth, four fed plain steps and its
+    round), less what it committed; after a verdict within a run, what its last round loses as a probe."""
+    p = Policy(opening=0, block=16, blocks=(16,))
+    kinds = drive(p, 3000, round_s=0.010, tokens=6, rows=8)          # a round: 10 plain steps for 6 tokens
+    assert not p.feeds and p.revive_after == 800                      # loss 4 / 0.005
+    assert p.idle == len(kinds) - len(kinds.rstrip(".")) >= 800
+    p.reset()
+    assert p.feeds                                                    # idle >= 800: this run revives
+    p.observe_upkeep(0.006)                                           # the admitted prompts' context
+    assert drive(p, 100, round_s=0.010, tokens=6, rows=8) == "....R" + "." * 95 and not p.feeds
+    assert p.revive_after == round((0.006 + 0.004 + 0.010) / 0.001 - 4 - 6) / 0.005 == 2000
+    runs = []
+    for _ in range(25):                                               # runs of 100 steps: the next revival after
+        p.reset()                                                     # 95 + 20 x 100 plain steps, none before
+        runs.append(drive(p, 100, round_s=0.010, tokens=6, rows=8))
+    assert runs[:20] == ["." * 100] * 20 and runs[20] == "....R" + "." * 95 and not p.feeds
+    assert "".join(runs[21:]).count("R") == 0
+    p.idle = p.revive_after                                           # a revival at break-even (10 tokens for a
+    p.reset()                                                         # round of 10 plain steps): short of the
+    assert drive(p, 100, round_s=0.010, tokens=10, rows=8) == "....R" + "." * 95    # margin, it lost nothing: the
+    assert not p.feeds and p.revive_after == p.first_wait             # next run revives again (after at least
+    p.reset()                                                         # `first_wait` plain steps)
+    assert drive(p, 5, round_s=0.010, tokens=10, rows=8) == "....R"
 
 
 def test_policy_gives_up_near_break_even_after_seconds_not_only_steps():
@@ -284,8 +313,8 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
 
 def test_policy_revives_rounds_in_the_next_run_of_the_engine():
     """An Engine whose policy gave rounds up in one run (its plain steps fed nothing) probes again in the next: the
-    run's admissions feed the drafter's context, one round is taken after `first_wait` plain steps, and every output
-    is AR's in both runs."""
+    run's admissions feed the drafter's context, one round is taken after `first_wait` plain steps; a run before the
+    next revival is due takes none and feeds nothing; every output is AR's in all three runs."""
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, 12)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
@@ -300,8 +329,12 @@ def test_policy_revives_rounds_in_the_next_run_of_the_engine():
     kinds = [k for r in second for k in r.step_kinds]
     assert kinds.count("verify") == 1 and kinds.index("verify") == 4      # 4 plain steps, then the probe
     assert not p.feeds                      # the probe's drafts (this drafter never agrees) did not pay: given up again
-    for r, a, b in zip(reqs, first, second):
-        assert a.output_ids == b.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
+    p.idle, p.revive_after = 0, 10 ** 6     # a revival not due yet (its loss / budget is further off): the next run
+    third = eng.run(reqs)                   # stays given up, its admissions and plain steps unfed
+    assert all(set(r.step_kinds) == {"plain"} for r in third) and not p.feeds and not eng.feeding
+    assert p.idle == sum(len(r.step_kinds) for r in third)
+    for r, a, b, c in zip(reqs, first, second, third):
+        assert a.output_ids == b.output_ids == c.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
