@@ -567,7 +567,7 @@ def concurrency_main(args, device) -> dict:
             order = list(engines.items())[::1 if r % 2 == 0 else -1]     # runs on the machine the other left
             for name, run in (whole_runs(order, reqs) if args.whole_runs else in_turns(order, reqs)).items():
                 runs[name].append(run)
-            if policy is not None and not policy.feeds:       # (the next run probes again: Policy.reset)
+            if policy is not None and not policy.feeds:       # (a later run probes again: Policy.reset)
                 given_up.append(len(runs["dflash"]))
         row = concurrency_row(n, runs, warm)
         row["rounds_given_up_in_repeats"] = given_up      # the repeats whose run ended with rounds given up
