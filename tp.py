@@ -369,7 +369,7 @@ class Synced:
 
     def reset(self) -> None:
         """A new run: every rank's policy reset, and rank 0's word on whether the run's admissions feed the drafter
-        (a policy that gave rounds up feeds again in a new run: Policy.reset)."""
+        (a policy that gave rounds up feeds again in a run whose revival is due: Policy.reset)."""
         self.policy.reset()
         self.feeds = bool(self._from_rank0([int(self.policy.feeds)])[0])
 
