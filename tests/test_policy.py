@@ -148,15 +148,16 @@ def test_policy_spaces_revivals_across_runs_by_their_loss():
     assert p.feeds                                                    # idle >= 800: this run revives
     p.observe_upkeep(0.006)                                           # the admitted prompts' context
     assert drive(p, 100, round_s=0.010, tokens=6, rows=8) == "....R" + "." * 95 and not p.feeds
-    assert p.revive_after == round((0.006 + 0.004 + 0.010) / 0.001 - 4 - 6) / 0.005 == 2000
+    assert p.revive_after == 2000                                     # ((6 + 4 + 10) ms / 1 ms - 4 - 6) / 0.005
     runs = []
     for _ in range(25):                                               # runs of 100 steps: the next revival after
         p.reset()                                                     # 95 + 20 x 100 plain steps, none before
         runs.append(drive(p, 100, round_s=0.010, tokens=6, rows=8))
     assert runs[:20] == ["." * 100] * 20 and runs[20] == "....R" + "." * 95 and not p.feeds
     assert "".join(runs[21:]).count("R") == 0
-    p.idle = p.revive_after                                           # a revival at break-even (10 tokens for a
-    p.reset()                                                         # round of 10 plain steps): short of the
+    drive(p, p.revive_after - p.idle, round_s=0.010, tokens=6, rows=8)    # (plain steps until the next is due)
+    p.reset()                                                         # a revival at break-even (10 tokens for a
+    assert p.feeds                                                    # round of 10 plain steps): short of the
     assert drive(p, 100, round_s=0.010, tokens=10, rows=8) == "....R" + "." * 95    # margin, it lost nothing: the
     assert not p.feeds and p.revive_after == p.first_wait             # next run revives again (after at least
     p.reset()                                                         # `first_wait` plain steps)
