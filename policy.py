@@ -138,22 +138,25 @@ class Policy:
         self._count_verdicts_afresh()
         self.k = self.last_k = self.blocks[0]               # the block of the next round; of the last one
         self.rounds = self.rows_seen = 0                    # rounds observed, and the live rows they held
-        self.since, self.next_probe = 0, 0                  # plain steps since the last round; when to probe
+        self.since, self.next_probe = 0, 0                  # plain steps since the last round (across runs while
+        #                                                     rounds stay given up); when to probe
         self.streak, self.streak_seconds = 0, 0.0           # rounds since the last plain step, and their seconds
         self.retiming = False                               # the next step is a plain step, timed (observe_plain)
         self.shortening = False                             # shorter blocks than the whole are being timed
         self.reviving = False                               # the next round is a revival probe (reset)
         self.revival_seconds, self.revival_steps = 0.0, 0   # a revival's seconds and plain steps so far (reset)
-        self.idle, self.revive_after = 0, 0                 # plain steps since rounds were given up, across runs; and
-        #                                                     how many a run waits for before it revives them
+        self.revive_after = 0                               # plain steps since rounds were given up before a run
+        #                                                     revives them
 
     def reset(self) -> None:
         """A new run of requests (the timings are kept). If rounds were given up at least `revive_after` plain steps
         ago, the run feeds the drafter's context again and probes once after `first_wait` plain steps, on acceptance
         measured afresh (the old rounds' tokens are the old texts'); every verdict's count starts over. If not, they
-        stay given up for this run too."""
+        stay given up for this run too, and its plain steps go on counting in `since`."""
+        if not self.feeds and self.since < self.revive_after:
+            return
         self.since = 0
-        if not self.feeds and self.idle >= self.revive_after:
+        if not self.feeds:
             self.feeds, self.reviving, self.next_probe = True, True, self.first_wait
             self.revival_seconds, self.revival_steps = 0.0, 0
             for tokens in self.costs.tokens.values():
@@ -234,8 +237,6 @@ class Policy:
         self.costs.count += 1            # every step counts, so that stretches of steps line up
         if self.reviving:
             self.revival_seconds, self.revival_steps = self.revival_seconds + seconds, self.revival_steps + 1
-        if not self.feeds:
-            self.idle += 1
         self.retiming = self._due()
         self.since, self.streak, self.streak_seconds = self.since + 1, 0, 0.0
 
@@ -263,8 +264,9 @@ class Policy:
 
     def _gave_up(self, loss: float) -> None:
         """Rounds given up (by a verdict, or a revival probe that did not pay), a revival having lost `loss` plain
-        steps: a later run revives them once `loss / revival_budget` plain steps have passed (reset)."""
-        self.idle, self.revive_after = 0, int(max(self.first_wait, loss / self.revival_budget))
+        steps: a later run revives them once `loss / revival_budget` plain steps have passed since this round
+        (reset; `since` counts them)."""
+        self.revive_after = int(max(self.first_wait, loss / self.revival_budget))
 
     def _next_block(self, best: int, explore: bool) -> int:
         """The best block, or when exploring a block timed fewer than `min_rounds` times (once shorter blocks are

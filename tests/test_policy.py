@@ -143,9 +143,9 @@ def test_policy_spaces_revivals_across_runs_by_their_loss():
     p = Policy(opening=0, block=16, blocks=(16,))
     kinds = drive(p, 3000, round_s=0.010, tokens=6, rows=8)          # a round: 10 plain steps for 6 tokens
     assert not p.feeds and p.revive_after == 800                      # loss 4 / 0.005
-    assert p.idle == len(kinds) - len(kinds.rstrip(".")) >= 800
+    assert p.since == len(kinds) - len(kinds.rstrip(".")) >= 800
     p.reset()
-    assert p.feeds                                                    # idle >= 800: this run revives
+    assert p.feeds                                                    # since >= 800: this run revives
     p.observe_upkeep(0.006)                                           # the admitted prompts' context
     assert drive(p, 100, round_s=0.010, tokens=6, rows=8) == "....R" + "." * 95 and not p.feeds
     assert p.revive_after == 2000                                     # ((6 + 4 + 10) ms / 1 ms - 4 - 6) / 0.005
@@ -155,7 +155,7 @@ def test_policy_spaces_revivals_across_runs_by_their_loss():
         runs.append(drive(p, 100, round_s=0.010, tokens=6, rows=8))
     assert runs[:20] == ["." * 100] * 20 and runs[20] == "....R" + "." * 95 and not p.feeds
     assert "".join(runs[21:]).count("R") == 0
-    drive(p, p.revive_after - p.idle, round_s=0.010, tokens=6, rows=8)    # (plain steps until the next is due)
+    drive(p, p.revive_after - p.since, round_s=0.010, tokens=6, rows=8)    # (plain steps until the next is due)
     p.reset()                                                         # a revival at break-even (10 tokens for a
     assert p.feeds                                                    # round of 10 plain steps): short of the
     assert drive(p, 100, round_s=0.010, tokens=10, rows=8) == "....R" + "." * 95    # margin, it lost nothing: the
@@ -330,10 +330,10 @@ def test_policy_revives_rounds_in_the_next_run_of_the_engine():
     kinds = [k for r in second for k in r.step_kinds]
     assert kinds.count("verify") == 1 and kinds.index("verify") == 4      # 4 plain steps, then the probe
     assert not p.feeds                      # the probe's drafts (this drafter never agrees) did not pay: given up again
-    p.idle, p.revive_after = 0, 10 ** 6     # a revival not due yet (its loss / budget is further off): the next run
-    third = eng.run(reqs)                   # stays given up, its admissions and plain steps unfed
+    p.revive_after, since = 10 ** 6, p.since    # a revival not due yet (its loss / budget is further off): the next
+    third = eng.run(reqs)                       # run stays given up, its admissions and plain steps unfed
     assert all(set(r.step_kinds) == {"plain"} for r in third) and not p.feeds and not eng.feeding
-    assert p.idle == sum(len(r.step_kinds) for r in third)
+    assert p.since == since + sum(len(r.step_kinds) for r in third)         # (counted on across runs)
     for r, a, b, c in zip(reqs, first, second, third):
         assert a.output_ids == b.output_ids == c.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
 
