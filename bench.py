@@ -528,7 +528,7 @@ def live_round_steps(eng, ar, prompt: list, new: int) -> dict:
 
     def draft():
         return draft_step(eng.last, eng.start, pending.feats, pending.feat_pos, block - 1, pending.feat_next)
-    proposals = draft().tokens
+    proposals = draft().tokens.clone()       # kept across calls: out of the memory CUDA graphs reuse
     return {"decode": lambda: ar.decode_step(ar.last[:, None], ar.start[:, None]).tolist(),
             "draft": lambda: draft().tokens.tolist(),
             "verify": lambda: verify_step(eng.last, proposals, eng.start[:, None] + eng.offsets[:block], None).tolist()}

@@ -3,7 +3,8 @@ before each call, and what stands in for them.
 
     inductor_options  the options of a --compile-mode, with the changes the steps get on a CPU (below).
     compile_step      torch.compile(fullgraph=True, dynamic=False) of one step function, over a copy of its code
-                      of its own and without dynamo's per-call checks of the models.
+                      of its own and without dynamo's per-call checks of the models; each call a new step for
+                      CUDA graphs, or one that continues the step before it.
     model_state       what compiled steps take as fixed in the models; the Engine compares it once per generation.
     ModelGuard        the models an engine's compiled steps read, their model_state, and that comparison.
     mark_static_      a cache's tensors as static addresses (CUDA graphs replay steps that write them).
@@ -64,15 +65,28 @@ def inductor_options(mode: str, extra: dict, device: torch.device) -> dict:
     return options
 
 
-def compile_step(method, options: dict):
+def compile_step(method, options: dict, *, continues: bool = False):
     """torch.compile(fullgraph=True, dynamic=False) of bound method `method` with inductor `options`: over a copy
     of its function's code (its compiled graphs are this call's own) and without the checks of the models (the
-    caller compares model_state instead; module docstring)."""
+    caller compares model_state instead; module docstring).
+
+    Each call begins a new step for CUDA graphs (torch.compiler.cudagraph_mark_step_begin), unless `continues`:
+    cudagraph trees keep a graph's outputs in memory they own, and a new step may overwrite the previous step's
+    outputs. So a caller reads a step's outputs before the next call of any compiled step, except through a
+    `continues` step, which runs in the same step as the call before it and may take that call's outputs as
+    inputs (a round's verify takes its draft's tokens and distributions). On a CPU the mark only counts."""
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__ = fn.__kwdefaults__
-    return torch.compile(types.MethodType(own, method.__self__), fullgraph=True, dynamic=False,
-                         options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    compiled = torch.compile(types.MethodType(own, method.__self__), fullgraph=True, dynamic=False,
+                             options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    if continues:
+        return compiled
+
+    def step(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+    return step
 
 
 def model_state(*modules) -> list:

@@ -18,6 +18,14 @@ from __future__ import annotations
 import logging
 
 _PATCHED = False
+TESTED = (2, 13)      # the first torch release the patch was written and tested against: its memory planner and
+                      # its C++ wrapper's calls; torch 2.11's planner fails on the lambdas (an index out of bounds)
+
+
+def _torch_release() -> tuple:
+    """(major, minor) of the running torch."""
+    import torch
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def options() -> dict:
@@ -29,7 +37,7 @@ def options() -> dict:
             from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
         except ImportError:
             return {}
-        if not hasattr(CppWrapperCpu, "codegen_invoke_subgraph"):
+        if not hasattr(CppWrapperCpu, "codegen_invoke_subgraph") or _torch_release() < TESTED:
             return {}
         CppWrapperCpu.codegen_invoke_subgraph = _codegen_invoke_subgraph
         logging.getLogger("torch._inductor.ir").addFilter(_no_c_shim_note)

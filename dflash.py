@@ -446,8 +446,9 @@ class Slots:
         if k not in self._by_block:
             self.masks.prepare(k)                    # (FlexAttention: the draft mask of blocks of k, built eagerly)
             steps = (self.proposer.propose, self._verify)
-            if self._options is not None:
-                steps = tuple(compiling.compile_step(f, self._options) for f in steps)
+            if self._options is not None:           # the verify reads the draft's outputs: the same CUDA graph step
+                steps = (compiling.compile_step(steps[0], self._options),
+                         compiling.compile_step(steps[1], self._options, continues=True))
             self._by_block[k] = steps
         return self._by_block[k]
 

@@ -426,6 +426,10 @@ class AttnCache:
     k: torch.Tensor          # [B, Hkv, capacity, hd], post-norm, post-RoPE
     v: torch.Tensor          # [B, Hkv, capacity, hd]
 
+    def tensors(self) -> tuple:
+        """(k, v): the fields in order, as a compiled layer region takes them (DecoderLayer.forward)."""
+        return self.k, self.v
+
 
 def write_slots(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
     """x [B,heads,T,d] into cache [B,heads,capacity,d] at the slots pos: [T] (every row alike) or [B,T] (each
@@ -447,6 +451,10 @@ class GDNCache:
     writes: torch.Tensor     # [B, max_block, Hv, dv]  each token's state write e_t,
     decay: torch.Tensor      # [B, max_block, Hv]      and log decay g_t: with rec, the state after any prefix
     window: torch.Tensor     # [B, K-1+max_block, conv_dim]: the conv state + that call's pre-conv inputs
+
+    def tensors(self) -> tuple:
+        """The fields in order, as a compiled layer region takes them (DecoderLayer.forward)."""
+        return self.conv, self.rec, self.keys, self.writes, self.decay, self.window
 
     def advance(self, state, window) -> None:
         """Every token of the call is committed: S after its last token; the conv state is the window's last K-1 rows."""
@@ -605,7 +613,7 @@ class DecoderLayer(nn.Module):
         the same compiled step (dflash.Slots._verify) sees the write."""
         # FlexAttention block masks carry views of one another, which a region's inputs may not: inlined then.
         step = self.step if isinstance(mask, torch.Tensor) else self.layer
-        x, kept = step(x, cos, sin, pos, mask, verify, *(vars(cache).values() if cache is not None else ()))
+        x, kept = step(x, cos, sin, pos, mask, verify, *(cache.tensors() if cache is not None else ()))
         if kept is not None:
             cache.keep_block(*kept)
         return x

@@ -153,6 +153,19 @@ def test_mark_static_covers_every_cache_tensor():
     assert seen == 6 * n_gdn + 2 * (len(tcfg.layer_types) - n_gdn) + 2 * tiny_draft_config(tcfg).num_hidden_layers
 
 
+def test_a_layer_cache_hands_its_fields_in_order():
+    """A decoder layer's compiled region takes its cache as the tensors of cache.tensors(), which rebuild the
+    cache by position (DecoderLayer.layer): every field, in the dataclass's order, the same tensor objects."""
+    import dataclasses
+    from helpers import tiny_target_config
+    import model as M
+    cache = M.TargetCache(tiny_target_config(), 32, torch.float32, "cpu", max_block=8)
+    for layer in cache.layers:
+        names = [f.name for f in dataclasses.fields(layer)]
+        assert len(layer.tensors()) == len(names)
+        assert all(t is getattr(layer, n) for t, n in zip(layer.tensors(), names)), type(layer).__name__
+        assert type(layer)(*layer.tensors()) == layer
+
 def compiled_dflash2_batch() -> list:
     """The work of the test below, in a process of its own (helpers.Early): a 2-slot DFlash2 batch compiled, warmed
     up, then run on later requests with recompiles raising; and the eager batch with the same history. -> per
@@ -317,3 +330,88 @@ def test_cache_writes_compile_in_place():
     assert bounds and max(bounds) <= 2 * 2 * 3 * 16, bounds
     want[0, :, 3:6], want[1, :, 100:103] = x[0], x[1]
     assert torch.equal(cache, want)
+
+
+class CudaGraphLifetimes:
+    """On a CPU, the rule by which cudagraph trees (torch.compile on CUDA under reduce-overhead and max-autotune)
+    free a compiled step's outputs: a call begins a new step when torch.compiler.cudagraph_mark_step_begin was
+    called since the previous call, or on every call while it never was; a new step may overwrite every output of
+    the steps before it. Here each compiled step runs eagerly (torch.compile patched to this object's wrapper) and a
+    new step (1) poisons the earlier outputs that alias nothing the engine keeps (NaN, or a huge id: a token read
+    from them later breaks the run) and (2) remembers them, so that passing one into a compiled step raises."""
+
+    def __init__(self, engine_state):
+        self.engine_state, self.marks, self.seen, self.live, self.freed = engine_state, 0, None, [], []
+
+    def mark(self) -> None:
+        self.marks += 1
+
+    def compile(self, fn, **_):
+        def call(*args, **kwargs):
+            if self.marks == 0 or self.seen != self.marks:         # a new step: the earlier outputs are gone
+                self.free()
+            self.seen = self.marks
+            gone = {t.untyped_storage().data_ptr() for t in self.freed}
+            for t in tensors((args, kwargs)):
+                assert t.untyped_storage().data_ptr() not in gone, \
+                    f"{fn.__name__} read an output of an earlier CUDA graph step, which that step's successor frees"
+            out = fn(*args, **kwargs)
+            kept = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs, self.engine_state()))}
+            self.live += [t for t in tensors(out) if t.untyped_storage().data_ptr() not in kept]
+            return out
+        return call
+
+    def free(self) -> None:
+        for t in self.live:
+            t.fill_(float("nan") if t.is_floating_point() else 1 << 40 if t.dtype == torch.long else 0)
+        self.freed += self.live
+        self.live = []
+
+
+def tensors(obj, depth: int = 0) -> list:
+    """Every tensor in obj: tensors, tuples, lists, dicts and the attributes of plain objects (a few levels)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 4 or isinstance(obj, torch.nn.Module):
+        return []
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in tensors(x, depth + 1)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in tensors(x, depth + 1)]
+    if hasattr(obj, "__dict__"):
+        return tensors(vars(obj), depth + 1)
+    return []
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_no_compiled_step_reads_what_cuda_graphs_free(monkeypatch, slots):
+    """Each compiled step marks the start of a CUDA graph step, except the verify, which reads its draft's tokens
+    and distributions (compiling.compile_step): under the lifetime rule of cudagraph trees (CudaGraphLifetimes),
+    no compiled step reads a freed output and the tokens are the eager engine's. Every step kind runs: rounds of
+    two verify blocks, fed and unfed plain steps (policy.Alternate), admissions into a busy batch, and a sampled
+    request whose DFlash2 draft hands its distributions q to the verify."""
+    from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
+    from policy import Alternate
+    target = random_target(tiny_target_config(vocab_size=40), 21)
+    drafter = random_drafter(kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2],
+                                               num_target_layers=None), 22)
+    reqs = [dflash.Request([(7 * i + 3 * j) % 39 + 1 for j in range(6 + 5 * i)], 14 + 3 * i) for i in range(3)]
+    reqs[1] = dflash.replace(reqs[1], sampling=dflash.Sampling(0.8, draft_rule="ratio"), seed=5)
+
+    def outputs(compiled: bool) -> list:
+        eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, slots, 64, policy=Alternate((4, 2)),
+                            compile_mode="default" if compiled else None)
+        return [r.output_ids for r in eng.run(reqs)], eng
+
+    engine = []
+    lifetimes = CudaGraphLifetimes(lambda: (vars(engine[0]), engine[0].cache.layers,
+                                            engine[0].proposer.cache.layers, vars(engine[0].pending)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lifetimes.compile(fn, **kw))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lifetimes.mark)
+    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, slots, 64, policy=Alternate((4, 2)),
+                        compile_mode="default")
+    engine.append(eng)
+    got = [r.output_ids for r in eng.run(reqs)]
+    monkeypatch.undo()
+    assert lifetimes.marks > 0 and lifetimes.freed
+    assert got == outputs(False)[0]

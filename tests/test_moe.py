@@ -299,7 +299,7 @@ def test_compiled_steps_run_whole(tmp_path, monkeypatch):
     ar = [dflash.run(target, p, 40).output_ids for p in prompts]
     compile_step = compiling.compile_step
     monkeypatch.setattr(compiling, "compile_step",
-                        lambda f, options: f if isinstance(f.__self__, OracleProposer) else compile_step(f, options))
+                        lambda f, options, **kw: f if isinstance(f.__self__, OracleProposer) else compile_step(f, options, **kw))
     for oracle in (None, OracleProposer({tuple(p): out for p, out in zip(prompts, ar)}, 50, 0, 8)):
         compiled = dflash.Engine(target, oracle, 8, 1, 128, compile_mode="default")
         compiled.generate(prompts[0], 20)
