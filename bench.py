@@ -47,6 +47,7 @@ import chat
 import check
 import checkpoint as ckpt
 import dflash
+import engine
 import generate
 import model as M
 import presets
@@ -236,7 +237,7 @@ def load_pair(args, dtype, device) -> tuple:
     drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     block = args.block_size or drafter.cfg.block_size
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
-    proposer = dflash.DrafterProposer(drafter, target, window)
+    proposer = engine.DrafterProposer(drafter, target, window)
     if parallel is not None:     # under torchrun: the drafter's part, before packed.py packs weights
         parallel.shard(target, proposer)
     products = use_products(args.products, block, target, drafter)
@@ -393,15 +394,15 @@ def vs_pure_main(args, device) -> dict:
     dtype = pick_dtype(args.dtype, device)
     target, _, _, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
     print(generate.products_words(products), flush=True)
-    engine = tables.single_engine(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), True)
-    tables.warm_up(engine, prompts[0], stops, args.max_new_tokens)         # (every step kind of the policy)
+    eng = tables.single_engine(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), True)
+    tables.warm_up(eng, prompts[0], stops, args.max_new_tokens)         # (every step kind of the policy)
     ratios, plain = [], 0
     for i, p in enumerate(prompts):
         tps = {"adaptive": [], "pure": []}
         for _ in range(args.repeat):
             for name in ("pure", "adaptive"):
-                tables.adapt_(engine, name == "adaptive")
-                res = engine.generate(p, args.max_new_tokens, stops, profile=True)
+                tables.adapt_(eng, name == "adaptive")
+                res = eng.generate(p, args.max_new_tokens, stops, profile=True)
                 tps[name].append((len(res.output_ids) - 1) / res.decode_seconds)
                 plain += res.step_kinds.count("plain") if name == "adaptive" else 0
         ratios.append(statistics.median(tps["adaptive"]) / statistics.median(tps["pure"]))
@@ -428,10 +429,10 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
     target = ckpt.load_target(args.target, dtype, device)
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     mode = args.compile_mode if args.compile else None
-    engine = dflash.Engine(target, None, 1, 1, bench_capacity(prompts, args.max_new_tokens, 1), mode,
+    eng = engine.Engine(target, None, 1, 1, bench_capacity(prompts, args.max_new_tokens, 1), mode,
                            masks=ATTENTION[args.attention], compile_options=compile_options(args, device))
-    engine.generate(prompts[0], 8)                                    # warm-up: compilation
-    res = [engine.generate(p, args.max_new_tokens, profile=True) for _ in range(args.repeat) for p in prompts]
+    eng.generate(prompts[0], 8)                                    # warm-up: compilation
+    res = [eng.generate(p, args.max_new_tokens, profile=True) for _ in range(args.repeat) for p in prompts]
     decode_ms = tables.step_ms(res, "decode", "verify_seconds")
     prof = profile(activities=[ProfilerActivity.CPU])
 
@@ -439,7 +440,7 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
         if step.kind == "prefill":
             prof.__enter__()
     try:
-        n = len(engine.generate(prompts[0], args.max_new_tokens, on_step=start_after_prefill).output_ids) - 1
+        n = len(eng.generate(prompts[0], args.max_new_tokens, on_step=start_after_prefill).output_ids) - 1
     finally:
         prof.__exit__(None, None, None)
     print(f"decode step, median over {len(res)} generations: {decode_ms:.3f} ms ({'compiled, ' + mode if mode else 'eager'}, "
@@ -520,8 +521,8 @@ def live_round_steps(eng, ar, prompt: list, new: int) -> dict:
     calls of a round's steps on the DFlash engine `eng` (one slot) and of a decode step on the AR engine `ar`, each
     a function of no arguments that waits for its result -> {decode, draft, verify} (the verify commits its accepted
     tokens, as in a round; the rows stay at their positions, so every call writes the same cache slots)."""
-    for engine in (eng, ar):
-        engine.generate(prompt, new)
+    for e in (eng, ar):
+        e.generate(prompt, new)
     block = eng.block
     draft_step, verify_step = eng.round_steps(block)
     pending = eng.pending
@@ -535,7 +536,7 @@ def live_round_steps(eng, ar, prompt: list, new: int) -> dict:
 
 
 def concurrency_main(args, device) -> dict:
-    """--concurrency N1,N2,...: per N, a dflash.Engine of N slots with a DFlash drafter (adaptive unless --no-adaptive)
+    """--concurrency N1,N2,...: per N, an engine.Engine of N slots with a DFlash drafter (adaptive unless --no-adaptive)
     and one without (AR) run the same requests --repeat times; N requests are in flight until the queue runs dry
     (requests: the prompts, repeated up to 3N so that the tail of the queue, when fewer are left, is short).
     Throughput = generated tokens / the arm's time while N requests are held in flight (ArmRun: up to the last step
@@ -552,12 +553,12 @@ def concurrency_main(args, device) -> dict:
     options = compile_options(args, target.embed_tokens.weight.device)
     table = []
     for n in args.concurrency:
-        reqs = [dflash.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
+        reqs = [engine.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
         policy = None if args.no_adaptive or args.aa else Policy(block=block)
-        ar = lambda: dflash.Engine(target, None, 1, n, capacity, mode, options)     # (--aa: the second arm too)
-        engines = {"ar": ar(), "dflash": ar() if args.aa else dflash.Engine(
-            target, dflash.DrafterProposer(drafter, target, window), block, n, capacity, mode, options, policy)}
+        ar = lambda: engine.Engine(target, None, 1, n, capacity, mode, options)     # (--aa: the second arm too)
+        engines = {"ar": ar(), "dflash": ar() if args.aa else engine.Engine(
+            target, engine.DrafterProposer(drafter, target, window), block, n, capacity, mode, options, policy)}
         t0 = time.perf_counter()
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
@@ -641,7 +642,7 @@ def whole_runs(engines: list, reqs: list) -> dict:
     return out
 
 
-class Turn(dflash.Observer):
+class Turn(engine.Observer):
     """One arm of in_turns, the Engine's observer: `clock()` is the arm's own time (the seconds of its steps so far,
     running only while it holds the turn), on which its requests' decode seconds are read; after each step
     (`stepped`) the arm notes the held stretch and hands the turn to the arm with the least time of its own."""
@@ -666,12 +667,12 @@ class Turn(dflash.Observer):
             self.held = (self.spent, self.tokens, self.admitted)
         self.turns.hand_over(self)
 
-    def run(self, engine, reqs: list) -> None:
+    def run(self, eng, reqs: list) -> None:
         """The arm's thread: its engine runs the requests, stepping only while this arm holds the turn."""
         self.turns.wait_for(self)
         try:
             self.since = time.perf_counter()
-            self.results = engine.run(reqs, self.on_step, observer=self)
+            self.results = eng.run(reqs, self.on_step, observer=self)
             self.spent, self.since = self.clock(), None
         except BaseException as e:          # re-raised by in_turns in the main thread
             self.error = e
@@ -820,16 +821,16 @@ def draft_rules_main(args, device) -> dict:
     capacity = bench_capacity(prompts, args.max_new_tokens, block)
     greedy_draft = drafter if not drafter.cfg.dflash2 else None
     sampled_draft = dflash2_form(drafter, args.selector_top_k)
-    ar = dflash.Engine(target, None, 1, 1, capacity)
+    ar = engine.Engine(target, None, 1, 1, capacity)
     arms = {"sampled, coupled": (sampled_draft, "coupled"), "sampled, ratio": (sampled_draft, "ratio")}
     if greedy_draft is not None:
         arms = {"greedy draft": (greedy_draft, "coupled"), **arms}
-    engines = {k: dflash.Engine(target, dflash.DrafterProposer(d, target, window), block, 1, capacity) for k, (d, _) in arms.items()}
+    engines = {k: engine.Engine(target, engine.DrafterProposer(d, target, window), block, 1, capacity) for k, (d, _) in arms.items()}
     table = {}
     for T in args.draft_rules:
         row = {}
         for name, (_, rule) in arms.items():
-            s, lengths, same = dflash.Sampling(T, args.top_p, draft_rule=rule), [], 0
+            s, lengths, same = engine.Sampling(T, args.top_p, draft_rule=rule), [], 0
             for i, p in enumerate(prompts):
                 res = engines[name].generate(p, args.max_new_tokens, stops, sampling=s, seed=i)
                 lengths += res.verify_lengths
@@ -860,10 +861,10 @@ def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     tps = []
     for p in prompts:            # timed like ours: wall clock around the whole call, the device synchronised
         ids = torch.tensor([p], device=hf.device)
-        dflash._sync(hf.device)
+        engine._sync(hf.device)
         t0 = time.perf_counter()
         o = zm.dflash_generate(zd, hf, ids, args.max_new_tokens, stops or None, block_size=args.block_size)
-        dflash._sync(hf.device)
+        engine._sync(hf.device)
         tps.append((o.shape[1] - len(p)) / (time.perf_counter() - t0))
     med = statistics.median(tps)
     ours = statistics.median(r[1] for r in rows)

@@ -41,6 +41,7 @@ import torch
 
 import checkpoint as ckpt
 import dflash
+import engine
 import model as M
 import noise
 import servers
@@ -113,7 +114,7 @@ class Case:
     block_size: int | None = None              # without draft_ids: a step that commits fewer was a partial acceptance
     step_kinds: list | None = None             # "verify" or "plain" per step (generate.py's adaptive speculation)
     seed: int | None = None                    # sampled with this seed's position-keyed noise (noise.py)
-    draft_rule: str = "coupled"                # how sampled drafts were verified (dflash.Sampling.draft_rule)
+    draft_rule: str = "coupled"                # how sampled drafts were verified (engine.Sampling.draft_rule)
 
     @property
     def seeded(self) -> bool:
@@ -257,7 +258,7 @@ class Judge:
     """The teacher-forced logits of one case and how far each token is from our choice: z [n, V] float64, row t
     for output token t. Our choice is the argmax of the scores: the logits (greedy), or with a seed the noised
     scores `z - T * ln E(seed, position, token)` over the tokens top-k / top-p keep, whose argmax is exactly the
-    draw dflash.draw makes. margin(t, tok) = top score - score of tok (0 for our choice), in logits;
+    draw engine.draw makes. margin(t, tok) = top score - score of tok (0 for our choice), in logits;
     tolerance(t) in logits, from the rounding step at the row's top logit."""
 
     def __init__(self, z: torch.Tensor, tolerance, engine_dtype, scores: torch.Tensor | None = None):
@@ -358,8 +359,8 @@ def judge_sampled(j: Judge, case: Case, rep: Report) -> None:
     """Sampled tokens: the trace's log-probability under our distribution, and tokens no sampling with these
     settings could give. A token is outside the support only by more than the tolerance (rounding may move a
     token across the top-k or top-p edge)."""
-    s = dflash.Sampling(case.temperature, case.top_p, case.top_k)
-    p = dflash.sampling_probs(j.z, s).double()
+    s = engine.Sampling(case.temperature, case.top_p, case.top_k)
+    p = engine.sampling_probs(j.z, s).double()
     out = torch.tensor(case.output_ids, device=j.z.device)
     rep.log_prob = float(p.gather(1, out[:, None]).clamp_min(1e-300).log().sum())
     for t, tok in enumerate(case.output_ids):
@@ -371,22 +372,22 @@ def seeded_scores(z: torch.Tensor, case: Case) -> torch.Tensor:
     """The noised scores of a seeded sampled case: z [n, V] -> z - T ln E(seed, position, token) where the
     trace's top-k / top-p keep the token, -inf elsewhere. Output token t sits at position len(prompt) + t, and
     its draw in the engine is argmax p / E = argmax of these scores (p = softmax(z / T) restricted)."""
-    s = dflash.Sampling(case.temperature, case.top_p, case.top_k)
+    s = engine.Sampling(case.temperature, case.top_p, case.top_k)
     pos = len(case.prompt_ids) + torch.arange(z.shape[0], device=z.device)
     e = noise.vocab_noise(torch.tensor(noise.seed_key(case.seed), device=z.device), pos,
                           noise.vocab_keys(z.shape[-1], z.device)).double()
-    kept = dflash.sampling_probs(z, s) > 0
+    kept = engine.sampling_probs(z, s) > 0
     return torch.where(kept, z - case.temperature * e.log(), float("-inf"))
 
 
-def outside_support(z: torch.Tensor, tok: int, s: dflash.Sampling, tol: float) -> bool:
+def outside_support(z: torch.Tensor, tok: int, s: engine.Sampling, tol: float) -> bool:
     """Whether token tok could not be drawn from logits z [V] under s, even with its logit raised by tol: below
     the k-th largest logit, or after the smallest set of higher tokens that already reaches top_p."""
     lifted = z[tok] + tol
     if 0 < s.top_k < z.shape[0] and lifted < z.topk(s.top_k).values[-1]:
         return True
     if s.top_p < 1:
-        p = dflash.sampling_probs(z, dflash.Sampling(s.temperature, 1.0, s.top_k)).double()
+        p = engine.sampling_probs(z, engine.Sampling(s.temperature, 1.0, s.top_k)).double()
         return float(p[z > lifted].sum()) >= s.top_p
     return False
 
@@ -526,8 +527,8 @@ def export_pack(target: M.Qwen35, proposer, tok, out_dir: str, max_new: int = 64
     with open(os.path.join(out_dir, "cases.jsonl"), "w") as fh:
         for text in EXPORT_PROMPTS:
             ids = tok.encode(text).ids
-            runs = [("ar", 1, dflash.run(target, ids, max_new))]
-            runs += [("dflash", b, dflash.run(target, ids, max_new, (), proposer, b)) for b in EXPORT_BLOCKS if proposer]
+            runs = [("ar", 1, engine.run(target, ids, max_new))]
+            runs += [("dflash", b, engine.run(target, ids, max_new, (), proposer, b)) for b in EXPORT_BLOCKS if proposer]
             for mode, b, res in runs:
                 fh.write(json.dumps({"prompt": text, "prompt_ids": ids, "output_ids": res.output_ids, "mode": mode,
                                      "block_size": b, "draft_ids": res.draft_ids if mode == "dflash" else None,
@@ -672,7 +673,7 @@ def parting_main(args, device) -> dict:
     import prompts as P
     dtype = pick_dtype(args.dtype, device)
     target = ckpt.load_target(args.target, dtype, device)
-    proposer = dflash.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target)
+    proposer = engine.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target)
     refs = {name: ckpt.load_target(args.target, DTYPES[name], device) for name in ("float32", "float64")}
     block = args.block_size or proposer.max_block_size
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
@@ -1029,7 +1030,7 @@ def main(argv=None) -> int:
         draft = args.draft or (generate.DEFAULT_DRAFT if args.target == generate.DEFAULT_TARGET else None)
         proposer = None
         if draft and draft.lower() != "none":
-            proposer = dflash.DrafterProposer(ckpt.load_drafter(draft, target.cfg, DTYPES[args.dtype], device), target)
+            proposer = engine.DrafterProposer(ckpt.load_drafter(draft, target.cfg, DTYPES[args.dtype], device), target)
         n = export_pack(target, proposer, tok, args.export)
         print(f"wrote {n} traces to {os.path.join(args.export, 'cases.jsonl')}; how to replay them: README.md there")
         return 0

@@ -1,4 +1,4 @@
-"""How dflash.Engine compiles its step functions: the inductor options per device, the checks dynamo skips
+"""How engine.Engine compiles its step functions: the inductor options per device, the checks dynamo skips
 before each call, and what stands in for them.
 
     inductor_options  the options of a --compile-mode, with the changes the steps get on a CPU (below).
@@ -116,7 +116,7 @@ def model_state(*modules) -> list:
 class ModelGuard:
     """What stands in for the model checks compile_step drops: the models an engine's compiled steps read (the
     target and the proposer's modules: a drafter, an MTP head), their model_state when it compiled, and `check`,
-    which the engine calls once per run of requests (dflash.Engine.check)."""
+    which the engine calls once per run of requests (engine.Engine.check)."""
 
     def __init__(self, target: torch.nn.Module, proposer, owner: str):
         held = [target, *(vars(proposer).values() if proposer is not None else ())]

@@ -216,7 +216,7 @@ class Eagle3Tree:
     candidates per expanded node and top_k nodes expanded per depth (EAGLE-2's tree). Its context cache holds
     the committed entries at their positions and, past `capacity`, the entries of the nodes it expands."""
 
-    wants_next_ids = True                         # it reads the token after each feature row (dflash.Engine)
+    wants_next_ids = True                         # it reads the token after each feature row (engine.Engine)
     samples_drafts = False
 
     def __init__(self, drafter: Eagle3Drafter, target: Qwen35, tree_depth: int = 6, top_k: int = 4):

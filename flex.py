@@ -1,5 +1,5 @@
 """FlexAttention block masks for the cached steps: an optional attention backend, selected by `--attention flex`
-(generate.py, bench.py), which passes `FlexMasks` to dflash.Engine in place of
+(generate.py, bench.py), which passes `FlexMasks` to engine.Engine in place of
 model.DenseMasks. Deleting this file and that flag leaves a working project on SDPA, the default.
 
 Why: compiled on a GPU, flex_attention skips the key tiles a step cannot see; SDPA with a boolean mask reads
@@ -15,7 +15,7 @@ LAST query, whose list covers every earlier query too (the masks grow with posit
 the extra keys that row lists. So correctness rests on two simple facts (the row is a superset; the mask_mod is
 exact), never on tile arithmetic.
 
-A batch of requests (dflash.Engine with N slots): every row at its own positions. The step's mask gets a batch dimension: row b
+A batch of requests (engine.Engine with N slots): every row at its own positions. The step's mask gets a batch dimension: row b
 takes, per query tile, the row of the one-sequence mask its own positions need, and the mask_mod reads row b's
 start. A draft block of n tokens needs a mask built for n (its key length is capacity + n); a batch whose policy
 verifies shorter blocks asks for each one's mask (`prepare`) before its first compiled call.

@@ -11,7 +11,7 @@ With a checkpoint that ships a chat template (chat_template.jinja, or tokenizer_
 This is also the oracle interface other engines compare against: with --json the last stdout line is one
 JSON object with prompt_ids, output_ids, acceptance_lengths, draft_ids and timings.
 
-Many requests at once (dflash.Engine with N slots: continuous batching, each request's output its own run's):
+Many requests at once (engine.Engine with N slots: continuous batching, each request's output its own run's):
     python generate.py --prompts-file requests.jsonl --concurrency 8 --json     # one JSON line per request, in order
 
 Past one device (tp.py: tensor and expert parallelism on torch.distributed; rank 0 prints):
@@ -33,6 +33,7 @@ import torch
 import chat
 import compiling
 import dflash
+import engine
 import eagle3
 import flex
 import checkpoint as ckpt
@@ -282,13 +283,13 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
             args.tree_size = 16 if args.tree_size is None else args.tree_size      # EAGLE-3 drafts trees (the seeds' 16)
         else:
             drafter = ckpt.load_drafter(draft_dir, target.cfg, dtype, device)
-            proposer = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
+            proposer = engine.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
     if parallel is not None:               # the proposer cut too (before packed.py packs any weight); target.cfg the shard's
         parallel.shard(target, proposer)
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # a slot's verify block, draft queries
-    dense = proposer.drafter if isinstance(proposer, dflash.DrafterProposer) else None
+    dense = proposer.drafter if isinstance(proposer, engine.DrafterProposer) else None
     products = use_products(args.products, rows * (args.concurrency or 1), target, dense)
     return target, tokenizer, proposer, products
 
@@ -380,7 +381,7 @@ def main(argv=None) -> int:
         raise dflash.GenerationError(f"--block-size must be >= 1, got {args.block_size}")
     if args.num_samples < 1:
         raise dflash.GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
-    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k, args.draft_rule)   # checked before anything loads
+    sampling = engine.Sampling(args.temperature, args.top_p, args.top_k, args.draft_rule)   # checked before anything loads
     if args.threads is not None:
         if args.threads < 1:
             raise dflash.GenerationError(f"--threads must be >= 1, got {args.threads}")
@@ -428,18 +429,18 @@ def main(argv=None) -> int:
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
     policy = None if (proposer is None or args.no_adaptive or args.tree_size) else Policy(block=block_size)
     policy = parallel.synced(policy) if parallel else policy     # rank 0 decides every step for every rank
-    engine = make_engine(args, target, proposer, block_size, capacity, policy, device)
+    eng = make_engine(args, target, proposer, block_size, capacity, policy, device)
     seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
     seed = parallel.same(seed) if parallel else seed
 
-    def run(max_new: int, seed: int, on_step=None) -> dflash.Result:
+    def run(max_new: int, seed: int, on_step=None) -> engine.Result:
         """One generation of the prompt on either engine (the same call)."""
-        return engine.generate(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
+        return eng.generate(prompt_ids, max_new, stops, on_step, sampling=sampling, seed=seed, images=images)
 
     compile_seconds, graphs = 0.0, NO_GRAPHS
     if args.compile:        # compile on a throw-away run so the timed run measures decoding only
         compile_seconds, graphs = warm_up(
-            engine, [dflash.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)],
+            eng, [engine.Request(prompt_ids, args.max_new_tokens, tuple(stops), sampling, 0, images)],
             f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more "
             "on a CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
@@ -504,7 +505,7 @@ def parallel_fields(parallel: tp.Parallel | None) -> dict:
             "tp_drafter": "sharded" if parallel.shard_drafter else "replicated"}
 
 
-# ---- many requests at once: --prompts-file, --concurrency (dflash.Engine with N slots) ---------------------------
+# ---- many requests at once: --prompts-file, --concurrency (engine.Engine with N slots) ---------------------------
 
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "messages": list, "max_new_tokens": int, "temperature": (int, float),
                 "top_p": (int, float), "top_k": int, "seed": int, "images": list}   # what a line of --prompts-file may hold
@@ -540,13 +541,13 @@ def draft_rule_of(args, proposer) -> str:
 
 
 def make_engine(args, target, proposer, block_size: int, capacity: int, policy, device):
-    """The generation's engine: dflash.Engine with one slot (the same engine as --prompts-file), or with
+    """The generation's engine: engine.Engine with one slot (the same engine as --prompts-file), or with
     --tree-size its tree form, tree.TreeEngine, over the drafter's trees (a tree's verify is not batched)."""
     if args.tree_size is not None:      # (--compile is refused with a tree: its engine runs eager)
         import tree
         trees = proposer if tree.is_tree_proposer(proposer) else tree.DFlashTree(proposer, args.tree_top_k or 4)
         return tree.TreeEngine(target, trees, args.tree_size, capacity)
-    return dflash.Engine(target, proposer, block_size, 1, capacity, args.compile_mode if args.compile else None,
+    return engine.Engine(target, proposer, block_size, 1, capacity, args.compile_mode if args.compile else None,
                          compile_options(args, device), policy, ATTENTION[args.attention])
 
 
@@ -639,14 +640,14 @@ def read_requests(path: str, args=None) -> list:
 
 def request_values_check(line: dict, index: int, args) -> None:
     """The values of a --prompts-file line as its request will take them (the flags' where the line has none),
-    checked before anything loads: an empty prompt, max_new_tokens < 1, sampling settings that dflash.Sampling
+    checked before anything loads: an empty prompt, max_new_tokens < 1, sampling settings that engine.Sampling
     refuses, a seed outside 0 .. 2^63-1 (or --seed + the line's index past it)."""
     if line.get("prompt_ids") == [] or line.get("messages") == []:
         raise dflash.GenerationError("the prompt is empty")
     new = line.get("max_new_tokens", args.max_new_tokens)
     if new < 1:
         raise dflash.GenerationError(f"max_new_tokens must be >= 1, got {new}")
-    dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p), line.get("top_k", args.top_k),
+    engine.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p), line.get("top_k", args.top_k),
                     args.draft_rule)
     if "seed" in line:
         if not 0 <= line["seed"] <= MAX_SEED:
@@ -657,7 +658,7 @@ def request_values_check(line: dict, index: int, args) -> None:
 
 
 def request_of(line: dict, index: int, args, tokenizer, template, specials, tools, stops: list, vision_of) -> tuple:
-    """One line -> (dflash.Request, whether it is a chat turn). A "prompt" is a user turn rendered by the chat
+    """One line -> (engine.Request, whether it is a chat turn). A "prompt" is a user turn rendered by the chat
     template as --prompt is (unless --no-chat), "messages" a whole conversation, "prompt_ids" used as is; the
     line's settings override the flags'; the seed is the line's, else --seed + index, else a random one. "images":
     files for the line's image pads as --image gives them to a single run (a chat "prompt" opens with them);
@@ -682,7 +683,7 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
         ids = line["prompt_ids"]
     if as_chat:
         stops = chat.with_chat_stops(tokenizer, stops)
-    sampling = dflash.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p),
+    sampling = engine.Sampling(line.get("temperature", args.temperature), line.get("top_p", args.top_p),
                                line.get("top_k", args.top_k), args.draft_rule)
     seed = line.get("seed", None if args.seed is None else args.seed + index)
     images = None
@@ -693,12 +694,12 @@ def request_of(line: dict, index: int, args, tokenizer, template, specials, tool
             raise dflash.GenerationError(str(e).replace("drop --image", "drop the line's \"images\"")) from None
         images = vision.encode_images(tower, processor, ids, [vision.load_image(f) for f in files])
         ids = images.ids
-    return (dflash.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed, images),
+    return (engine.Request(ids, line.get("max_new_tokens", args.max_new_tokens), tuple(stops), sampling, seed, images),
             as_chat)
 
 
 def run_requests(args, target, tokenizer, proposer, products, load_seconds, device, dtype, parallel=None) -> int:
-    """--prompts-file: every line's request through a dflash.Engine of --concurrency slots; the outputs in input order
+    """--prompts-file: every line's request through an engine.Engine of --concurrency slots; the outputs in input order
     (with --json one line per request: a single run's fields plus its index), then the run's throughput."""
     template, specials = chat_template_of(args, target.path)
     tools = chat.read_tools(args.tools) if args.tools else None
@@ -731,14 +732,14 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         policy = parallel.synced(policy)
         seeds = parallel.same([secrets.randbits(63) for _ in reqs])
         reqs = [r if r.seed is not None else dataclasses.replace(r, seed=s) for r, s in zip(reqs, seeds)]
-    engine = dflash.Engine(target, proposer, block, slots, capacity, args.compile_mode if args.compile else None,
+    eng = engine.Engine(target, proposer, block, slots, capacity, args.compile_mode if args.compile else None,
                             compile_options(args, device), policy, ATTENTION[args.attention])
     compile_seconds, graphs = 0.0, NO_GRAPHS
     if args.compile:
-        compile_seconds, graphs = warm_up(engine, reqs, f"compiling the batch's step functions ({engine.slots} slots, "
-                                                        f"a {engine.capacity}-position cache)...")
+        compile_seconds, graphs = warm_up(eng, reqs, f"compiling the batch's step functions ({eng.slots} slots, "
+                                                        f"a {eng.capacity}-position cache)...")
     t0 = time.perf_counter()
-    results = engine.run(reqs)
+    results = eng.run(reqs)
     wall = time.perf_counter() - t0
     run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block if proposer else 1,
                cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
@@ -765,13 +766,13 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
 NO_GRAPHS = {"graphs_compiled": 0, "graphs_cached": 0}      # the graph counts of a run that compiles nothing
 
 
-def warm_up(engine, reqs: list, intro: str) -> tuple:
+def warm_up(eng, reqs: list, intro: str) -> tuple:
     """--compile: Engine.warm_up on `reqs` before the timed run (every step kind a policy may take, the sampled ones
     when sampling), said (`intro`, then the seconds and graph counts) -> (seconds, graph counts over the warm-up:
     compiling.graph_counts)."""
     say(intro)
     t0, before = time.perf_counter(), compiling.graph_counts()
-    engine.warm_up(reqs)
+    eng.warm_up(reqs)
     seconds = time.perf_counter() - t0
     graphs = {k: v - before[k] for k, v in compiling.graph_counts().items()}
     say(f"compiled in {seconds:.1f} s ({graphs['graphs_compiled']} graphs compiled, {graphs['graphs_cached']} from "

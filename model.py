@@ -610,7 +610,7 @@ class DecoderLayer(nn.Module):
         Inductor (torch 2.13) does not track what a region writes: its output must be used, and nothing else in
         the same compiled step may read what it writes (true here: each layer alone touches its cache). So what a GDN
         verify keeps for the commit comes out of the region and is written here, where the commit that follows in
-        the same compiled step (dflash.Slots._verify) sees the write."""
+        the same compiled step (engine.Slots._verify) sees the write."""
         # FlexAttention block masks carry views of one another, which a region's inputs may not: inlined then.
         step = self.step if isinstance(mask, torch.Tensor) else self.layer
         x, kept = step(x, cos, sin, pos, mask, verify, *(cache.tensors() if cache is not None else ()))
@@ -883,7 +883,7 @@ class CandidateSelector(nn.Module):
                 j = scores.argmax()
             else:
                 q = torch.softmax(scores.float() / temperature, -1)
-                j = (q / expo[i].clamp_min(1e-30)).argmax()            # a draw from q (dflash.draw's race)
+                j = (q / expo[i].clamp_min(1e-30)).argmax()            # a draw from q (engine.draw's race)
                 qs.append(q)
             prev = cand[i].gather(0, j.view(1))          # (a gather, not cand[i, j]: no host sync when compiled)
             path.append(prev)

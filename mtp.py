@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import checkpoint as ckpt
-from dflash import Draft
+from engine import Draft
 from model import AttnCache, CheckpointError, DecoderLayer, GenerationError, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
 
 MTP_MAX_STEPS = 15      # a verify of K + 1 <= 16 tokens: the GDN caches keep at most 16 writes per call
@@ -88,7 +88,7 @@ def head_rows(head: MTPHead, target: Qwen35, ids, hidden, pos, masks, cache: Att
 
 
 class MTPProposer:
-    """The MTP head as the Engine's proposer (dflash.Proposer), with `steps` = K chained steps per draft (the
+    """The MTP head as the Engine's proposer (engine.Proposer), with `steps` = K chained steps per draft (the
     Engine's block size is K + 1). Its KV cache has a row per slot, and each row drafts from its own row at
     start - 1: besides the target's features it reads, for each feature row at position p, the committed token at
     p + 1 (`wants_next_ids`: the Engine keeps them, and the row at start - 1, among the pending features)."""
@@ -123,7 +123,7 @@ class MTPProposer:
         head_rows(self.head, self.target, next_ids, feats, pos, self.masks, self.cache.layers[0])
 
     def propose(self, last, start, feats, feat_pos, n: int, next_ids, rows=None, temperature=None):
-        """dflash.Proposer.propose: the pending rows' KV entries (re)written, then from each row's output at start - 1
+        """engine.Proposer.propose: the pending rows' KV entries (re)written, then from each row's output at start - 1
         n chained one-row steps -> Draft(proposals [N,n]) (greedy: no q)."""
         out = head_rows(self.head, self.target, next_ids, feats, feat_pos, self.masks, self.cache.layers[0])
         at = (start - 1 - feat_pos[:, 0]).clamp(0, feats.shape[1] - 1)                  # (a free row: any row)

@@ -2,12 +2,12 @@
 position, index), never of how many draws came before (docs/method.md#noise-keyed-by-position).
 
 The token that lands at sequence position t is drawn with the Exp(1) noise E(seed, TARGET, t, v) over the
-vocabulary v (dflash.draw: argmax over v of p(v) / E(t, v)), whichever step computes it: a plain decode step, a
+vocabulary v (engine.draw: argmax over v of p(v) / E(t, v)), whichever step computes it: a plain decode step, a
 verify row, prefill. So
 
 - a seed gives one text whatever the step pattern (rounds, plain steps, looks, other requests beside it);
 - a verify row draws exactly the token that plain decoding draws at its position, so accepting a proposal iff it
-  equals that draw (the coupled rule, dflash.Engine._verify) commits AR's own sampled text for the seed, token for token;
+  equals that draw (the coupled rule, engine.Engine._verify) commits AR's own sampled text for the seed, token for token;
 - the numbers are the same on a CPU and a GPU, and another engine can reproduce them from the definition below,
   which makes a sampled trace as checkable as a greedy one (check.py reads the trace's `seed`).
 
@@ -72,7 +72,7 @@ def _vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 def vocab_keys(vocab_size: int, device) -> torch.Tensor:
     """token_keys of the whole vocabulary [V] int64, kept once per vocabulary size and device: half the work of a
-    draw's noise. A compiled step reads them as an input (dflash.Engine.vocab_keys) rather than hashing the
+    draw's noise. A compiled step reads them as an input (engine.Engine.vocab_keys) rather than hashing the
     vocabulary itself: the same numbers, one of the two hashes per (position, token) left to compile (its code
     generation took most of a sampled step's compile time)."""
     return _vocab_keys(vocab_size, torch.device(device))
@@ -91,7 +91,7 @@ def _exponentials(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def exponentials(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise float32 [R, C] for rows [R] over token ids [R, C] or [C]: the E of dflash.draw."""
+    """Exp(1) noise float32 [R, C] for rows [R] over token ids [R, C] or [C]: the E of engine.draw."""
     return _exponentials(rows, token_keys(ids))
 
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 import checkpoint as ckpt
-import dflash
+import engine
 import model as M
 import tables
 from generate import compile_options, pick_dtype, use_products
@@ -197,7 +197,7 @@ def preset_main(args, device) -> dict:
     capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
     products = use_products(args.products, block, target, drafter)
-    proposer = dflash.DrafterProposer(drafter, target)
+    proposer = engine.DrafterProposer(drafter, target)
     ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompt, ())
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
           f"{sum(p.numel() for p in drafter.parameters()) / 1e9:.3f} B, {dtype}, built in {build_seconds:.1f} s on {device}; "
@@ -240,7 +240,7 @@ def preset_main(args, device) -> dict:
 
 
 def preset_concurrency(args, device, dtype) -> dict:
-    """--preset with --concurrency N1,...: per N, a dflash.Engine's AR decode step and DFlash round (draft, verify of
+    """--preset with --concurrency N1,...: per N, an engine.Engine's AR decode step and DFlash round (draft, verify of
     N x block tokens, commit; pure rounds) on the preset's shapes with random weights, N requests of --prompt-len
     random tokens in flight. The step costs are measured; DFlash's tok/s is PROJECTED at --tau (random weights
     accept nothing): N * tau / round seconds, against AR's measured N / decode seconds."""
@@ -253,11 +253,11 @@ def preset_concurrency(args, device, dtype) -> dict:
     g = torch.Generator().manual_seed(0)
     table = []
     for n in args.concurrency:
-        reqs = [dflash.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
+        reqs = [engine.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
                                  args.max_new_tokens) for _ in range(n)]
         capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
-        ar = dflash.Engine(target, None, 1, n, capacity, mode, options)
-        sp = dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, n, capacity, mode, options)
+        ar = engine.Engine(target, None, 1, n, capacity, mode, options)
+        sp = engine.Engine(target, engine.DrafterProposer(drafter, target), block, n, capacity, mode, options)
         t0 = time.perf_counter()
         for eng in (ar, sp):
             eng.warm_up(reqs)

@@ -11,7 +11,7 @@ The coupled rule needs no function of its own: the accepted proposals are the le
 tokens (choose) at their rows, which commits plain decoding's own text for the seed.
 
 Every random number comes from noise.py, keyed by the seed and the position it serves, so none of these functions
-holds state: the verify step (dflash.Engine._verify) and a plain step (Engine._decode) draw the same token at the
+holds state: the verify step (engine.Engine._verify) and a plain step (Engine._decode) draw the same token at the
 same position.
 """
 from __future__ import annotations
@@ -127,7 +127,7 @@ def speculative_accept(probs: torch.Tensor, proposals: torch.Tensor, u: torch.Te
     probs [B, V] target distributions at block positions 0..B-1 (row i judges proposals[i]);
     proposals [B-1], drawn from the draft distributions q [B-1, V] (None: a greedy draft, q one-hot at the
     proposal); u [B-1] uniform(0,1) draws; expo [B, V] Exp(1) noise -> (accepted [], tokens [B]): the committed
-    tokens are proposals[:accepted] + [tokens[accepted]]. A batch of blocks (dflash.Engine) adds a leading
+    tokens are proposals[:accepted] + [tokens[accepted]]. A batch of blocks (engine.Engine) adds a leading
     dimension N to every argument and result: probs [N, B, V] -> (accepted [N], tokens [N, B]).
 
     Proposal x is accepted with probability min(1, p(x) / q(x)); on rejection the token comes from

@@ -30,6 +30,7 @@ import torch
 import chat
 import checkpoint as ckpt
 import dflash
+import engine
 import prompts as P
 import tree
 from policy import PerRun, Policy
@@ -58,10 +59,10 @@ def method_proposers(args, target, dtype, device) -> dict:
         if name == "dflash":
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
             window = ckpt.draft_window(drafter.cfg, args.draft_window)
-            out[name] = (dflash.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
+            out[name] = (engine.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
         elif name.startswith("dflash-tree") and name[11:].isdigit() and int(name[11:]) >= 1:
             drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
-            inner = dflash.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
+            inner = engine.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
             out[name] = (tree.DFlashTree(inner), int(name[11:]) + 1)
         elif name == "eagle3" or (name.startswith("eagle3-chain") and name[12:].isdigit() and int(name[12:]) >= 1):
             import eagle3
@@ -79,32 +80,32 @@ def method_proposers(args, target, dtype, device) -> dict:
 
 
 def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool, parallel=None, eager: bool = False):
-    """The engine a benchmark runs single requests on: generate.py's, a dflash.Engine of one slot, with a fresh
+    """The engine a benchmark runs single requests on: generate.py's, an engine.Engine of one slot, with a fresh
     policy.Policy for every request when `adapt` (policy.PerRun), and the --attention masks. AR: proposer None.
     parallel: under torchrun, rank 0's policy decides for every rank (tp.Synced). eager: not compiled whatever
     --compile says."""
     from generate import ATTENTION, compile_options
     mode = args.compile_mode if args.compile and not eager else None
     options = compile_options(args, target.embed_tokens.weight.device)
-    engine = dflash.Engine(target, proposer, block, 1, capacity, mode, options, None,
+    eng = engine.Engine(target, proposer, block, 1, capacity, mode, options, None,
                            ATTENTION[getattr(args, "attention", "sdpa")])
-    adapt_(engine, adapt and proposer is not None, parallel)
-    return engine
+    adapt_(eng, adapt and proposer is not None, parallel)
+    return eng
 
 
-def adapt_(engine, on: bool, parallel=None) -> None:
+def adapt_(eng, on: bool, parallel=None) -> None:
     """An engine's next runs with a fresh adaptive policy each (on; under torchrun rank 0's decides: tp.Synced) or
     pure rounds (off)."""
     def make():
-        policy = Policy(block=engine.block)
+        policy = Policy(block=eng.block)
         return parallel.synced(policy) if parallel else policy
-    engine.policy = PerRun(make) if on else None
+    eng.policy = PerRun(make) if on else None
 
 
-def warm_up(engine, prompt: list, stops, max_new_tokens: int) -> None:
+def warm_up(eng, prompt: list, stops, max_new_tokens: int) -> None:
     """A throw-away run of a single_engine (or a tree.TreeEngine) that compiles every step kind its policy may take
     (excluded from timings)."""
-    engine.warm_up([dflash.Request(list(prompt), max_new_tokens, tuple(stops))])
+    eng.warm_up([engine.Request(list(prompt), max_new_tokens, tuple(stops))])
 
 
 def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list, stops, parallel=None) -> tuple:
@@ -193,7 +194,7 @@ class Runner:
             warm_up(eng, warm_prompt, self.stops, self.args.max_new_tokens)
 
     def run(self, name: str, ids: list, images=None):
-        """The median run of --repeat (by decode seconds) of one engine on one prompt -> dflash.Result."""
+        """The median run of --repeat (by decode seconds) of one engine on one prompt -> engine.Result."""
         self.fit(len(ids) + self.args.max_new_tokens + self.widest, ids)
         runs = [self.engines[name].generate(ids, self.args.max_new_tokens, self.stops, profile=True, images=images)
                 for _ in range(self.args.repeat)]
@@ -272,7 +273,7 @@ def table_main(args, device) -> dict:
     widest = max(b for _, b in methods.values())
     # DFlash drafters (also inside a DFlashTree) take the products generate.py chooses; the MTP and EAGLE-3 heads keep nn.Linear
     inner = [p.inner if isinstance(p, tree.DFlashTree) else p for p, _ in methods.values()]
-    drafters = [p.drafter if isinstance(p, dflash.DrafterProposer) else None for p in inner]
+    drafters = [p.drafter if isinstance(p, engine.DrafterProposer) else None for p in inner]
     products = use_products(args.products, widest, target, *drafters)             # chosen at the widest block
     print(f"{products_words(products)}; {torch.get_num_threads()} threads; {cpu_model()}", flush=True)
     if not sets:                                              # --methods alone: bench.py's own prompts, one column

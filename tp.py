@@ -36,7 +36,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import checkpoint as ckpt
-import dflash
+import engine
 import mtp
 from model import MLP, DecoderLayer, DraftAttention, DFlashDrafter, Experts, GatedAttention, GatedDeltaNet, \
     GenerationError, Qwen35, SparseMoE
@@ -339,7 +339,7 @@ class Parallel:
         if isinstance(proposer, mtp.MTPProposer):
             for layer in proposer.head.layers:
                 shard_layer(layer, self.rank, self.world, self.wrap, self.expert_parallel)
-        drafter = proposer.drafter if isinstance(proposer, dflash.DrafterProposer) else None
+        drafter = proposer.drafter if isinstance(proposer, engine.DrafterProposer) else None
         if self.shard_drafter:
             if drafter is None:
                 raise GenerationError("--tp-drafter sharded applies to DFlash drafters; this proposer is replicated")

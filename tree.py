@@ -22,7 +22,7 @@ How each kind of layer reads a tree:
     verify_tree(...)     -> logits [T,V], the per-node GDN states (TreeKept)
     accept(tree, post)   -> the accepted path: node indices from the root
     commit_path(...)     the caches as a chain of the path's tokens would leave them
-    TreeEngine           the dflash.Engine with a round that verifies a proposer's trees (greedy, one slot)
+    TreeEngine           the engine.Engine with a round that verifies a proposer's trees (greedy, one slot)
     DFlashTree           a DFlash drafter's block as a tree: the most probable paths through its per-position top-k
     (eagle3.Eagle3Tree   an EAGLE-3 drafter's dynamic trees)
 
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from dflash import Engine, GenerationError
+from dflash import GenerationError
+from engine import Engine
 from model import DenseMasks, GDNCache, Qwen35, TargetCache
 
 
@@ -226,7 +227,7 @@ class DFlashTree:
     wants_next_ids, samples_drafts = False, False
 
     def __init__(self, inner, top_k: int = 4):
-        """inner: a dflash.DrafterProposer (its context cache and masks are used as they are)."""
+        """inner: an engine.DrafterProposer (its context cache and masks are used as they are)."""
         if top_k < 1:
             raise GenerationError(f"--tree-top-k must be >= 1, got {top_k}")
         self.inner, self.top_k = inner, top_k

@@ -14,7 +14,7 @@ import torch
 
 import checkpoint as ckpt
 from check import zlab_module
-import dflash
+import engine
 import kernels
 import model as M
 
@@ -176,7 +176,7 @@ def verify_kernel(target: M.Qwen35, kernel: str):
 
 
 class OracleProposer:
-    """Stand-in dflash.Proposer: for each row, the true continuation of the request in it (known from an AR run alone)
+    """Stand-in engine.Proposer: for each row, the true continuation of the request in it (known from an AR run alone)
     with one corruption at an index drawn per row and per round, so every row accepts exactly what its own plan
     says, independently of the other rows; each row's plan cycles through a seeded shuffle of 0..n (n = all
     accepted), so every acceptance length occurs. continuations: {tuple(prompt ids): the AR output ids}.
@@ -219,7 +219,7 @@ class OracleProposer:
                 row[a] = (row[a] + 1 + self.rng.randrange(self.V - 1)) % self.V   # anything but the true token
             self.asked.append((prompt, int(start[b]), a))
             out.append(row)
-        return dflash.Draft(torch.tensor(out, dtype=torch.long, device=last.device))
+        return engine.Draft(torch.tensor(out, dtype=torch.long, device=last.device))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Many requests at once (dflash.Engine with N slots): every row's output == the same request run alone, whatever
+"""Many requests at once (engine.Engine with N slots): every row's output == the same request run alone, whatever
 else is in the batch, for every acceptance length on every row, any pattern of rounds (of any verify block) and
 plain steps, stop tokens, max_new_tokens, arrival orders and N from 1 to 8. The policy's own tests: test_policy.py."""
 import random
@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash
-from dflash import Sampling
+import engine
+from engine import Sampling
 import mtp
 from helpers import OracleProposer, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
 from policy import Alternate
@@ -75,27 +76,27 @@ def make_requests(rng, vocab, n, max_len, alone_runner, stop_rate=0.3):
         if rng.random() < stop_rate:
             out = alone_runner(prompt, max_new, ())
             stops = (out[rng.randrange(len(out))],)
-        reqs.append(dflash.Request(prompt, max_new, stops))
+        reqs.append(engine.Request(prompt, max_new, stops))
     return reqs
 
 
 def check_batch(target, reqs, slots, block, seed, dtype, drafter_kind="dflash"):
     """AR at N slots, DFlash at N slots behind the oracle (with and without a random pattern of plain steps and rounds
     of random verify blocks) and behind a random drafter (whole-block rounds, and the random pattern): each request's
-    output == its run alone (dflash.run, AR, one slot)."""
-    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens, r.stop_ids).output_ids for r in reqs]
+    output == its run alone (engine.run, AR, one slot)."""
+    alone = [engine.run(target, r.prompt_ids, r.max_new_tokens, r.stop_ids).output_ids for r in reqs]
     cont = {tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}
     capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
     oracle = OracleProposer(cont, target.cfg.vocab_size, seed)
     drafter = random_drafter(kind_draft_config(target.cfg, drafter_kind, target_layer_ids=[seed % target.cfg.num_hidden_layers],
                                                num_target_layers=None), seed, dtype)
     runs = {
-        "ar": dflash.Engine(target, None, 1, slots, capacity).run(reqs),
-        "oracle": dflash.Engine(target, oracle, block, slots, capacity).run(reqs),
-        "pattern": dflash.Engine(target, OracleProposer(cont, target.cfg.vocab_size, seed + 1), block, slots, capacity,
+        "ar": engine.Engine(target, None, 1, slots, capacity).run(reqs),
+        "oracle": engine.Engine(target, oracle, block, slots, capacity).run(reqs),
+        "pattern": engine.Engine(target, OracleProposer(cont, target.cfg.vocab_size, seed + 1), block, slots, capacity,
                                  policy=RandomPattern(seed, block)).run(reqs),
-        "drafter": dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, slots, capacity).run(reqs),
-        "drafter pattern": dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, slots, capacity,
+        "drafter": engine.Engine(target, engine.DrafterProposer(drafter, target), block, slots, capacity).run(reqs),
+        "drafter pattern": engine.Engine(target, engine.DrafterProposer(drafter, target), block, slots, capacity,
                                          policy=RandomPattern(seed + 2, block)).run(reqs),
     }
     for name, results in runs.items():
@@ -136,7 +137,7 @@ def test_batch_equals_alone(dtype, cfg, seed, n_req, slots, block, max_len):
     target = random_target(cfg, seed, dtype)
     rng = random.Random(seed)
     reqs = make_requests(rng, cfg.vocab_size, n_req, max_len,
-                         lambda p, m, s: dflash.run(target, p, m, s).output_ids)
+                         lambda p, m, s: engine.run(target, p, m, s).output_ids)
     check_batch(target, reqs, slots, block, seed, dtype, rng.choice(["dflash", "sliding", "dflash2"]))
 
 
@@ -147,7 +148,7 @@ def test_every_acceptance_length_on_every_row():
     target = random_target(cfg, 3)
     rng = random.Random(1)
     block = 6
-    reqs = [dflash.Request([rng.randrange(50) for _ in range(rng.randint(5, 40))], 120) for _ in range(4)]
+    reqs = [engine.Request([rng.randrange(50) for _ in range(rng.randint(5, 40))], 120) for _ in range(4)]
     oracle, _ = check_batch(target, reqs, 4, block, 5, torch.float64)
     for r in reqs:
         seen = {a for p, _, a in oracle.asked if p == tuple(r.prompt_ids)}
@@ -164,31 +165,31 @@ def test_admission_order_and_slots_do_not_matter():
     target = random_target(cfg, 8)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 4)
     rng = random.Random(2)
-    reqs = [dflash.Request([rng.randrange(40) for _ in range(rng.randint(1, 50))], rng.randint(1, 30)) for _ in range(9)]
+    reqs = [engine.Request([rng.randrange(40) for _ in range(rng.randint(1, 50))], rng.randint(1, 30)) for _ in range(9)]
     want = None
     for slots in (1, 3, 8):
         order = list(range(len(reqs)))
         rng.shuffle(order)
-        res = dflash.Engine(target, dflash.DrafterProposer(d, target), 8, slots, 100).run([reqs[i] for i in order])
+        res = engine.Engine(target, engine.DrafterProposer(d, target), 8, slots, 100).run([reqs[i] for i in order])
         got = {i: r.output_ids for i, r in zip(order, res)}
         want = want or got
         assert got == want
 
 
 def test_sampled_rows_equal_their_runs_alone():
-    """float64: a request's samples at concurrency 1, 4 and 8, AR and DFlash == its run alone (dflash.run: one slot,
+    """float64: a request's samples at concurrency 1, 4 and 8, AR and DFlash == its run alone (engine.run: one slot,
     caches sized for it, AR) for its own seed, beside greedy rows and rows with other settings."""
     cfg = tiny_target_config(vocab_size=30)
     target = random_target(cfg, 9)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 4)
     rng = random.Random(3)
     settings_ = [Sampling(), Sampling(0.7), Sampling(1.3, top_p=0.8), Sampling(1.0, top_k=4), Sampling(0.9, 0.9, 6)]
-    reqs = [dflash.Request([rng.randrange(30) for _ in range(rng.randint(1, 30))], rng.randint(5, 30), (),
+    reqs = [engine.Request([rng.randrange(30) for _ in range(rng.randint(1, 30))], rng.randint(5, 30), (),
                            settings_[i % len(settings_)], seed=100 + i) for i in range(8)]
-    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed).output_ids for r in reqs]
+    alone = [engine.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed).output_ids for r in reqs]
     for slots in (1, 4, 8):
-        for proposer, block in ((None, 1), (dflash.DrafterProposer(d, target), 8)):
-            res = dflash.Engine(target, proposer, block, slots, 80).run(reqs)
+        for proposer, block in ((None, 1), (engine.DrafterProposer(d, target), 8)):
+            res = engine.Engine(target, proposer, block, slots, 80).run(reqs)
             assert [r.output_ids for r in res] == alone, (slots, proposer)
             assert [r.seed for r in res] == [None if r.sampling.greedy else r.seed for r in reqs]
 
@@ -197,26 +198,26 @@ def test_sampled_rows_equal_their_runs_alone():
 def test_dflash2_sampled_drafts_rows_equal_their_runs_alone(slots):
     """float64: DFlash2 samples a sampled request's block (the coupled rule: the TARGET stream; the ratio rule: its
     own DRAFT stream, judged by min(1, p/q)); each row's drafts, acceptances and output == its run alone
-    (dflash.run: one slot) for its seed, beside greedy rows and rows under the other rule, at any concurrency."""
+    (engine.run: one slot) for its seed, beside greedy rows and rows under the other rule, at any concurrency."""
     cfg = tiny_target_config(vocab_size=30)
     target = random_target(cfg, 5)
     d = random_drafter(kind_draft_config(cfg, "dflash2", block_size=6, target_layer_ids=[0, 2], num_target_layers=None), 6)
     rng = random.Random(8)
     settings_ = [Sampling(0.8, draft_rule="ratio"), Sampling(), Sampling(1.2), Sampling(1.0, 0.9, 5, "ratio"),
                  Sampling(0.0, draft_rule="ratio"), Sampling(0.7, top_k=4)]
-    reqs = [dflash.Request([rng.randrange(30) for _ in range(rng.randint(1, 20))], rng.randint(5, 30), (),
+    reqs = [engine.Request([rng.randrange(30) for _ in range(rng.randint(1, 20))], rng.randint(5, 30), (),
                            settings_[i % len(settings_)], seed=40 + i) for i in range(9)]
-    proposer = dflash.DrafterProposer(d, target)
-    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens, (), proposer, 6, sampling=r.sampling, seed=r.seed)
+    proposer = engine.DrafterProposer(d, target)
+    alone = [engine.run(target, r.prompt_ids, r.max_new_tokens, (), proposer, 6, sampling=r.sampling, seed=r.seed)
              for r in reqs]
-    res = dflash.Engine(target, dflash.DrafterProposer(d, target), 6, slots, 60).run(reqs)
+    res = engine.Engine(target, engine.DrafterProposer(d, target), 6, slots, 60).run(reqs)
     for r, got, want in zip(reqs, res, alone):
         assert got.draft_ids == want.draft_ids and got.acceptance_lengths == want.acceptance_lengths, r.sampling
         assert got.output_ids == want.output_ids, r.sampling
     ratio = [a for r, x in zip(reqs, res) if r.sampling.draft_rule == "ratio" and not r.sampling.greedy
              for a in x.acceptance_lengths]
     assert 1 in ratio and max(ratio) > 1                       # rejections and acceptances under the ratio rule
-    ar = [dflash.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed).output_ids for r in reqs]
+    ar = [engine.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed).output_ids for r in reqs]
     assert all((x.output_ids == a) == (r.sampling.draft_rule == "coupled" or r.sampling.greedy)
                for r, x, a in zip(reqs, res, ar))            # the ratio rule's text is another sample than AR's
 
@@ -225,20 +226,20 @@ def test_bad_requests_name_the_request():
     """Every request is checked before any runs; among several, the error names the first bad one."""
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, 1)
-    b = dflash.Engine(target, None, 1, 2, 30)
+    b = engine.Engine(target, None, 1, 2, 30)
     with pytest.raises(dflash.GenerationError, match="request 1: .*exceeds the cache length 30"):
-        b.run([dflash.Request([1, 2], 5), dflash.Request([1] * 20, 20)])
+        b.run([engine.Request([1, 2], 5), engine.Request([1] * 20, 20)])
     with pytest.raises(dflash.GenerationError, match="request 0: the prompt is empty"):
-        b.run([dflash.Request([], 5), dflash.Request([1], 5)])
+        b.run([engine.Request([], 5), engine.Request([1], 5)])
     with pytest.raises(dflash.GenerationError, match="^the prompt is empty"):      # one request: the message alone
-        b.run([dflash.Request([], 5)])
+        b.run([engine.Request([], 5)])
     with pytest.raises(dflash.GenerationError, match="--concurrency must be >= 1"):
-        dflash.Engine(target, None, 1, 0, 30)
+        engine.Engine(target, None, 1, 0, 30)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 1)
     with pytest.raises(dflash.GenerationError, match="block size 9 exceeds the drafter's block_size 8"):
-        dflash.Engine(target, dflash.DrafterProposer(d, target), 9, 2, 30)
+        engine.Engine(target, engine.DrafterProposer(d, target), 9, 2, 30)
     with pytest.raises(dflash.GenerationError, match="block size must be >= 1"):
-        dflash.Engine(target, dflash.DrafterProposer(d, target), 0, 2, 30)
+        engine.Engine(target, engine.DrafterProposer(d, target), 0, 2, 30)
 
 
 def test_no_recompiles_across_admissions_and_finishes(monkeypatch):
@@ -255,10 +256,10 @@ def test_no_recompiles_across_admissions_and_finishes(monkeypatch):
     rng = random.Random(5)
 
     def requests(k):
-        return [dflash.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
+        return [engine.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
 
     def drafter(kind, seed):
-        return dflash.DrafterProposer(random_drafter(kind_draft_config(cfg, kind, block_size=4), seed, torch.float32), target)
+        return engine.DrafterProposer(random_drafter(kind_draft_config(cfg, kind, block_size=4), seed, torch.float32), target)
     head = randomize_(mtp.MTPHead(cfg), 4).float().eval()
     # the DFlash drafter through rounds of every verify block and plain steps fed or not; the other drafters and
     # the MTP head (its pending rows one column wider, its next ids kept) through whole-block rounds and plain steps
@@ -266,14 +267,14 @@ def test_no_recompiles_across_admissions_and_finishes(monkeypatch):
                          (lambda: drafter("sliding", 6), Alternate((4,))),
                          (lambda: drafter("dflash2", 7), Alternate((4,))),
                          (lambda: mtp.MTPProposer(head, target, 3), Alternate((4,)))):
-        eng = dflash.Engine(target, make(), 4, 3, 64, compile_mode="default", policy=policy)
+        eng = engine.Engine(target, make(), 4, 3, 64, compile_mode="default", policy=policy)
         eng.run(requests(4))                                    # warm-up: every step kind compiles once
         graphs = counters["stats"]["unique_graphs"]
         later = requests(7)
         with torch._dynamo.config.patch(error_on_recompile=True):
             got = eng.run(later)
         assert counters["stats"]["unique_graphs"] == graphs
-        eager = dflash.Engine(target, make(), 4, 3, 64).run(later)
+        eager = engine.Engine(target, make(), 4, 3, 64).run(later)
         assert any(len(r.verify_lengths) for r in got)
         for a, b in zip(got, eager):
             assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
@@ -298,9 +299,9 @@ def test_drafts_after_plain_steps_and_admissions_equal_drafter_from_scratch(kind
     dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
     drafter = random_drafter(dcfg, 7)
     rng = random.Random(7)
-    reqs = [dflash.Request([rng.randrange(40) for _ in range(rng.randint(shortest, 30 if shortest > 1 else 4))],
+    reqs = [engine.Request([rng.randrange(40) for _ in range(rng.randint(shortest, 30 if shortest > 1 else 4))],
                            rng.randint(20, 70)) for _ in range(5 if shortest > 1 else 9)]
-    results = dflash.Engine(target, dflash.DrafterProposer(drafter, target), block, slots, 120,
+    results = engine.Engine(target, engine.DrafterProposer(drafter, target), block, slots, 120,
                             policy=Pattern(pattern, block)).run(reqs)
     rounds = 0
     for req, res in zip(reqs, results):
@@ -400,19 +401,19 @@ def test_admissions_feed_the_drafter_after_a_run_that_ended_without_feeding():
                                                num_target_layers=None), 12)
     admitted = []
 
-    class Recorded(dflash.DrafterProposer):
+    class Recorded(engine.DrafterProposer):
         def admit(self, row, feats, pos, prompt_ids, first):
             admitted.append(list(prompt_ids))
             super().admit(row, feats, pos, prompt_ids, first)
-    req = [dflash.Request(list(range(3, 9)), 12)]
+    req = [engine.Request(list(range(3, 9)), 12)]
     given_up = Pattern([False], 4)
     given_up.feeds = False                                   # plain steps only, the drafter's context not kept
-    used = dflash.Engine(target, Recorded(drafter, target), 4, 1, 64, policy=given_up)
-    used.run([dflash.Request(list(range(20, 26)), 5)])
+    used = engine.Engine(target, Recorded(drafter, target), 4, 1, 64, policy=given_up)
+    used.run([engine.Request(list(range(20, 26)), 5)])
     assert admitted == []
     used.policy = policy.Alternate((4,))
     got = used.run(req)[0]
     assert admitted == [list(range(3, 9))]
-    fresh = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 1, 64, policy=policy.Alternate((4,)))
+    fresh = engine.Engine(target, engine.DrafterProposer(drafter, target), 4, 1, 64, policy=policy.Alternate((4,)))
     want = fresh.run(req)[0]
     assert got.output_ids == want.output_ids and got.draft_ids == want.draft_ids

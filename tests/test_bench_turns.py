@@ -1,9 +1,9 @@
-"""bench.py --concurrency: two engines stepped in turns through their observers (dflash.Observer: clock(),
+"""bench.py --concurrency: two engines stepped in turns through their observers (engine.Observer: clock(),
 stepped(live)), each timed on its own steps' clock (bench.in_turns, bench.whole_runs, ArmRun's held stretch), and
 bench.py --vs-pure."""
 import pytest
 
-import dflash
+import engine
 from helpers import HAS_EMBEDDED_PAIR, random_target, tiny_target_config
 
 
@@ -57,8 +57,8 @@ def test_in_turns_reads_each_batch_decode_seconds_on_its_own_time(monkeypatch):
 
     import bench
     target = random_target(tiny_target_config(), seed=3)
-    reqs = [dflash.Request([1, 2, 3], 12), dflash.Request([4, 5], 9)]
-    fast, slow = (dflash.Engine(target, None, 1, 1, 64) for _ in range(2))
+    reqs = [engine.Request([1, 2, 3], 12), engine.Request([4, 5], 9)]
+    fast, slow = (engine.Engine(target, None, 1, 1, 64) for _ in range(2))
     alone = fast.run(reqs)
     step = slow.step
     monkeypatch.setattr(slow, "step", lambda rows: (time.sleep(0.02), step(rows)))
@@ -76,10 +76,10 @@ def test_in_turns_measures_the_stretch_with_every_slot_live():
     gets each step's live rows."""
     import bench
     target = random_target(tiny_target_config(), seed=3)
-    reqs = [dflash.Request([1, 2, 3], 12), dflash.Request([4, 5], 4), dflash.Request([6], 4)]
-    eng = dflash.Engine(target, None, 1, 2, 64)
+    reqs = [engine.Request([1, 2, 3], 12), engine.Request([4, 5], 4), engine.Request([6], 4)]
+    eng = engine.Engine(target, None, 1, 2, 64)
 
-    class Lives(dflash.Observer):
+    class Lives(engine.Observer):
         def __init__(self):
             self.live = []
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import dflash
+import engine
 import chat
 import generate
 from helpers import save_hf_causal_lm
@@ -199,8 +200,8 @@ def test_cli_chat_is_default_and_equals_transformers(chat_ckpt, capsys, tmp_path
 def test_cli_chat_stops_on_im_end(chat_ckpt, capsys, monkeypatch):
     """generation_config names only <|endoftext|>; a chat turn must also end at <|im_end|>."""
     seen = []
-    run = dflash.Engine.run          # Engine.generate runs its one request through Engine.run
-    monkeypatch.setattr(dflash.Engine, "run", lambda self, reqs, *a, **k: seen.append(list(reqs[0].stop_ids)) or run(self, reqs, *a, **k))
+    run = engine.Engine.run          # Engine.generate runs its one request through Engine.run
+    monkeypatch.setattr(engine.Engine, "run", lambda self, reqs, *a, **k: seen.append(list(reqs[0].stop_ids)) or run(self, reqs, *a, **k))
     tok = chat_ckpt["tok"]
     run_json(capsys, "--target", chat_ckpt["path"], "--prompt", "hi", "--max-new-tokens", 2, "--json")
     assert set(seen[-1]) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import check
-import dflash
+import engine
 import generate
 from helpers import HAS_EMBEDDED_PAIR, embedded_pair, save_hf_causal_lm, zlab_module
 
@@ -22,7 +22,7 @@ BF16 = torch.bfloat16
 @pytest.fixture(scope="module")
 def pair(one_thread):
     target, drafter, p1, p2 = embedded_pair()
-    return target, dflash.DrafterProposer(drafter, target), p1, p2
+    return target, engine.DrafterProposer(drafter, target), p1, p2
 
 
 def trace(res, **kw) -> check.Case:
@@ -36,8 +36,8 @@ def judge(target, case, tolerance=None):
 @pytest.fixture(scope="module")
 def runs(pair):
     target, proposer, p1, p2 = pair
-    out = {("ar", i): dflash.run(target, p, 48) for i, p in enumerate((p1, p2))}
-    out |= {(b, i): dflash.run(target, p, 48, (), proposer, b) for b in (4, 16) for i, p in enumerate((p1, p2))}
+    out = {("ar", i): engine.run(target, p, 48) for i, p in enumerate((p1, p2))}
+    out |= {(b, i): engine.run(target, p, 48, (), proposer, b) for b in (4, 16) for i, p in enumerate((p1, p2))}
     return out
 
 
@@ -122,8 +122,8 @@ def test_planted_underacceptance(pair, runs):
 def test_planted_impossible_sampled_token(pair):
     """A sampled trace (top-k 3) checks clean with a finite log-probability; a token ranked last is impossible."""
     target, proposer, p1, _ = pair
-    s = dflash.Sampling(0.8, 1.0, 3)
-    res = dflash.Engine(target, proposer, 16, 1, 256).generate(p1, 30, sampling=s, seed=3)
+    s = engine.Sampling(0.8, 1.0, 3)
+    res = engine.Engine(target, proposer, 16, 1, 256).generate(p1, 30, sampling=s, seed=3)
     case = check.Case(res.prompt_ids, res.output_ids, temperature=0.8, top_k=3)
     rep = judge(target, case)
     assert rep.ok and rep.sampled and rep.impossible == [] and -1e3 < rep.log_prob < 0
@@ -131,8 +131,8 @@ def test_planted_impossible_sampled_token(pair):
     bad = worst_token(target, res.prompt_ids, res.output_ids[:k])
     rep = judge(target, check.Case(res.prompt_ids, res.output_ids[:k] + [bad], temperature=0.8, top_k=3))
     assert rep.impossible == [k] and not rep.ok
-    assert check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 3, dflash.Sampling(1.0, 0.5, 0), 0.0)
-    assert not check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 0, dflash.Sampling(1.0, 0.5, 0), 0.0)
+    assert check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 3, engine.Sampling(1.0, 0.5, 0), 0.0)
+    assert not check.outside_support(torch.tensor([3.0, 2.0, 1.0, 0.0]), 0, engine.Sampling(1.0, 0.5, 0), 0.0)
 
 
 def second_choice(target, prompt_ids, output_ids, k, case) -> int:
@@ -170,9 +170,9 @@ def test_seeded_sampled_trace_is_checked_token_by_token(pair, tmp_path, capsys):
     path.write_text(json.dumps(dict(bad, draft_rule="ratio")))
     assert check.cli([str(path)]) == 0
     assert "not determined by the seed alone" in capsys.readouterr().out
-    s = dflash.Sampling(0.8, 0.95)                             # --num-samples: each sample is checked with its seed
+    s = engine.Sampling(0.8, 0.95)                             # --num-samples: each sample is checked with its seed
     many = {"prompt_ids": obj["prompt_ids"], "output_ids": [], "temperature": 0.8, "top_p": 0.95, "seed": 40,
-            "samples": [{"output_ids": dflash.run(target, obj["prompt_ids"], 12, sampling=s, seed=40 + i).output_ids,
+            "samples": [{"output_ids": engine.run(target, obj["prompt_ids"], 12, sampling=s, seed=40 + i).output_ids,
                          "seed": 40 + i} for i in range(2)]}
     path.write_text(json.dumps(many))
     assert check.cli([str(path), "--json"]) == 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import check
-import dflash
+import engine
 import servers
 from helpers import HAS_EMBEDDED_PAIR, embedded_pair
 
@@ -34,7 +34,7 @@ def near_tie_variant(target, prompt: list, out: list) -> tuple | None:
         (top, second), (a, b) = z[t].topk(2).indices.tolist(), z[t].topk(2).values.tolist()
         tol = check.TOLERANCE_STEPS[torch.bfloat16] * check.rounding_step(a, torch.bfloat16)
         if 0 < a - b < tol / 4 and top == out[t]:
-            rest = dflash.run(target, prompt + out[:t] + [second], len(out) - t - 1).output_ids
+            rest = engine.run(target, prompt + out[:t] + [second], len(out) - t - 1).output_ids
             return t, out[:t] + [second] + rest
     return None
 
@@ -47,7 +47,7 @@ def cases(one_thread):
     target, _, p1, p2 = embedded_pair()
     tok = ckpt.load_tokenizer(target.path)
     pool = [p1, p2] + P.heldout_prompts(tok, 12)
-    outs = [dflash.run(target, p, NEW).output_ids for p in pool]
+    outs = [engine.run(target, p, NEW).output_ids for p in pool]
     tie = next(((p, o, v) for p, o in zip(pool, outs) if (v := near_tie_variant(target, p, o))), None)
     assert tie is not None, "no near-tie within a quarter of the tolerance in the held-out outputs"
     p_tie, _, (t_tie, o_tie) = tie
@@ -206,7 +206,7 @@ def test_batch_variance_is_the_engine_against_itself(cases, tmp_path, capsys):
     correct): both judged, the request named with the token the answers part at; exit 0 (nothing wrong)."""
     p, ok = cases["ok1"]
     pt, tie = cases["near_tie"]
-    base = dflash.run(embedded_pair()[0], pt, NEW).output_ids
+    base = engine.run(embedded_pair()[0], pt, NEW).output_ids
 
     def script(api, prompt, call):
         out = (base if call == 1 else tie) if prompt == pt else ok
@@ -248,7 +248,7 @@ def test_prompt_sets_are_sent_as_token_ids(flags, tmp_path, capsys):
     flags = [str(tmp_path / "set.jsonl") if f == "LOCAL" else f for f in flags]
     want = {"--pack": [tok.encode(t).ids for t in check.EXPORT_PROMPTS], "--heldout": P.heldout_prompts(tok, 3),
             "--dataset": [tok.encode(t).ids for t in ("def add(a, b):", "class Queue:")]}[flags[0]]
-    outs = {tuple(p): dflash.run(target, p, 4).output_ids for p in want}
+    outs = {tuple(p): engine.run(target, p, 4).output_ids for p in want}
 
     def script(api, prompt, call):
         return (*answer(api, "ok0", prompt, outs[tuple(prompt)]), 0.0)

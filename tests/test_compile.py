@@ -1,5 +1,6 @@
 """torch.compile of the step functions: one graph per step kind, no recompiles after warm-up, same tokens."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import torch
 import compiling
 import cppwrapper
 import dflash
+import engine
 from helpers import HAS_EMBEDDED_PAIR, ROOT, Early, embedded_pair
 
 
@@ -35,13 +37,13 @@ def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
     target, _, p1, _ = embedded_pair()
     options = cppwrapper.options()
     wrapper = "cpp" if options.get("cpp_wrapper") else "python"
-    eng = dflash.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
-    request = [dflash.Request(p1, 12)]
+    eng = engine.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
+    request = [engine.Request(p1, 12)]
     got, codes = run_and_get_code(eng.run, request)
     assert len(codes) == 1                                                # the decode step (admission is eager)
     bodies, calls = region_bodies_and_calls(codes[0], wrapper)
     assert len(bodies) == len(set(target.cfg.layer_types)) and calls == target.cfg.num_hidden_layers, (bodies, calls)
-    assert got[0].output_ids == dflash.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    assert got[0].output_ids == engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
 
 
 class Cycle:
@@ -75,15 +77,15 @@ def compiled_sampling() -> dict:
     if not HAS_EMBEDDED_PAIR:
         return {}
     target, drafter, p1, p2 = embedded_pair()
-    compiled = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256, compile_mode="default")
-    eager = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, capacity=256)
-    s = dflash.Sampling(0.7, 0.9, 5)
+    compiled = engine.Engine(target, engine.DrafterProposer(drafter, target), 16, capacity=256, compile_mode="default")
+    eager = engine.Engine(target, engine.DrafterProposer(drafter, target), 16, capacity=256)
+    s = engine.Sampling(0.7, 0.9, 5)
     out = {"rounds": [(compiled.generate(p, 40, sampling=s, seed=7).output_ids,
                        eager.generate(p, 40, sampling=s, seed=7).output_ids) for p in (p1, p2)]}
     compiled.policy = Cycle([0, 0, 16, 0])             # plain steps (feeding the drafter's context) and rounds
     mixed = compiled.generate(p1, 40, sampling=s, seed=7)
     out["mixed"] = (set(mixed.step_kinds), mixed.output_ids, eager.generate(p1, 40, sampling=s, seed=7).output_ids,
-                    dflash.run(target, p1, 40, sampling=s, seed=7).output_ids)
+                    engine.run(target, p1, 40, sampling=s, seed=7).output_ids)
     return out
 
 
@@ -119,11 +121,11 @@ def test_new_sampling_settings_run_graphs_made_for_them(monkeypatch):
     cfg = tiny_target_config(vocab_size=60)
     target = random_target(cfg, 3, torch.float32)
     drafter = random_drafter(tiny_draft_config(cfg, block_size=4), 4, torch.float32)
-    engines = [dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, capacity=64, **kw)
+    engines = [engine.Engine(target, engine.DrafterProposer(drafter, target), 4, capacity=64, **kw)
                for kw in ({"compile_mode": "default", "policy": Cycle([4])}, {"policy": Cycle([4])})]
     prompt, graphs = list(range(5, 25)), []
-    settings = [dflash.Sampling(0.7, 0.9, 0), dflash.Sampling(1.3, 1.0, 5), dflash.Sampling(0.7, 0.9, 0),
-                dflash.Sampling(1.0, 0.8, 3)]
+    settings = [engine.Sampling(0.7, 0.9, 0), engine.Sampling(1.3, 1.0, 5), engine.Sampling(0.7, 0.9, 0),
+                engine.Sampling(1.0, 0.8, 3)]
     for s in settings:
         got, want = (e.generate(prompt, 24, sampling=s, seed=11) for e in engines)
         assert got.output_ids == want.output_ids, s
@@ -179,24 +181,25 @@ def compiled_dflash2_batch() -> list:
         target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
         dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
         drafter = random_drafter(dcfg, 12, torch.float32)
-        make = lambda: dflash.DrafterProposer(drafter, target)
+        make = lambda: engine.DrafterProposer(drafter, target)
         rng = random.Random(3)
 
         def requests(k):
-            return [dflash.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24))
+            return [engine.Request([rng.randrange(1, 40) for _ in range(rng.randint(5, 30))], rng.randint(8, 24))
                     for _ in range(k)]
         early, later = requests(2), requests(3)
-        eng = dflash.Engine(target, make(), 4, 2, 64, compile_mode="default")
+        eng = engine.Engine(target, make(), 4, 2, 64, compile_mode="default")
         eng.warm_up(early)                                                       # every step kind
         with torch._dynamo.config.patch(error_on_recompile=True):
             got = eng.run(later)
         # the eager engine with the same history (a warm-up on the same requests): both start the later requests
         # from the same state
-        eager = dflash.Engine(target, make(), 4, 2, 64)
+        eager = engine.Engine(target, make(), 4, 2, 64)
         eager.warm_up(early)
         eager = eager.run(later)
-        return [(a.output_ids, a.draft_ids, b.output_ids, b.draft_ids, bool(a.verify_lengths))
-                for a, b in zip(got, eager)]
+        reference = [dflash.generate(target, drafter, r.prompt_ids, r.max_new_tokens, 4) for r in later]
+        return [(a.output_ids, a.draft_ids, b.output_ids, b.draft_ids, bool(a.verify_lengths), ref)
+                for a, b, ref in zip(got, eager, reference)]
 
 
 # started with the suite, in a process of its own
@@ -209,11 +212,13 @@ def test_compiled_batch_with_a_dflash2_drafter():
     no recompiles, and the eager batch's tokens and proposals. Run for DFlash2's rounds only: its plain steps and
     appends are a DFlash drafter's (compiled in test_flex.py, fed and not), and the sliding-window drafter and the
     MTP head are made of the ops of the graphs compiled in the other tests (attention under a mask, decoder
-    layers); their batches' recompiles are tested traced (test_batching.py)."""
+    layers); their batches' recompiles are tested traced (test_batching.py). Each request's tokens are also the
+    reference loop's (dflash.generate), the compiled twin of tests/test_reference.py's property."""
     rows = DFLASH2_BATCH.result()
-    assert any(verified for *_, verified in rows)
-    for out, drafts, eager_out, eager_drafts, _ in rows:
+    assert any(verified for *_, verified, _ in rows)
+    for out, drafts, eager_out, eager_drafts, _, reference in rows:
         assert out == eager_out and drafts == eager_drafts
+        assert out == reference                 # the reference loop's tokens (dflash.generate; float32 here)
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -276,14 +281,14 @@ def test_compiled_steps_check_the_models_once_per_generation(monkeypatch):
     torch._dynamo.reset()
     prompt = list(range(3, 20))
     models = [random_target(tiny_target_config(rms_norm_eps=eps), 21, torch.float32) for eps in (1e-6, 4.0)]
-    engines = [dflash.Engine(m, None, 1, capacity=64, compile_mode="default") for m in models]
+    engines = [engine.Engine(m, None, 1, capacity=64, compile_mode="default") for m in models]
     outs = [e.generate(prompt, 12).output_ids for e in engines]
-    wants = [dflash.run(m, prompt, 12).output_ids for m in models]
+    wants = [engine.run(m, prompt, 12).output_ids for m in models]
     assert outs == wants and wants[0] != wants[1]
-    target, engine = models[0], engines[0]
+    target, eng = models[0], engines[0]
     with torch.no_grad():
         target.layers[0].mlp.down_proj.weight.mul_(-3.0)                 # values: read by every call
-    assert engine.generate(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids
+    assert eng.generate(prompt, 12).output_ids == engine.run(target, prompt, 12).output_ids
     hook = []
     changes = [(lambda: setattr(target.norm, "eps", 0.5), lambda: setattr(target.norm, "eps", 1e-6)),
                (lambda: target.to(torch.float64), lambda: target.to(torch.float32)),
@@ -291,10 +296,10 @@ def test_compiled_steps_check_the_models_once_per_generation(monkeypatch):
     for change, undo in changes:
         change()
         with pytest.raises(dflash.GenerationError, match="the models changed .* build a new Engine") as e:
-            engine.generate(prompt, 4)
+            eng.generate(prompt, 4)
         assert "\n" not in str(e.value)
         undo()
-        assert engine.generate(prompt, 12).output_ids == dflash.run(target, prompt, 12).output_ids     # as compiled
+        assert eng.generate(prompt, 12).output_ids == engine.run(target, prompt, 12).output_ids     # as compiled
 
 
 def test_autotune_reports_are_off_unless_asked(monkeypatch):
@@ -395,23 +400,20 @@ def test_no_compiled_step_reads_what_cuda_graphs_free(monkeypatch, slots):
     target = random_target(tiny_target_config(vocab_size=40), 21)
     drafter = random_drafter(kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2],
                                                num_target_layers=None), 22)
-    reqs = [dflash.Request([(7 * i + 3 * j) % 39 + 1 for j in range(6 + 5 * i)], 14 + 3 * i) for i in range(3)]
-    reqs[1] = dflash.replace(reqs[1], sampling=dflash.Sampling(0.8, draft_rule="ratio"), seed=5)
+    reqs = [engine.Request([(7 * i + 3 * j) % 39 + 1 for j in range(6 + 5 * i)], 14 + 3 * i) for i in range(3)]
+    reqs[1] = dataclasses.replace(reqs[1], sampling=engine.Sampling(0.8, draft_rule="ratio"), seed=5)
 
-    def outputs(compiled: bool) -> list:
-        eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, slots, 64, policy=Alternate((4, 2)),
-                            compile_mode="default" if compiled else None)
-        return [r.output_ids for r in eng.run(reqs)], eng
+    def make(compiled: bool):
+        return engine.Engine(target, engine.DrafterProposer(drafter, target), 4, slots, 64, policy=Alternate((4, 2)),
+                             compile_mode="default" if compiled else None)
 
-    engine = []
-    lifetimes = CudaGraphLifetimes(lambda: (vars(engine[0]), engine[0].cache.layers,
-                                            engine[0].proposer.cache.layers, vars(engine[0].pending)))
+    held = []
+    lifetimes = CudaGraphLifetimes(lambda: (vars(held[0]), held[0].cache.layers,
+                                            held[0].proposer.cache.layers, vars(held[0].pending)))
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: lifetimes.compile(fn, **kw))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lifetimes.mark)
-    eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, slots, 64, policy=Alternate((4, 2)),
-                        compile_mode="default")
-    engine.append(eng)
-    got = [r.output_ids for r in eng.run(reqs)]
+    held.append(make(compiled=True))
+    got = [r.output_ids for r in held[0].run(reqs)]
     monkeypatch.undo()
     assert lifetimes.marks > 0 and lifetimes.freed
-    assert got == outputs(False)[0]
+    assert got == [r.output_ids for r in make(compiled=False).run(reqs)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import dflash
+import engine
 import eagle3 as E
 import model as M
 import tree as TR
@@ -113,7 +113,7 @@ def test_eagle3_tree_rounds_equal_ar(seed, moe, size, depth, top_k, plen, own):
     cfg = tiny_target_config(**(MOE if moe else {}))
     target = random_target(cfg, seed % 1000)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(plen)]
-    ar = dflash.run(target, prompt, 30).output_ids
+    ar = engine.run(target, prompt, 30).output_ids
     prop = E.Eagle3Tree(random_eagle(cfg, seed % 991, own_embedding=own), target, depth, top_k)
     assert TR.TreeEngine(target, prop, size, plen + 30 + size + 1).generate(prompt, 30).output_ids == ar
 
@@ -125,7 +125,7 @@ def test_a_one_token_draft_vocabulary():
     target = random_target(cfg, 7)
     d = random_eagle(cfg, 8, draft_vocab=1)
     prompt = [3, 4, 5]
-    ar = dflash.run(target, prompt, 20).output_ids
+    ar = engine.run(target, prompt, 20).output_ids
     res = TR.TreeEngine(target, E.Eagle3Tree(d, target, 4, 1), 4, 40).generate(prompt, 20)
     assert res.output_ids == ar
     tok = int(d.to_target(torch.tensor([0])))
@@ -294,4 +294,4 @@ def test_train_py_eagle3_writes_a_head_that_loads_and_drafts(tmp_path):
     prop = E.Eagle3Tree(head, target, 3, 2)
     assert prop.feature_layers == (0, 1, 3)
     prompt = list(range(10, 30))
-    assert TR.TreeEngine(target, prop, 6, 64).generate(prompt, 16).output_ids == dflash.run(target, prompt, 16).output_ids
+    assert TR.TreeEngine(target, prop, 6, 64).generate(prompt, 16).output_ids == engine.run(target, prompt, 16).output_ids

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import dflash
+import engine
 import checkpoint as ckpt
 import prompts
 
@@ -26,9 +26,9 @@ def pair():
 def test_embedded_pair_is_lossless_and_accepts(pair):
     target, drafter, tok = pair
     assert {"linear_attention", "full_attention"} <= set(target.cfg.layer_types)
-    proposer = dflash.DrafterProposer(drafter, target)
-    engine_ar = dflash.Engine(target, None, 1, 1, 256)
-    engine_sp = dflash.Engine(target, proposer, 16, 1, 256)
+    proposer = engine.DrafterProposer(drafter, target)
+    engine_ar = engine.Engine(target, None, 1, 1, 256)
+    engine_sp = engine.Engine(target, proposer, 16, 1, 256)
     taus = []
     for p in prompts.heldout_prompts(tok, 4):
         assert 30 <= len(p) <= 60

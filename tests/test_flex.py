@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-import dflash
+import engine
 import flex
 import model as M
 import policy
@@ -155,10 +155,10 @@ def test_same_tokens_ar_and_dflash(kind):
     prompt = torch.randint(0, cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(5)).tolist()
     runs = {}
     for att, masks in (("sdpa", M.DenseMasks), ("flex", flex.FlexMasks)):
-        runs[att, "ar"] = dflash.run(target, prompt, 30, masks=masks)
+        runs[att, "ar"] = engine.run(target, prompt, 30, masks=masks)
         for window in (None, 9):
-            proposer = dflash.DrafterProposer(drafter, target, window)
-            runs[att, window] = dflash.run(target, prompt, 30, proposer=proposer, block_size=16, masks=masks)
+            proposer = engine.DrafterProposer(drafter, target, window)
+            runs[att, window] = engine.run(target, prompt, 30, proposer=proposer, block_size=16, masks=masks)
     for key in ("ar", None, 9):
         assert runs["flex", key].output_ids == runs["sdpa", key].output_ids
         assert runs["flex", key].draft_ids == runs["sdpa", key].draft_ids
@@ -173,9 +173,9 @@ def test_every_acceptance_length(block):
     target = random_target(cfg, 2)
     prompt = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     n_new = 1 + sum(range(1, block + 1)) + block                 # enough for one whole plan: lengths 0..B-1 each once
-    ar = dflash.run(target, prompt, n_new)
+    ar = engine.run(target, prompt, n_new)
     oracle = OracleProposer({tuple(prompt): ar.output_ids}, cfg.vocab_size, seed=block)
-    sp = dflash.run(target, prompt, n_new, proposer=oracle, block_size=block, masks=flex.FlexMasks)
+    sp = engine.run(target, prompt, n_new, proposer=oracle, block_size=block, masks=flex.FlexMasks)
     assert sp.output_ids == ar.output_ids
     assert {a for _, _, a in oracle.asked} == set(range(block))
 
@@ -187,8 +187,8 @@ def test_masks_built_once_per_engine(monkeypatch):
         monkeypatch.setattr(flex, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     cfg = tiny_target_config()
     target = random_target(cfg, 0)
-    proposer = dflash.DrafterProposer(random_drafter(tiny_draft_config(cfg), 1), target)
-    eng = dflash.Engine(target, proposer, 8, capacity=100, masks=flex.FlexMasks)
+    proposer = engine.DrafterProposer(random_drafter(tiny_draft_config(cfg), 1), target)
+    eng = engine.Engine(target, proposer, 8, capacity=100, masks=flex.FlexMasks)
     for n in (5, 20):
         eng.generate([1, 2, 3], n)
     assert sorted(calls) == ["causal_block_mask", "draft_block_mask"]
@@ -214,9 +214,9 @@ def compiled_flex_batch() -> dict:
         rng = random.Random(2)
 
         def requests(lengths):
-            return [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
+            return [engine.Request([rng.randrange(40) for _ in range(n)], rng.randint(5, 30)) for n in lengths]
         early, later = requests((30, 9)), requests((140, 3, 121))
-        eng = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 4, 2, 256, "default", options,
+        eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 4, 2, 256, "default", options,
                             masks=flex.FlexMasks, policy=policy.Alternate((4,)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -224,7 +224,7 @@ def compiled_flex_batch() -> dict:
             graphs = counters["stats"]["unique_graphs"]
             with torch._dynamo.config.patch(error_on_recompile=True):
                 got = eng.run(later)
-        want = dflash.Engine(target, None, 1, 2, 256).run(later)
+        want = engine.Engine(target, None, 1, 2, 256).run(later)
         return {"epilogue_fusion": options.get("epilogue_fusion"), "graphs": (graphs, counters["stats"]["unique_graphs"]),
                 "kinds": {k for r in got for k in r.step_kinds}, "target": target,
                 "pairs": [(a.prompt_ids, a.output_ids, b.output_ids) for a, b in zip(got, want)]}
@@ -262,10 +262,10 @@ def test_prefill_does_not_call_flex(monkeypatch):
     target = random_target(tiny_target_config(), 3, torch.float32)
     prompt = list(range(1, 40))
     seen = []                                      # (flex calls so far, the step's kind and tokens) after each step
-    got = dflash.Engine(target, None, 1, capacity=64, masks=flex.FlexMasks).generate(
+    got = engine.Engine(target, None, 1, capacity=64, masks=flex.FlexMasks).generate(
         prompt, 4, on_step=lambda s: seen.append((len(calls), s.kind, s.tokens)))
     assert [(n, kind) for n, kind, _ in seen[:2]] == [(0, "prefill"), (target.cfg.layer_types.count("full_attention"), "decode")]
-    assert got.output_ids == dflash.Engine(target, None, 1, capacity=64).generate(prompt, 4).output_ids
+    assert got.output_ids == engine.Engine(target, None, 1, capacity=64).generate(prompt, 4).output_ids
 
 
 @pytest.mark.parametrize("kind,window", [("dflash", None), ("sliding", None), ("dflash2", 9)])
@@ -278,9 +278,9 @@ def test_batch_rows_with_flex_equal_sdpa(kind, window):
     target = random_target(cfg, 2)
     d = random_drafter(kind_draft_config(cfg, kind, block_size=8, target_layer_ids=[0, 2], num_target_layers=None), 3)
     rng = random.Random(1)
-    reqs = [dflash.Request([rng.randrange(40) for _ in range(n)], rng.randint(3, 30)) for n in (140, 5, 121, 60, 1)]
+    reqs = [engine.Request([rng.randrange(40) for _ in range(n)], rng.randint(3, 30)) for n in (140, 5, 121, 60, 1)]
     for slots in (1, 3):
-        runs = [dflash.Engine(target, dflash.DrafterProposer(d, target, window), 8, slots, 200,
+        runs = [engine.Engine(target, engine.DrafterProposer(d, target, window), 8, slots, 200,
                               policy=policy.Alternate((8, 3, 8)), masks=masks).run(reqs)
                 for masks in (M.DenseMasks, flex.FlexMasks)]
         for dense, fl in zip(*runs):

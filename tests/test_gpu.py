@@ -1,18 +1,18 @@
 """Checks that need a CUDA device (skipped elsewhere; bench_gpu.sh runs them): one host-device sync per step of
-dflash.Engine (a draft-verify round or an AR step of every slot), DFlash == AR on the GPU in float64, and compiled
+engine.Engine (a draft-verify round or an AR step of every slot), DFlash == AR on the GPU in float64, and compiled
 steps replayed as CUDA graphs."""
 import warnings
 
 import pytest
 import torch
 
-import dflash
+import engine
 from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-class Marks(dflash.Observer):
+class Marks(engine.Observer):
     """The synchronising calls warned about so far (`caught`), marked after each admission and after each step."""
 
     def __init__(self, caught):
@@ -33,10 +33,10 @@ def test_one_sync_per_step(slots):
     tcfg = tiny_target_config()
     target = random_target(tcfg, 0, torch.float32).cuda()
     drafter = random_drafter(tiny_draft_config(tcfg), 1, torch.float32).cuda()
-    reqs = [dflash.Request(list(range(3 + i, 40 + 2 * i)), 40 - 5 * i) for i in range(slots)]
-    for proposer, block in ((dflash.DrafterProposer(drafter, target), 8), (None, 1)):
-        engine = dflash.Engine(target, proposer, block, slots, 128)
-        engine.run([dflash.Request(r.prompt_ids, 20) for r in reqs])        # warm-up: lazy inits may sync once
+    reqs = [engine.Request(list(range(3 + i, 40 + 2 * i)), 40 - 5 * i) for i in range(slots)]
+    for proposer, block in ((engine.DrafterProposer(drafter, target), 8), (None, 1)):
+        eng = engine.Engine(target, proposer, block, slots, 128)
+        eng.run([engine.Request(r.prompt_ids, 20) for r in reqs])        # warm-up: lazy inits may sync once
         kinds = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -48,7 +48,7 @@ def test_one_sync_per_step(slots):
                     observer.mark("prefill")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                engine.run(reqs, on_step, observer)
+                eng.run(reqs, on_step, observer)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts = [b - a for (_, a), (kind, b) in zip(observer.marks, observer.marks[1:]) if kind == "step"]
@@ -58,18 +58,18 @@ def test_one_sync_per_step(slots):
 
 @pytest.mark.parametrize("slots", [1, 3])
 def test_dflash_equals_ar_on_the_gpu(slots):
-    """float64 on the GPU: a request alone (dflash.run) or three in an Engine of 3 slots, each == its AR run."""
+    """float64 on the GPU: a request alone (engine.run) or three in an Engine of 3 slots, each == its AR run."""
     tcfg = tiny_target_config()
     target = random_target(tcfg, 2).cuda()
     drafter = random_drafter(tiny_draft_config(tcfg), 3).cuda()
     V = tcfg.vocab_size
-    reqs = [dflash.Request([t % V for t in range(5 + i, 70 - 7 * i)], 48 - 9 * i) for i in range(slots)]   # ids < V
-    ar = [dflash.run(target, r.prompt_ids, r.max_new_tokens, block_size=1, capacity=256).output_ids for r in reqs]
-    proposer = dflash.DrafterProposer(drafter, target)
+    reqs = [engine.Request([t % V for t in range(5 + i, 70 - 7 * i)], 48 - 9 * i) for i in range(slots)]   # ids < V
+    ar = [engine.run(target, r.prompt_ids, r.max_new_tokens, block_size=1, capacity=256).output_ids for r in reqs]
+    proposer = engine.DrafterProposer(drafter, target)
     if slots == 1:
-        sp = [dflash.run(target, reqs[0].prompt_ids, 48, proposer=proposer, block_size=8, capacity=256)]
+        sp = [engine.run(target, reqs[0].prompt_ids, 48, proposer=proposer, block_size=8, capacity=256)]
     else:
-        sp = dflash.Engine(target, proposer, 8, slots, 256).run(reqs)
+        sp = engine.Engine(target, proposer, 8, slots, 256).run(reqs)
     assert [r.output_ids for r in sp] == ar
 
 
@@ -81,9 +81,9 @@ def test_compiled_steps_replay_as_cuda_graphs():
     target = random_target(tcfg, 4, torch.float32).cuda()
     drafter = random_drafter(tiny_draft_config(tcfg), 5, torch.float32).cuda()
     prompt = list(range(7, 50))
-    ar = dflash.run(target, prompt, 40, block_size=1, capacity=160)
+    ar = engine.run(target, prompt, 40, block_size=1, capacity=160)
     with inductor_config.patch({"triton.cudagraph_or_error": True}):
-        for proposer, block in ((dflash.DrafterProposer(drafter, target), 8), (None, 1)):
-            engine = dflash.Engine(target, proposer, block, 1, 160, compile_mode="reduce-overhead")
-            engine.generate(prompt, 24)                          # warm-up and recording
-            assert engine.generate(prompt, 40).output_ids == ar.output_ids
+        for proposer, block in ((engine.DrafterProposer(drafter, target), 8), (None, 1)):
+            eng = engine.Engine(target, proposer, block, 1, 160, compile_mode="reduce-overhead")
+            eng.generate(prompt, 24)                          # warm-up and recording
+            assert eng.generate(prompt, 40).output_ids == ar.output_ids

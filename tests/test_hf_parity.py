@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import dflash
+import engine
 import checkpoint as ckpt
 import model as M
 from helpers import save_hf_causal_lm, save_hf_conditional
@@ -127,7 +127,7 @@ def test_greedy_equals_transformers_generate(which, request):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
     ref = out[0, 70:].tolist()
-    res = dflash.run(ours, ids[0].tolist(), 30)
+    res = engine.run(ours, ids[0].tolist(), 30)
     assert res.output_ids == ref
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dflash
+import engine
 import checkpoint as ckpt
 import model as M
 from helpers import edit_json, save_hf_causal_lm, save_hf_conditional, save_zlab_drafter
@@ -181,8 +182,8 @@ def test_drafter_loads_and_generation_is_lossless(store):
     target = ckpt.load_target(store["causal"])
     drafter = ckpt.load_drafter(store["draft"], target.cfg)
     assert drafter.cfg.target_layer_ids == [0, 2] and drafter.cfg.block_size == 8
-    ar = dflash.run(target, IDS, 12)
-    sp = dflash.run(target, IDS, 12, proposer=dflash.DrafterProposer(drafter, target), block_size=8)
+    ar = engine.run(target, IDS, 12)
+    sp = engine.run(target, IDS, 12, proposer=engine.DrafterProposer(drafter, target), block_size=8)
     assert sp.output_ids == ar.output_ids
 
 
@@ -192,8 +193,8 @@ def test_drafter_with_repeated_target_layer(tmp_path, store):
     target = ckpt.load_target(store["causal"])
     drafter = ckpt.load_drafter(str(tmp_path / "d"), target.cfg)
     assert drafter.cfg.target_layer_ids == [1, 1]
-    sp = dflash.run(target, IDS, 6, proposer=dflash.DrafterProposer(drafter, target), block_size=4)
-    assert sp.output_ids == dflash.run(target, IDS, 6).output_ids
+    sp = engine.run(target, IDS, 6, proposer=engine.DrafterProposer(drafter, target), block_size=4)
+    assert sp.output_ids == engine.run(target, IDS, 6).output_ids
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,12 +299,12 @@ def test_stop_ids_of_the_multimodal_config(store, tmp_path):
 
 def test_stop_ids_end_generation(store, tmp_path):
     target = ckpt.load_target(store["causal"])
-    ref = dflash.run(target, IDS, 12).output_ids
+    ref = engine.run(target, IDS, 12).output_ids
     stop = ref[5]
     path = copy_ckpt(store["causal"], tmp_path / "t")
     edit_json(os.path.join(path, "generation_config.json"), lambda c: c.update(eos_token_id=[stop]))
     target = ckpt.load_target(path)
-    out = dflash.run(target, IDS, 12, ckpt.stop_token_ids(path, target.cfg)).output_ids
+    out = engine.run(target, IDS, 12, ckpt.stop_token_ids(path, target.cfg)).output_ids
     assert out == ref[:ref.index(stop) + 1]
 
 
@@ -524,7 +525,7 @@ def test_target_and_drafter_swapped(store):
 @pytest.fixture(scope="module")
 def pair(store):
     target = ckpt.load_target(store["causal"])
-    return target, dflash.DrafterProposer(ckpt.load_drafter(store["draft"], target.cfg), target)
+    return target, engine.DrafterProposer(ckpt.load_drafter(store["draft"], target.cfg), target)
 
 
 def test_cache_too_short(pair):
@@ -532,14 +533,14 @@ def test_cache_too_short(pair):
     prompt = IDS[:6]
     # plain AR: the cache must hold prompt + max_new_tokens; exactly that much is enough
     with pytest.raises(dflash.GenerationError) as e:
-        dflash.run(target, prompt, 10, capacity=15)
+        engine.run(target, prompt, 10, capacity=15)
     one_line_error(e, "cache length 15", "prompt (6 tokens)", "max_new_tokens (10)")
-    assert len(dflash.run(target, prompt, 10, capacity=16).output_ids) == 10
+    assert len(engine.run(target, prompt, 10, capacity=16).output_ids) == 10
     # with a drafter one more block (block_size - 1 slack) must fit
     with pytest.raises(dflash.GenerationError) as e:
-        dflash.run(target, prompt, 10, proposer=proposer, block_size=8, capacity=22)
+        engine.run(target, prompt, 10, proposer=proposer, block_size=8, capacity=22)
     one_line_error(e, "cache length 22")
-    assert len(dflash.run(target, prompt, 10, proposer=proposer, block_size=8, capacity=23).output_ids) == 10
+    assert len(engine.run(target, prompt, 10, proposer=proposer, block_size=8, capacity=23).output_ids) == 10
 
 
 def test_over_max_position_embeddings(store, tmp_path):
@@ -547,16 +548,16 @@ def test_over_max_position_embeddings(store, tmp_path):
     edit_json(os.path.join(path, "config.json"), lambda c: c.update(max_position_embeddings=16))
     target = ckpt.load_target(path)
     with pytest.raises(dflash.GenerationError) as e:
-        dflash.run(target, IDS, 7)
+        engine.run(target, IDS, 7)
     one_line_error(e, "max_position_embeddings 16")
-    assert len(dflash.run(target, IDS, 6).output_ids) == 6
+    assert len(engine.run(target, IDS, 6).output_ids) == 6
 
 
 @pytest.mark.parametrize("block", [0, -1, 9])
 def test_block_size_out_of_range(pair, block):
     target, proposer = pair
     with pytest.raises(dflash.GenerationError) as e:
-        dflash.run(target, IDS, 5, proposer=proposer, block_size=block)
+        engine.run(target, IDS, 5, proposer=proposer, block_size=block)
     one_line_error(e, "block size", str(block))
 
 
@@ -566,12 +567,12 @@ def test_bad_prompt(pair, prompt, words):
     target, proposer = pair
     for p in (None, proposer):
         with pytest.raises(dflash.GenerationError) as e:
-            dflash.run(target, prompt, 5, proposer=p, block_size=4)
+            engine.run(target, prompt, 5, proposer=p, block_size=4)
         one_line_error(e, *words)
 
 
 def test_max_new_tokens_below_one(pair):
     target, _ = pair
     with pytest.raises(dflash.GenerationError) as e:
-        dflash.run(target, IDS, 0)
+        engine.run(target, IDS, 0)
     one_line_error(e, "max_new_tokens", "0")

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 import checkpoint as ckpt
-import dflash
+import engine
 import model as M
 from helpers import edit_json, random_target, randomize_hf_norms_, tiny_target_config
 from test_spec_equals_ar import check_spec_equals_ar
@@ -192,7 +192,7 @@ def test_greedy_equals_transformers_generate(which, request):
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
-    assert dflash.run(ours, ids[0].tolist(), 30).output_ids == out[0, 70:].tolist()
+    assert engine.run(ours, ids[0].tolist(), 30).output_ids == out[0, 70:].tolist()
 
 
 def test_tied_embeddings_written_by_transformers(tmp_path):
@@ -296,12 +296,12 @@ def test_compiled_steps_run_whole(tmp_path, monkeypatch):
     cfg = tiny_target_config(vocab_size=50, num_hidden_layers=1, layer_types=["full_attention"], **MOE)   # one layer: compiles fastest
     target = random_target(cfg, 11)
     prompts = [list(range(3, 40)), [7, 1, 30, 2, 9] * 5]
-    ar = [dflash.run(target, p, 40).output_ids for p in prompts]
+    ar = [engine.run(target, p, 40).output_ids for p in prompts]
     compile_step = compiling.compile_step
     monkeypatch.setattr(compiling, "compile_step",
                         lambda f, options, **kw: f if isinstance(f.__self__, OracleProposer) else compile_step(f, options, **kw))
     for oracle in (None, OracleProposer({tuple(p): out for p, out in zip(prompts, ar)}, 50, 0, 8)):
-        compiled = dflash.Engine(target, oracle, 8, 1, 128, compile_mode="default")
+        compiled = engine.Engine(target, oracle, 8, 1, 128, compile_mode="default")
         compiled.generate(prompts[0], 20)
         with torch._dynamo.config.patch(error_on_recompile=True):
             assert compiled.generate(prompts[1], 40).output_ids == ar[1]

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash
+import engine
 import model as M
 import mtp
 from helpers import OracleProposer, randomize_, random_target, tiny_target_config
@@ -106,15 +107,15 @@ def test_head_rows_equal_their_runs_alone_and_draft_from_scratch(slots, cfg, see
     rng = random.Random(seed)
     target, block = random_target(cfg, seed % 101), steps + 1
     head = random_head(target, seed % 103)
-    reqs = [dflash.Request([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
+    reqs = [engine.Request([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
             for _ in range(min(n_req, 2 * slots))]
-    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids for r in reqs]
+    alone = [engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids for r in reqs]
     outputs = {}                            # each prompt's longest AR output (a prompt may come twice)
     for r, out in zip(reqs, alone):
         outputs[tuple(r.prompt_ids)] = max(out, outputs.get(tuple(r.prompt_ids), []), key=len)
     cap = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
     oracle = OracleMTP(mtp.MTPProposer(head, target, steps), outputs, cfg.vocab_size, seed)
-    got = dflash.Engine(target, oracle, block, slots, cap, policy=Coin(seed, block) if coin else None).run(reqs)
+    got = engine.Engine(target, oracle, block, slots, cap, policy=Coin(seed, block) if coin else None).run(reqs)
     assert [r.output_ids for r in got] == alone
     assert all(1 + sum(r.acceptance_lengths) == len(r.output_ids) for r in got)
     drafted = [d for r in got for d, kind in zip(r.draft_ids, r.step_kinds) if kind == "verify" and d]
@@ -122,7 +123,7 @@ def test_head_rows_equal_their_runs_alone_and_draft_from_scratch(slots, cfg, see
     for prompt, start, proposals in oracle.real:
         ids = list(prompt) + outputs[prompt]
         assert proposals == scratch_proposals(head, target, ids, start, len(proposals)), (prompt, start)
-    real = dflash.Engine(target, mtp.MTPProposer(head, target, steps), block, slots, cap,
+    real = engine.Engine(target, mtp.MTPProposer(head, target, steps), block, slots, cap,
                          policy=Coin(seed, block) if coin else None).run(reqs)
     assert [r.output_ids for r in real] == alone
 
@@ -133,14 +134,14 @@ def test_every_acceptance_length_and_float32():
     target = random_target(cfg, 3)
     head = random_head(target, 4)
     prompt = list(range(5, 25))
-    ar = dflash.run(target, prompt, 120)
+    ar = engine.run(target, prompt, 120)
     oracle = OracleMTP(mtp.MTPProposer(head, target, 7), {tuple(prompt): ar.output_ids}, 60, 0)
-    res = dflash.run(target, prompt, 120, proposer=oracle, block_size=8)
+    res = engine.run(target, prompt, 120, proposer=oracle, block_size=8)
     assert res.output_ids == ar.output_ids
     assert set(range(1, 9)) <= set(res.acceptance_lengths)
     t32, h32 = target.float(), head.float()
-    ar32 = dflash.run(t32, prompt, 60)
-    sp32 = dflash.run(t32, prompt, 60, proposer=mtp.MTPProposer(h32, t32, 3), block_size=4)
+    ar32 = engine.run(t32, prompt, 60)
+    sp32 = engine.run(t32, prompt, 60, proposer=mtp.MTPProposer(h32, t32, 3), block_size=4)
     if sp32.output_ids != ar32.output_ids:
         assert first_divergence_is_near_tie(t32, prompt, ar32.output_ids, sp32.output_ids, 1e-4)
 
@@ -148,8 +149,8 @@ def test_every_acceptance_length_and_float32():
 def test_sampling_runs_and_keeps_the_trace():
     target = random_target(tiny_target_config(vocab_size=40), 5)
     head = random_head(target, 6)
-    eng = dflash.Engine(target, mtp.MTPProposer(head, target, 3), 4, capacity=80)
-    res = eng.generate([1, 2, 3], 40, sampling=dflash.Sampling(temperature=0.8), seed=0)
+    eng = engine.Engine(target, mtp.MTPProposer(head, target, 3), 4, capacity=80)
+    res = eng.generate([1, 2, 3], 40, sampling=engine.Sampling(temperature=0.8), seed=0)
     assert 1 + sum(res.acceptance_lengths) == len(res.output_ids) == 40
 
 
@@ -245,8 +246,8 @@ def test_load_a_mixture_of_experts_head(tmp_path):
     got = mtp.load_mtp(str(tmp_path), target)
     assert all(torch.equal(got.state_dict()[k], v) for k, v in head.state_dict().items())
     prompt = [1, 2, 3, 4]
-    assert dflash.run(target, prompt, 20, proposer=mtp.MTPProposer(got, target, 2), block_size=3).output_ids == \
-        dflash.run(target, prompt, 20).output_ids
+    assert engine.run(target, prompt, 20, proposer=mtp.MTPProposer(got, target, 2), block_size=3).output_ids == \
+        engine.run(target, prompt, 20).output_ids
 
 
 from helpers import HAS_EMBEDDED_PAIR  # noqa: E402

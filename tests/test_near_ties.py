@@ -15,7 +15,7 @@ import torch
 import bench
 import check
 import checkpoint as ckpt
-import dflash
+import engine
 import prompts as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,14 +42,14 @@ def runs(one_thread):
     """The bfloat16 pair and its float32 twin (the same bfloat16 weights, upcast exactly), and for each prompt
     (prompt ids, greedy AR output, greedy DFlash output) in bfloat16."""
     target = ckpt.load_target(TARGET, torch.bfloat16)
-    proposer = dflash.DrafterProposer(ckpt.load_drafter(DRAFT, target.cfg, torch.bfloat16), target)
+    proposer = engine.DrafterProposer(ckpt.load_drafter(DRAFT, target.cfg, torch.bfloat16), target)
     ref = ckpt.load_target(TARGET, torch.float32)
     tok = ckpt.load_tokenizer(TARGET)
     heldout = P.heldout_prompts(tok, max(HELDOUT) + 1)
     prompts = [tok.encode(t).ids for t in TEXTS] + [heldout[i] for i in HELDOUT]
     capacity = bench.bench_capacity(prompts, NEW, 16)
-    ar_engine = dflash.Engine(target, None, 1, 1, capacity)
-    sp_engine = dflash.Engine(target, proposer, 16, 1, capacity)
+    ar_engine = engine.Engine(target, None, 1, 1, capacity)
+    sp_engine = engine.Engine(target, proposer, 16, 1, capacity)
     outs = [(p, ar_engine.generate(p, NEW).output_ids, sp_engine.generate(p, NEW).output_ids) for p in prompts]
     return ref, outs
 

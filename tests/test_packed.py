@@ -293,23 +293,23 @@ def test_swapped_target_logits_equal_unswapped(kind, spy):
 
 
 def test_engine_over_a_swapped_pair_serves_edited_weights():
-    """dflash.Engine over a swapped pair: weights edited between two generations give the edited model's tokens,
+    """engine.Engine over a swapped pair: weights edited between two generations give the edited model's tokens,
     and DFlash over the swapped pair gives AR's tokens."""
-    import dflash
+    import engine
     from helpers import random_drafter, random_target, tiny_draft_config, tiny_target_config
     target = random_target(tiny_target_config(), 3, torch.float32)
     drafter = random_drafter(tiny_draft_config(target.cfg), 3, torch.float32)
     assert packed.swap_linears_(target, "mkl" if packed.AVAILABLE["mkl"] else "onednn", 16) > 0
     assert packed.swap_linears_(drafter, "onednn" if packed.AVAILABLE["onednn"] else "mkl", 16) > 0
     prompt = list(range(5, 25))
-    engine = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 16, 1, 64)
-    first = engine.generate(prompt, 16).output_ids
-    assert first == dflash.Engine(target, None, 1, 1, 64).generate(prompt, 16).output_ids
+    eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 16, 1, 64)
+    first = eng.generate(prompt, 16).output_ids
+    assert first == engine.Engine(target, None, 1, 1, 64).generate(prompt, 16).output_ids
     with torch.no_grad():
         for layer in target.layers:
             layer.mlp.down_proj.weight.mul_(1.5)
-    again = engine.generate(prompt, 16).output_ids
-    assert again != first and again == dflash.Engine(target, None, 1, 1, 64).generate(prompt, 16).output_ids
+    again = eng.generate(prompt, 16).output_ids
+    assert again != first and again == engine.Engine(target, None, 1, 1, 64).generate(prompt, 16).output_ids
 
 
 # --------------------------------------------------------------------------------------------------

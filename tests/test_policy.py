@@ -11,6 +11,7 @@ import torch
 
 import checkpoint as ckpt
 import dflash
+import engine
 import generate
 import prompts
 from helpers import embedded_pair, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target, tiny_target_config
@@ -305,10 +306,10 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
     target = random_target(cfg, 12)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
     rng = random.Random(4)
-    reqs = [dflash.Request([rng.randrange(40) for _ in range(20)], 60) for _ in range(3)]
-    res = dflash.Engine(target, dflash.DrafterProposer(d, target), 8, slots, 100, policy=Policy(block=8)).run(reqs)
+    reqs = [engine.Request([rng.randrange(40) for _ in range(20)], 60) for _ in range(3)]
+    res = engine.Engine(target, engine.DrafterProposer(d, target), 8, slots, 100, policy=Policy(block=8)).run(reqs)
     for i, (r, got) in enumerate(zip(reqs, res)):
-        assert got.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
+        assert got.output_ids == engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids
         assert {"plain", "verify"} <= set(got.step_kinds) or (slots == 1 and i > 0 and set(got.step_kinds) == {"plain"})
 
 
@@ -320,9 +321,9 @@ def test_policy_revives_rounds_in_the_next_run_of_the_engine():
     target = random_target(cfg, 12)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
     rng = random.Random(5)
-    reqs = [dflash.Request([rng.randrange(40) for _ in range(12)], 30) for _ in range(2)]
+    reqs = [engine.Request([rng.randrange(40) for _ in range(12)], 30) for _ in range(2)]
     p = Policy(block=8, opening=0)
-    eng = dflash.Engine(target, dflash.DrafterProposer(d, target), 8, 1, 64, policy=p)
+    eng = engine.Engine(target, engine.DrafterProposer(d, target), 8, 1, 64, policy=p)
     first = eng.run(reqs)
     assert "verify" in first[0].step_kinds
     p.feeds = False                                         # a verdict, as _judge gives one
@@ -335,7 +336,7 @@ def test_policy_revives_rounds_in_the_next_run_of_the_engine():
     assert all(set(r.step_kinds) == {"plain"} for r in third) and not p.feeds and not eng.feeding
     assert p.since == since + sum(len(r.step_kinds) for r in third)         # (counted on across runs)
     for r, a, b, c in zip(reqs, first, second, third):
-        assert a.output_ids == b.output_ids == c.output_ids == dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
+        assert a.output_ids == b.output_ids == c.output_ids == engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")

@@ -88,7 +88,7 @@ def test_core_files_are_small_and_plain():
     # About 1,300 lines held the dense target and the original drafter; the mixture-of-experts block, the sliding
     # and DFlash2 drafter variants and the general accept rule brought it to about 1,520; plain steps between
     # rounds (adaptive speculation) to about 1,580; looks, and the next-token rows the MTP head reads (the head
-    # itself lives in mtp.py), to about 1,620. One engine for one request and for many (dflash.Engine: N slots,
+    # itself lives in mtp.py), to about 1,620. One engine for one request and for many (engine.Engine: N slots,
     # admissions as slots free, each row's pending features; it replaced the single-request engine and
     # batching.py's 955 lines) brought it to about 1,870. The policy of adaptive speculation lives in policy.py,
     # the sampling rules and the noise keyed by position in sampling.py and noise.py; how the steps compile
@@ -129,7 +129,7 @@ def test_optional_modules_are_imported_only_where_selected():
 
 def test_files_table_names_every_flat_file():
     """The README's Files table (its first column, `name.py`) names every tracked top-level .py file, and no file
-    that is not there (batching.py and adaptive.py went into dflash.Engine and policy.py)."""
+    that is not there (batching.py and adaptive.py went into engine.Engine and policy.py)."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
         readme = fh.read()
     section = readme.split("\n## Files", 1)

@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash
+import engine
 import mtp
 import noise
-from dflash import Sampling, sampling_probs, speculative_accept
+from engine import Sampling, sampling_probs, speculative_accept
 from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, kind_draft_config, randomize_, random_drafter, random_target,
                      tiny_draft_config, tiny_target_config)
 from test_batching import Pattern
@@ -177,7 +178,7 @@ def test_noise_moments():
 def draws_over(keys: torch.Tensor, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The token each (key, position) pair draws from p [V], as sampling.choose draws it."""
     rows = noise.row_keys(keys, pos, noise.TARGET)
-    return dflash.draw(p[None].expand(len(rows), -1), noise.exponentials(rows, torch.arange(len(p))))
+    return engine.draw(p[None].expand(len(rows), -1), noise.exponentials(rows, torch.arange(len(p))))
 
 
 @pytest.mark.parametrize("over", ["seeds", "positions"])
@@ -227,20 +228,20 @@ def test_sampled_output_equals_plain_decoding_for_the_seed(seed, pattern, block,
     rng = random.Random(seed)
     target = random_target(tiny_target_config(vocab_size=50), abs(seed) % 97)
     prompt = [rng.randrange(50) for _ in range(prompt_len)]
-    reqs = [dflash.Request(prompt, 40, (), s, seed)]
-    reqs += [dflash.Request([rng.randrange(50) for _ in range(rng.randint(1, 30))], rng.randint(1, 40), (),
+    reqs = [engine.Request(prompt, 40, (), s, seed)]
+    reqs += [engine.Request([rng.randrange(50) for _ in range(rng.randint(1, 30))], rng.randint(1, 40), (),
                             rng.choice(SETTINGS + [Sampling()]), seed + 1 + i) for i in range(slots - 1)]
-    ar = [dflash.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed) for r in reqs]
+    ar = [engine.run(target, r.prompt_ids, r.max_new_tokens, sampling=r.sampling, seed=r.seed) for r in reqs]
     assert ar[0].seed == seed
     oracle = OracleProposer({tuple(r.prompt_ids): a.output_ids for r, a in zip(reqs, ar)}, 50, abs(seed))
     drafter = random_drafter(kind_draft_config(target.cfg, kind, target_layer_ids=[0, 2], num_target_layers=None,
                                                block_size=16), abs(seed) % 89)
-    proposers = (oracle, dflash.DrafterProposer(drafter, target), mtp.MTPProposer(random_head(target, abs(seed) % 83), target, block - 1))
+    proposers = (oracle, engine.DrafterProposer(drafter, target), mtp.MTPProposer(random_head(target, abs(seed) % 83), target, block - 1))
     for proposer in proposers if block > 1 else proposers[:2]:
-        eng = dflash.Engine(target, proposer, block, slots, 128, policy=Pattern(pattern, block))
+        eng = engine.Engine(target, proposer, block, slots, 128, policy=Pattern(pattern, block))
         res = eng.run(reqs)
         assert [r.output_ids for r in res] == [a.output_ids for a in ar], (type(proposer).__name__, pattern)
-    assert dflash.run(target, prompt, 40, sampling=s, seed=seed + 1).output_ids != ar[0].output_ids or len(set(ar[0].output_ids)) < 3
+    assert engine.run(target, prompt, 40, sampling=s, seed=seed + 1).output_ids != ar[0].output_ids or len(set(ar[0].output_ids)) < 3
 
 
 @pytest.mark.parametrize("slots", [1, 3])
@@ -250,16 +251,16 @@ def test_every_acceptance_length_when_sampling(slots):
     target = random_target(tiny_target_config(vocab_size=40), 5)
     s = Sampling(1.0, top_p=0.95)
     prompts = [list(range(3, 20)), list(range(20, 31)), [7, 1, 38, 2]][:slots]
-    reqs = [dflash.Request(p, 150, (), s, 99 + i) for i, p in enumerate(prompts)]
-    ar = [dflash.run(target, r.prompt_ids, 150, sampling=s, seed=r.seed).output_ids for r in reqs]
+    reqs = [engine.Request(p, 150, (), s, 99 + i) for i, p in enumerate(prompts)]
+    ar = [engine.run(target, r.prompt_ids, 150, sampling=s, seed=r.seed).output_ids for r in reqs]
     oracle = OracleProposer({tuple(r.prompt_ids): a for r, a in zip(reqs, ar)}, 40, 1)
-    res = dflash.Engine(target, oracle, 8, slots, 20 + 150 + 8).run(reqs)
+    res = engine.Engine(target, oracle, 8, slots, 20 + 150 + 8).run(reqs)
     assert [r.output_ids for r in res] == ar
     assert all(set(range(1, 9)) <= set(r.acceptance_lengths) for r in res)
 
 
 class GreedyTargetProposer:
-    """Stand-in dflash.Proposer that proposes LIKELY tokens: for each row, the target's own greedy continuation of
+    """Stand-in engine.Proposer that proposes LIKELY tokens: for each row, the target's own greedy continuation of
     that request's committed prefix (full forward, no cache). Under sampling these are accepted often, so accept and
     reject paths both run many times. It follows each row's text from its rounds (start moves by the accepted
     proposals plus one): an engine without a policy, every step a round."""
@@ -307,7 +308,7 @@ class GreedyTargetProposer:
                 seq.append(self.greedy_next(seq))
             row["props"], row["start"] = seq[-n:] if n else [], at
             out.append(row["props"])
-        return dflash.Draft(torch.tensor(out, dtype=torch.long).view(len(self.rows), n))
+        return engine.Draft(torch.tensor(out, dtype=torch.long).view(len(self.rows), n))
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +320,8 @@ def small_target():
 def ar_runs(target, prompt, new, s, seeds) -> list:
     """Plain sampled decoding of `prompt` for each seed -> output ids: many at a time on an Engine of 16 slots, each
     row its run alone for its seed (test_batching.py; 1500 runs one by one took 2.6x as long)."""
-    return [r.output_ids for r in dflash.Engine(target, None, 1, 16, 16).run(
-        [dflash.Request(prompt, new, (), s, seed) for seed in seeds])]
+    return [r.output_ids for r in engine.Engine(target, None, 1, 16, 16).run(
+        [engine.Request(prompt, new, (), s, seed) for seed in seeds])]
 
 
 @pytest.mark.parametrize("s", CONFIGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
@@ -332,13 +333,13 @@ def test_sampled_runs_keep_the_target_distribution(s, small_target):
     target = small_target
     prompt = [1, 4, 2, 0, 3]
     n, new = 1500, 4
-    sp_eng = dflash.Engine(target, GreedyTargetProposer(target), 4, 8, 16)
+    sp_eng = engine.Engine(target, GreedyTargetProposer(target), 4, 8, 16)
     ar = ar_runs(target, prompt, new, s, range(n))
     with torch.no_grad():
         logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
     p0 = sampling_probs(logits[0, -1], s).double()
     assert goodness_of_fit(torch.bincount(torch.tensor([o[0] for o in ar]), minlength=6).double(), p0) > 1e-4
-    sp_runs = sp_eng.run([dflash.Request(prompt, new, (), s, i) for i in range(300)])
+    sp_runs = sp_eng.run([engine.Request(prompt, new, (), s, i) for i in range(300)])
     assert [r.output_ids for r in sp_runs] == ar[:300]
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.2 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # both paths exercised
@@ -350,13 +351,13 @@ def test_dflash2_ratio_rule_keeps_the_distribution(small_target):
     position and on pairs, 1500 generations each (8 at a time), on disjoint seeds; the coupled rule gives AR's text."""
     target, prompt, n, new = small_target, [1, 4, 2, 0, 3], 1500, 4
     dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 1], num_target_layers=None)
-    proposer = dflash.DrafterProposer(random_drafter(dcfg, 12, torch.float32), target)
+    proposer = engine.DrafterProposer(random_drafter(dcfg, 12, torch.float32), target)
     ratio, coupled = Sampling(1.0, draft_rule="ratio"), Sampling(1.0)
-    sp_eng = dflash.Engine(target, proposer, 4, 8, 16)
+    sp_eng = engine.Engine(target, proposer, 4, 8, 16)
     ar = ar_runs(target, prompt, new, coupled, range(n))
 
     def runs(s, seeds):
-        return sp_eng.run([dflash.Request(prompt, new, (), s, seed) for seed in seeds])
+        return sp_eng.run([engine.Request(prompt, new, (), s, seed) for seed in seeds])
     sp_runs = runs(ratio, range(n, 2 * n))
     accepted = [st.accepted for r in sp_runs for st in r.steps if st.kind == "verify"]
     assert 0.1 < sum(1 for a in accepted if a > 0) / len(accepted) < 0.95     # accepts and rejects both occur
@@ -377,20 +378,20 @@ def test_same_seed_same_output():
     drafter = random_drafter(tiny_draft_config(cfg, block_size=6), 3, torch.float32)
     prompt = list(range(1, 20))
     s = Sampling(0.9, top_p=0.95, top_k=20)
-    for proposer in (None, dflash.DrafterProposer(drafter, target), GreedyTargetProposer(target)):
-        outs = [dflash.run(target, prompt, 30, (), proposer, 6, sampling=s, seed=seed).output_ids for seed in (5, 5, 6)]
+    for proposer in (None, engine.DrafterProposer(drafter, target), GreedyTargetProposer(target)):
+        outs = [engine.run(target, prompt, 30, (), proposer, 6, sampling=s, seed=seed).output_ids for seed in (5, 5, 6)]
         assert outs[0] == outs[1] and outs[0] != outs[2]
-    runs = [dflash.run(target, prompt, 30, sampling=s) for _ in range(2)]       # no seed: a random one, recorded
+    runs = [engine.run(target, prompt, 30, sampling=s) for _ in range(2)]       # no seed: a random one, recorded
     assert runs[0].seed != runs[1].seed
-    assert dflash.run(target, prompt, 30, sampling=s, seed=runs[0].seed).output_ids == runs[0].output_ids
+    assert engine.run(target, prompt, 30, sampling=s, seed=runs[0].seed).output_ids == runs[0].output_ids
 
 
 def test_temperature_zero_is_greedy():
     cfg = tiny_target_config(vocab_size=30)
     target = random_target(cfg, 2, torch.float64)
     prompt = list(range(1, 20))
-    greedy = dflash.run(target, prompt, 20).output_ids
-    assert dflash.run(target, prompt, 20, sampling=Sampling(0.0), seed=1).output_ids == greedy
+    greedy = engine.run(target, prompt, 20).output_ids
+    assert engine.run(target, prompt, 20, sampling=Sampling(0.0), seed=1).output_ids == greedy
 
 
 def test_stop_token_in_the_middle_of_an_accepted_run_sampling():
@@ -399,7 +400,7 @@ def test_stop_token_in_the_middle_of_an_accepted_run_sampling():
     prompt = [1, 2, 3]
     seen_mid = False
     for seed in range(40):
-        r = dflash.run(target, prompt, 30, [5], GreedyTargetProposer(target), 8, sampling=Sampling(1.0),
+        r = engine.run(target, prompt, 30, [5], GreedyTargetProposer(target), 8, sampling=Sampling(1.0),
                        seed=seed)
         if 5 in r.output_ids:
             assert r.output_ids.index(5) == len(r.output_ids) - 1          # nothing after the stop token
@@ -419,7 +420,7 @@ def test_dflash2_form_drafts_what_the_drafter_drafts():
     d2 = bench.dflash2_form(drafter, 5)
     assert d2.cfg.dflash2 and d2.cfg.selector_top_k == 5
     prompt = list(range(2, 22))
-    one, two = (dflash.run(target, prompt, 30, (), dflash.DrafterProposer(d, target), 6) for d in (drafter, d2))
+    one, two = (engine.run(target, prompt, 30, (), engine.DrafterProposer(d, target), 6) for d in (drafter, d2))
     assert one.draft_ids == two.draft_ids and one.output_ids == two.output_ids
     h = torch.randn(5, target.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     rows = noise.row_keys(torch.tensor(noise.seed_key(1)), torch.arange(5), noise.TARGET)
@@ -428,8 +429,8 @@ def test_dflash2_form_drafts_what_the_drafter_drafts():
     want = torch.zeros_like(q).scatter(1, top.indices, torch.softmax(top.values.float() / 0.7, -1))
     assert torch.allclose(q, want, atol=1e-6)
     s = Sampling(0.8)
-    assert dflash.run(target, prompt, 30, (), dflash.DrafterProposer(d2, target), 6, sampling=s, seed=3).output_ids == \
-        dflash.run(target, prompt, 30, sampling=s, seed=3).output_ids
+    assert engine.run(target, prompt, 30, (), engine.DrafterProposer(d2, target), 6, sampling=s, seed=3).output_ids == \
+        engine.run(target, prompt, 30, sampling=s, seed=3).output_ids
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")

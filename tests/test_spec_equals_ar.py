@@ -1,5 +1,5 @@
-"""The central property: DFlash greedy output == plain AR greedy output, token for token, on dflash.Engine: a request
-alone (dflash.run) or beside other requests in an Engine of 3 slots, each equal to its own AR run."""
+"""The central property: DFlash greedy output == plain AR greedy output, token for token, on engine.Engine: a request
+alone (engine.run) or beside other requests in an Engine of 3 slots, each equal to its own AR run."""
 import random
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dflash
+import engine
 import model as M
 from helpers import (DRAFTER_KINDS, OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
                      tiny_target_config, verify_kernel)
@@ -55,23 +56,23 @@ def companions(target, rng, prompt, max_len=60, n=2):
             continue
         seen.add(tuple(p))
         max_new = rng.randint(1, 48)
-        out = dflash.run(target, p, max_new).output_ids
+        out = engine.run(target, p, max_new).output_ids
         stops = ()
         if rng.random() < 0.3:
             stops = (out[rng.randrange(len(out))],)
             out = out[:out.index(stops[0]) + 1]          # greedy: the run with the stop is the run cut at it
-        reqs.append(dflash.Request(p, max_new, stops))
+        reqs.append(engine.Request(p, max_new, stops))
         outs.append(out)
     return reqs, outs
 
 
 def run_all(target, reqs, proposer, block, slots):
-    """Every request on one engine: dflash.run (slots=1, one request) or an Engine of `slots` slots (all at once)."""
+    """Every request on one engine: engine.run (slots=1, one request) or an Engine of `slots` slots (all at once)."""
     if slots == 1:
         (r,) = reqs
-        return [dflash.run(target, r.prompt_ids, r.max_new_tokens, r.stop_ids, proposer, block)]
+        return [engine.run(target, r.prompt_ids, r.max_new_tokens, r.stop_ids, proposer, block)]
     capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block - 1
-    return dflash.Engine(target, proposer, block, slots, capacity).run(reqs)
+    return engine.Engine(target, proposer, block, slots, capacity).run(reqs)
 
 
 def check_oracle_plan(results, oracle):
@@ -86,17 +87,17 @@ def check_oracle_plan(results, oracle):
 
 
 def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continuation, dtype, kind="dflash", slots=1):
-    """dflash.run (slots=1) or an Engine of 3 slots holding this request and two other random ones (slots=3): behind
+    """engine.run (slots=1) or an Engine of 3 slots holding this request and two other random ones (slots=3): behind
     the oracle (both verify kernels) and a random drafter of `kind`, every request's output == its own AR run."""
     V = target.cfg.vocab_size
-    ar = dflash.run(target, prompt, max_new)
+    ar = engine.run(target, prompt, max_new)
     stops = ()
     if stop_from_continuation is not None and len(ar.output_ids) > 1:
         stop = ar.output_ids[stop_from_continuation % len(ar.output_ids)]
         stops = (stop,)
-        ar = dflash.run(target, prompt, max_new, stops)
+        ar = engine.run(target, prompt, max_new, stops)
         assert ar.output_ids[-1] == stop and ar.output_ids.count(stop) == 1
-    reqs, alone, at = [dflash.Request(prompt, max_new, stops)], [ar.output_ids], 0
+    reqs, alone, at = [engine.Request(prompt, max_new, stops)], [ar.output_ids], 0
     if slots > 1:
         rng = random.Random(seed + 1)
         others, outs = companions(target, rng, prompt, n=slots - 1)
@@ -109,7 +110,7 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
         sp_rec = run_all(target, reqs, oracle_rec, block, slots)
     drafter = random_drafter(kind_draft_config(target.cfg, kind, target_layer_ids=[seed % target.cfg.num_hidden_layers],
                                                num_target_layers=None, hidden_size=target.cfg.hidden_size), seed, dtype)
-    real = run_all(target, reqs, dflash.DrafterProposer(drafter, target), block, slots)
+    real = run_all(target, reqs, engine.DrafterProposer(drafter, target), block, slots)
     for results in (sp, sp_rec, real):
         assert len(results) == len(reqs)
         for r, other, want in zip(reqs, results, alone):
@@ -134,7 +135,7 @@ def check_spec_equals_ar(target, prompt, max_new, block, seed, stop_from_continu
 def test_dflash_equals_ar(dtype, cfg, seed, prompt_len, max_new, block, stop, kind, slots):
     """Random targets (tied embeddings or not), prompts, blocks and stops; the oracle proposer forces every
     acceptance length and a random drafter of every published kind (DRAFTER_KINDS) runs the real draft path; alone
-    (dflash.run) or in an Engine of 3 slots beside two other random requests, each equal to its own AR run."""
+    (engine.run) or in an Engine of 3 slots beside two other random requests, each equal to its own AR run."""
     target = random_target(cfg, seed, dtype)
     rng = random.Random(seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_len)]
@@ -156,16 +157,16 @@ def test_every_acceptance_length_occurs(block, slots):
 def full_acceptance(target, oracle, slots, capacity):
     """An Engine behind `oracle` whose every row offers the true continuation every round (set after the engine's
     proposer.reset): a stop token or max_new_tokens lands inside an accepted run."""
-    engine = dflash.Engine(target, oracle, 16, slots, capacity)
+    eng = engine.Engine(target, oracle, 16, slots, capacity)
     oracle.plans = [[15] * 100 for _ in range(slots)]
-    return engine
+    return eng
 
 
 def test_stop_token_inside_an_accepted_run():
     cfg = tiny_target_config(vocab_size=50)
     target = random_target(cfg, 5)
     prompt = list(range(3, 40))
-    ar = dflash.run(target, prompt, 40)
+    ar = engine.run(target, prompt, 40)
     stop = ar.output_ids[9]
     j = ar.output_ids.index(stop)
     oracle = OracleProposer({tuple(prompt): ar.output_ids}, 50, 0)
@@ -183,16 +184,16 @@ def test_max_new_tokens_cuts_a_block(slots):
     target = random_target(cfg, 6)
     prompt = list(range(2, 30))
     lengths = (1, 2, 5, 16, 17, 20)
-    ar = dflash.run(target, prompt, max(lengths))      # greedy: a shorter run is a prefix of the longest
+    ar = engine.run(target, prompt, max(lengths))      # greedy: a shorter run is a prefix of the longest
     oracle = OracleProposer({tuple(prompt): ar.output_ids}, 50, 0)
-    engine = full_acceptance(target, oracle, slots, len(prompt) + max(lengths) + 15)
+    eng = full_acceptance(target, oracle, slots, len(prompt) + max(lengths) + 15)
     if slots == 1:
-        results = [engine.generate(prompt, n) for n in lengths]
+        results = [eng.generate(prompt, n) for n in lengths]
     else:
-        results = engine.run([dflash.Request(prompt, n) for n in lengths])
+        results = eng.run([engine.Request(prompt, n) for n in lengths])
     for n, sp in zip(lengths, results):
         assert sp.output_ids == ar.output_ids[:n] and len(sp.output_ids) == n
-        assert dflash.run(target, prompt, n).output_ids == sp.output_ids
+        assert engine.run(target, prompt, n).output_ids == sp.output_ids
 
 
 def scratch_mask(start: int, block: int, causal: bool, sliding):
@@ -220,9 +221,9 @@ def test_engine_drafts_equal_drafter_from_scratch(block, seed, kind, slots):
     dcfg = kind_draft_config(cfg, kind, block_size=16, target_layer_ids=[0, 2, 3], num_target_layers=None)
     drafter = random_drafter(dcfg, seed)
     rng = random.Random(seed)
-    reqs = [dflash.Request([rng.randrange(40) for _ in range(n)], max_new)
+    reqs = [engine.Request([rng.randrange(40) for _ in range(n)], max_new)
             for n, max_new in ((23, 60), (9, 25), (31, 45))[:slots]]
-    results = run_all(target, reqs, dflash.DrafterProposer(drafter, target), block, slots)
+    results = run_all(target, reqs, engine.DrafterProposer(drafter, target), block, slots)
     for res in results:
         seq = torch.tensor([res.prompt_ids + res.output_ids])
         with torch.no_grad():
@@ -243,14 +244,14 @@ def test_draft_window():
     dcfg = tiny_draft_config(cfg, block_size=8, target_layer_ids=[1, 3], num_target_layers=None)
     drafter = random_drafter(dcfg, 9)
     prompt = [random.Random(9).randrange(40) for _ in range(50)]
-    full = dflash.run(target, prompt, 40, (), dflash.DrafterProposer(drafter, target), 8)
-    wide = dflash.run(target, prompt, 40, (), dflash.DrafterProposer(drafter, target, window=200), 8)
-    short = dflash.run(target, prompt, 40, (), dflash.DrafterProposer(drafter, target, window=3), 8)
+    full = engine.run(target, prompt, 40, (), engine.DrafterProposer(drafter, target), 8)
+    wide = engine.run(target, prompt, 40, (), engine.DrafterProposer(drafter, target, window=200), 8)
+    short = engine.run(target, prompt, 40, (), engine.DrafterProposer(drafter, target, window=3), 8)
     assert wide.draft_ids == full.draft_ids
     assert short.draft_ids != full.draft_ids
     assert short.output_ids == full.output_ids
     with pytest.raises(dflash.GenerationError):
-        dflash.DrafterProposer(drafter, target, window=0)
+        engine.DrafterProposer(drafter, target, window=0)
 
 
 @torch.no_grad()

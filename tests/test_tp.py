@@ -209,7 +209,7 @@ def build(name: str, world: int):
 def sequence(target, comm=None) -> dict:
     """The cached calls a generation makes, over f64: prefill 9, verify 6, keep 4, two decode steps; their logits, and
     (with comm) the bytes all-reduced by each call."""
-    import dflash
+    import engine
     cache = M.TargetCache(target.cfg, 64, torch.float64, "cpu", max_block=8)
     logits, sent, start = [], [], 0
     for ids, verify in ((PROMPT, False), ([7, 1, 2, 3, 4, 5], True), ([6], False), ([40], False)):
@@ -223,21 +223,21 @@ def sequence(target, comm=None) -> dict:
             start += 4
         else:
             start += len(ids)
-    ar = dflash.run(target, PROMPT, 60)
+    ar = engine.run(target, PROMPT, 60)
     from helpers import OracleProposer
-    oracle = dflash.run(target, PROMPT, 60, proposer=OracleProposer({tuple(PROMPT): ar.output_ids}, target.cfg.vocab_size, 1, 8),
+    oracle = engine.run(target, PROMPT, 60, proposer=OracleProposer({tuple(PROMPT): ar.output_ids}, target.cfg.vocab_size, 1, 8),
                         block_size=8)
     return dict(logits=logits, sent=sent, ar=ar.output_ids, oracle=oracle.output_ids, oracle_lengths=oracle.acceptance_lengths)
 
 
 def generations(target, drafter) -> dict:
-    import dflash
+    import engine
     from sampling import Sampling
-    proposer = dflash.DrafterProposer(drafter, target)
+    proposer = engine.DrafterProposer(drafter, target)
     s = Sampling(0.9)
-    return dict(dflash=dflash.run(target, PROMPT, 24, proposer=proposer, block_size=8).output_ids,
-                sampled_ar=dflash.run(target, PROMPT, 24, sampling=s, seed=5).output_ids,
-                sampled_dflash=dflash.run(target, PROMPT, 24, proposer=proposer, block_size=8, sampling=s,
+    return dict(dflash=engine.run(target, PROMPT, 24, proposer=proposer, block_size=8).output_ids,
+                sampled_ar=engine.run(target, PROMPT, 24, sampling=s, seed=5).output_ids,
+                sampled_dflash=engine.run(target, PROMPT, 24, proposer=proposer, block_size=8, sampling=s,
                                                   seed=5).output_ids)
 
 
@@ -249,15 +249,15 @@ def mtp_pair():
 
 
 def mtp_run(target, proposer) -> tuple:
-    import dflash
-    res = dflash.run(target, PROMPT, 24, proposer=proposer, block_size=4)
+    import engine
+    res = engine.run(target, PROMPT, 24, proposer=proposer, block_size=4)
     return res.output_ids, res.acceptance_lengths
 
 
 def tree_run(target, drafter) -> list:
-    import dflash
+    import engine
     import tree
-    trees = tree.DFlashTree(dflash.DrafterProposer(drafter, target), 3)
+    trees = tree.DFlashTree(engine.DrafterProposer(drafter, target), 3)
     return tree.TreeEngine(target, trees, 6, 64).generate(PROMPT, 20).output_ids
 
 
@@ -291,7 +291,7 @@ class Recording:
 
 
 class Skewed:
-    """time for dflash.py on a rank whose clock disagrees: every reading a random 0-50 ms later than the last
+    """time for engine.py on a rank whose clock disagrees: every reading a random 0-50 ms later than the last
     (a rank descheduled at random on a busy machine), so its policy measures other step costs than rank 0's."""
 
     def __init__(self, seed: int):
@@ -308,24 +308,24 @@ def decided_once(target, drafter, rank: int, par) -> dict:
     """24 requests at 3 slots under the default policy, rank 1's clock skewed: every rank must take rank 0's steps
     (else the ranks' collectives part and the run aborts) and give the same outputs; `own`: what each rank's policy
     would have decided alone."""
-    import dflash
-    requests = [dflash.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]
+    import engine
+    requests = [engine.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]
     policy = Recording(8)
-    engine = dflash.Engine(target, dflash.DrafterProposer(drafter, target), 8, 3, 64, policy=par.synced(policy))
-    real = dflash.time
+    eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 8, 3, 64, policy=par.synced(policy))
+    real = engine.time
     if rank == 1:
-        dflash.time = Skewed(rank)
+        engine.time = Skewed(rank)
     try:
-        results = engine.run(requests)
+        results = eng.run(requests)
     finally:
-        dflash.time = real
+        engine.time = real
     return {"outputs": [r.output_ids for r in results], "kinds": [r.step_kinds for r in results], "own": policy.own}
 
 
 def rank_main(rank: int, world: int, store: str) -> None:
     """One rank of the gloo runs: every case cut to this rank's part, its results saved for the parent."""
     import torch.distributed as dist
-    import dflash
+    import engine
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))     # a mismatch fails, never hangs
@@ -334,27 +334,27 @@ def rank_main(rank: int, world: int, store: str) -> None:
         _, _, expert_parallel, shard_drafter = CASES[name]
         target, drafter = build(name, world)
         par = tp.Parallel(rank, world, dist.group.WORLD, "cpu", expert_parallel, shard_drafter)
-        par.shard(target, dflash.DrafterProposer(drafter, target))
+        par.shard(target, engine.DrafterProposer(drafter, target))
         out[name] = {**sequence(target, par.comm), **generations(target, drafter), "cfg": target.cfg,
                      "drafter_kv": drafter.cfg.num_key_value_heads}
     par = tp.Parallel(rank, world, dist.group.WORLD, "cpu")
     out["same"] = par.same(rank + 10)                   # rank 0's value (a random seed) on every rank
     if world == 2:      # the policy decides on rank 0 only, whatever the other ranks' clocks say
         target, drafter = build("dense", world)
-        tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, dflash.DrafterProposer(drafter, target))
+        tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, engine.DrafterProposer(drafter, target))
         out["decided"] = decided_once(target, drafter, rank, par)
     if world == 2:      # the MTP head, cut as the target's layers are (its cache from the shard's config)
         target, proposer = mtp_pair()
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, proposer)
         out["mtp"] = mtp_run(target, proposer)
         target, drafter = build("dense", world)         # a tree verify: GDN per node on each rank's heads
-        tp.Parallel(rank, world, dist.group.WORLD, "cpu", shard_drafter=True).shard(target, dflash.DrafterProposer(drafter, target))
+        tp.Parallel(rank, world, dist.group.WORLD, "cpu", shard_drafter=True).shard(target, engine.DrafterProposer(drafter, target))
         out["tree"] = tree_run(target, drafter)
     if world == 2:      # compile on each rank: the all-reduces traced into the compiled decode step
         target, _ = build("dense", world)
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, None)
-        engine = dflash.Engine(target, None, 1, 1, 64, compile_mode="default")
-        out["compiled_ar"] = engine.generate(PROMPT, 12).output_ids
+        eng = engine.Engine(target, None, 1, 1, 64, compile_mode="default")
+        out["compiled_ar"] = eng.generate(PROMPT, 12).output_ids
     torch.save(out, f"{store}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -421,10 +421,10 @@ def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
     assert "verify" in kinds and "plain" in kinds                # the policy did choose, both ways
     # the skewed rank's own policy would have taken other steps: the disagreement the broadcast overrides
     assert decided[1]["own"] != decided[0]["own"]
-    import dflash
+    import engine
     target, drafter = build("dense", 2)
-    alone = [dflash.run(target, r.prompt_ids, r.max_new_tokens).output_ids
-             for r in [dflash.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]]
+    alone = [engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids
+             for r in [engine.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]]
     assert decided[0]["outputs"] == alone
 
 

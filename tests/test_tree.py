@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import dflash
+import engine
 import model as M
 import tree as TR
 from helpers import HAS_EMBEDDED_PAIR, random_target, tiny_target_config
@@ -166,7 +166,7 @@ def test_tree_rounds_equal_ar(seed, moe, size, plen, new, dtype):
     target = random_target(tiny_target_config(**(MOE if moe else {})), seed % 1000, dtype)
     V = target.cfg.vocab_size
     prompt = [rng.randrange(V) for _ in range(plen)]
-    ar = dflash.run(target, prompt, new).output_ids
+    ar = engine.run(target, prompt, new).output_ids
     prop = OracleTree(ar + [0] * 64, V, seed, size)        # (ar[0] is the token at position plen)
     eng = TR.TreeEngine(target, prop, size, plen + new + size + 1)
     res = eng.generate(prompt, new)
@@ -183,7 +183,7 @@ def test_tree_engine_refuses_sampling_and_bad_sizes():
     target = random_target(tiny_target_config(), 1)
     prop = OracleTree([1] * 40, 61, 0, 4)
     with pytest.raises(M.GenerationError, match="sampling with a draft tree"):
-        TR.TreeEngine(target, prop, 4, 64).generate([1, 2, 3], 8, sampling=dflash.Sampling(0.8))
+        TR.TreeEngine(target, prop, 4, 64).generate([1, 2, 3], 8, sampling=engine.Sampling(0.8))
     with pytest.raises(M.GenerationError, match="--tree-size must be >= 1"):
         TR.TreeEngine(target, prop, 0, 64)
 
@@ -199,8 +199,8 @@ def test_dflash_tree_rounds_equal_ar(seed, moe, size, top_k, plen):
     target = random_target(cfg, seed % 1000)
     drafter = random_drafter(tiny_draft_config(cfg, block_size=8), seed % 997)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(plen)]
-    ar = dflash.run(target, prompt, 24).output_ids
-    prop = TR.DFlashTree(dflash.DrafterProposer(drafter, target), top_k)
+    ar = engine.run(target, prompt, 24).output_ids
+    prop = TR.DFlashTree(engine.DrafterProposer(drafter, target), top_k)
     assert TR.TreeEngine(target, prop, size, plen + 24 + size + 1).generate(prompt, 24).output_ids == ar
 
 
@@ -212,8 +212,8 @@ def test_dflash_tree_holds_the_chain():
     cfg = tiny_target_config()
     target, drafter = random_target(cfg, 5), random_drafter(tiny_draft_config(cfg, block_size=8), 6)
     prompt = list(range(3, 20))
-    inner = dflash.DrafterProposer(drafter, target)
-    eng = dflash.Engine(target, inner, 8, capacity=64)
+    inner = engine.DrafterProposer(drafter, target)
+    eng = engine.Engine(target, inner, 8, capacity=64)
     logits, feats = target(torch.tensor([prompt]), torch.arange(len(prompt)), eng.cache, feature_layers=inner.feature_layers)
     last, start = int(logits[0, -1].argmax()), len(prompt)
     inner.reset(1, 64, eng.masks)
@@ -221,7 +221,7 @@ def test_dflash_tree_holds_the_chain():
     pad, pad_pos = feats.new_zeros(1, 8, feats.shape[-1]), start + torch.arange(8)     # pending rows, all stale
     chain = inner.propose(torch.tensor([last]), torch.tensor([start]), pad, pad_pos[None], 7, None).tokens[0].tolist()
     for k, n in ((1, 7), (3, 20)):
-        p = TR.DFlashTree(dflash.DrafterProposer(drafter, target), k)
+        p = TR.DFlashTree(engine.DrafterProposer(drafter, target), k)
         p.reset(1, 64, eng.masks)
         p.admit(0, feats, torch.arange(len(prompt)), prompt, last)
         tokens, parents = p.propose_tree(last, start, n, pad, pad_pos)

@@ -197,8 +197,8 @@ def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
     full = json.loads(run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
                               "--max-new-tokens", "30", "--json", *extra)[1].strip().splitlines()[-1])
     calls = {"n": 0}
-    import dflash
-    real_round, real_plain = dflash.Engine.round, dflash.Engine.plain
+    import engine
+    real_round, real_plain = engine.Engine.round, engine.Engine.plain
 
     def third_interrupts(real):
         def step(self, seq, *a, **kw):
@@ -207,8 +207,8 @@ def test_interrupt_keeps_what_was_generated(pair, capsys, monkeypatch, extra):
                 raise KeyboardInterrupt
             return real(self, seq, *a, **kw)
         return step
-    monkeypatch.setattr(dflash.Engine, "round", third_interrupts(real_round))
-    monkeypatch.setattr(dflash.Engine, "plain", third_interrupts(real_plain))
+    monkeypatch.setattr(engine.Engine, "round", third_interrupts(real_round))
+    monkeypatch.setattr(engine.Engine, "plain", third_interrupts(real_plain))
     rc, out, err = run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--prompt-ids", "5,17,42,8",
                            "--max-new-tokens", "30", "--json", *extra)
     part = json.loads(out.strip().splitlines()[-1])

@@ -185,7 +185,7 @@ def test_text_only_checkpoint_has_no_vision(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 def test_ar_with_images_equals_transformers_generate(mm):
-    import dflash
+    import engine
     imgs = [random_image(100, 70, 6), random_image(130, 100, 7)]
     ip = V.encode_images(mm["tower"], mm["pc"], mm_prompt([4, "img", 3, "img", 2]), imgs)
     ref = hf_processor(**SMALL)(images=imgs, return_tensors="pt")
@@ -195,7 +195,7 @@ def test_ar_with_images_equals_transformers_generate(mm):
                                 image_grid_thw=ref["image_grid_thw"], mm_token_type_ids=(full == IMG).int(),
                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     want = out[0, full.shape[1]:].tolist()
-    got = dflash.Engine(mm["target"], None, 1, 1, len(ip.ids) + 16).generate(ip.ids, 16, images=ip).output_ids
+    got = engine.Engine(mm["target"], None, 1, 1, len(ip.ids) + 16).generate(ip.ids, 16, images=ip).output_ids
     assert got == want
     # the comparison can fail: with text positions instead (rope_delta 0) the logits of the same tokens move
     seq = torch.tensor([ip.ids + want])
@@ -225,7 +225,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
        texts=st.lists(st.integers(0, 6), min_size=4, max_size=4), block=st.integers(1, 16), seed=st.integers(0, 99),
        oracle=st.booleans())
 def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
-    import dflash
+    import engine
     from helpers import OracleProposer
     pieces = [texts[0]]
     for i in range(len(sizes)):
@@ -234,10 +234,10 @@ def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
     t = mm64["target"]
     ip = V.encode_images(mm64["tower"], mm64["pc"], mm_prompt([p for p in pieces if p != 0]), imgs)
     max_new = 24
-    ar = dflash.Engine(t, None, 1, 1, len(ip.ids) + max_new).generate(ip.ids, max_new, images=ip)
+    ar = engine.Engine(t, None, 1, 1, len(ip.ids) + max_new).generate(ip.ids, max_new, images=ip)
     prop = (OracleProposer({tuple(ip.ids): ar.output_ids}, 97, seed) if oracle
-            else dflash.DrafterProposer(mm64["drafter"], t))
-    sp = dflash.Engine(t, prop, block, 1, len(ip.ids) + max_new + block).generate(ip.ids, max_new, images=ip)
+            else engine.DrafterProposer(mm64["drafter"], t))
+    sp = engine.Engine(t, prop, block, 1, len(ip.ids) + max_new + block).generate(ip.ids, max_new, images=ip)
     assert sp.output_ids == ar.output_ids
 
 
@@ -246,10 +246,10 @@ def test_dflash_with_images_equals_ar(mm64, sizes, texts, block, seed, oracle):
 def test_batch_rows_with_images_equal_their_runs_alone(mm64, seed, slots, block):
     """Requests with images (each row's own RoPE offset after its images) beside text requests in one batch, greedy
     and sampled, each through a random drafter and through AR: every row == the same request run alone on
-    dflash.Engine, at float64 exactly."""
+    engine.Engine, at float64 exactly."""
     import random
 
-    import dflash
+    import engine
     rng, t = random.Random(seed), mm64["target"]
     reqs = []
     for i in range(4):
@@ -258,14 +258,14 @@ def test_batch_rows_with_images_equal_their_runs_alone(mm64, seed, slots, block)
         imgs = [random_image(rng.randint(20, 120), rng.randint(20, 120), seed + 10 * i + j) for j in range(n_img)]
         ip = V.encode_images(mm64["tower"], mm64["pc"], mm_prompt([p for p in pieces if p != 0]), imgs) if n_img else None
         ids = ip.ids if ip is not None else mm_prompt(pieces)
-        sampling = dflash.Sampling(0.9, top_k=20) if rng.random() < 0.4 else dflash.Sampling()
-        reqs.append(dflash.Request(ids, rng.randint(1, 20), (), sampling, seed + i, images=ip))
+        sampling = engine.Sampling(0.9, top_k=20) if rng.random() < 0.4 else engine.Sampling()
+        reqs.append(engine.Request(ids, rng.randint(1, 20), (), sampling, seed + i, images=ip))
     capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
-    alone = [dflash.Engine(t, None, 1, 1, capacity).generate(r.prompt_ids, r.max_new_tokens, sampling=r.sampling,
+    alone = [engine.Engine(t, None, 1, 1, capacity).generate(r.prompt_ids, r.max_new_tokens, sampling=r.sampling,
                                                              seed=r.seed, images=r.images).output_ids for r in reqs]
-    drafts = dflash.DrafterProposer(mm64["drafter"], t)
+    drafts = engine.DrafterProposer(mm64["drafter"], t)
     for proposer in (None, drafts):
-        got = dflash.Engine(t, proposer, block, slots, capacity).run(reqs)
+        got = engine.Engine(t, proposer, block, slots, capacity).run(reqs)
         assert [r.output_ids for r in got] == alone, proposer
 
 

@@ -207,7 +207,7 @@ def test_shipped_pair_proposals_match_zlab():
     way each loop feeds its drafter: the target features are equal, and so are the 15 proposals of every step."""
     from transformers import Qwen3_5ForCausalLM
 
-    import dflash
+    import engine
     import prompts
     tdir, ddir = EMBEDDED_TARGET, EMBEDDED_DRAFT
     ours_t = ckpt.load_target(tdir, torch.float32)
@@ -222,7 +222,7 @@ def test_shipped_pair_proposals_match_zlab():
 
     prompt = prompts.heldout_prompts(ckpt.load_tokenizer(tdir), 2)[1]
     T0, steps = len(prompt), [1, 3, 16, 2, 7, 5, 11, 4]
-    ids = torch.tensor([prompt + dflash.run(ours_t, prompt, sum(steps) + B).output_ids])
+    ids = torch.tensor([prompt + engine.run(ours_t, prompt, sum(steps) + B).output_ids])
     with torch.no_grad():
         ref_feats = zm.extract_context_feature(hf(input_ids=ids, output_hidden_states=True).hidden_states,
                                                ref.target_layer_ids)
@@ -230,18 +230,18 @@ def test_shipped_pair_proposals_match_zlab():
         assert (feats - ref_feats).abs().max() < TOL * max(1.0, float(ref_feats.abs().max()))
 
         cap = ids.shape[1] + B
-        proposer = dflash.DrafterProposer(ours_d, ours_t)
+        proposer = engine.DrafterProposer(ours_d, ours_t)
         proposer.reset(1, cap, M.DenseMasks(cap, B))
         proposer.admit(0, feats[:, :T0], torch.arange(T0), prompt, int(ids[0, T0]))
         ref_cache = zm._make_cache(ref.config)
-        # ours, as dflash.Engine feeds it (one slot): B rows of features from the last block's positions (rows at or
+        # ours, as engine.Engine feeds it (one slot): B rows of features from the last block's positions (rows at or
         # past the new start hidden), zeros before the first verify; the package's loop: exactly the new context rows
         blk_feats, blk_pos = torch.zeros(1, B, feats.shape[-1]), torch.arange(T0, T0 + B)[None]
         ctx_lo, start, hits = 0, T0, 0
         for adv in steps:
             last = ids[0, start:start + 1]
             draft = proposer.propose(last, torch.tensor([start]), blk_feats, blk_pos, B - 1, torch.zeros_like(blk_pos))
-            assert isinstance(draft, dflash.Draft) and draft.q is None   # a DFlash drafter's greedy draft
+            assert isinstance(draft, engine.Draft) and draft.q is None   # a DFlash drafter's greedy draft
             got = draft.tokens[0]
             block = torch.full((1, B), mask_id)
             block[0, 0] = last[0]
