@@ -2,8 +2,8 @@
 # All GPU checks on one GPU, sized for one command of at most 10 minutes (the stages' limits add up to 490 s, 515 s
 # with each one's 5 s grace to die), in stages that each run under their own `timeout`, with their stdout and
 # stderr (tracebacks, inductor's "skipping cudagraphs" reasons) unbuffered in $OUT/<stage>.log:
-#   smoke        (70 s) the tiny 9B-shaped preset (tiny-9b-shape), compiled like the full one: a torch or CUDA
-#                problem fails here in about a minute.
+#   smoke        (70 s) the tiny 9B-shaped preset (tiny-9b-shape; tiny-35b-a3b-shape for a 35B-A3B PRESET),
+#                compiled like the full one: a torch or CUDA problem fails here in about a minute.
 #   preset      (220 s) the real Qwen3.5-9B text shapes + a 5-layer block-16 drafter, random bf16 weights built on
 #                the device, steps compiled with CUDA graphs (mode reduce-overhead: no autotuning), timed by
 #                bench.py --preset: AR's engine first, its decode step and bandwidth printed (and a JSON line of
@@ -49,6 +49,10 @@ if [ "$DEVICE" = cuda ]; then
 else
     DTYPE=float32 PROMPT_LEN=${PROMPT_LEN:-64}
 fi
+case $PRESET in
+    *35b*) SMOKE=tiny-35b-a3b-shape ;;
+    *) SMOKE=tiny-9b-shape ;;
+esac
 FLAGS=()
 [ "$COMPILE" = 1 ] && FLAGS=(--compile --compile-mode "$MODE")
 RUN=(--random-weights --device "$DEVICE" --dtype "$DTYPE" "${FLAGS[@]}")
@@ -87,7 +91,7 @@ last_json() {   # last_json LOG FILE: the log's last JSON line into FILE (nothin
     grep '^{' "$1" | tail -n 1 > "$2" || rm -f "$2"
 }
 
-stage smoke 70 "$PY" bench.py --preset tiny-9b-shape "${RUN[@]}" --attention "$ATTENTION" \
+stage smoke 70 "$PY" bench.py --preset "$SMOKE" "${RUN[@]}" --attention "$ATTENTION" \
     --max-new-tokens $(( MAX_NEW < 16 ? MAX_NEW : 16 )) --prompt-len $(( PROMPT_LEN < 64 ? PROMPT_LEN : 64 ))
 stage preset 220 "$PY" bench.py --preset "$PRESET" "${RUN[@]}" --attention "$ATTENTION" \
     --max-new-tokens "$MAX_NEW" --prompt-len "$PROMPT_LEN"

@@ -6,7 +6,8 @@
 
 Step times do not depend on the weights' values, so random weights built on the device time the real shapes:
 AR decode, verify and draft steps, the weight bandwidth a decode step achieves against a measured device copy
-(CUDA), and DFlash tok/s PROJECTED at a published mean acceptance length (--tau).
+(CUDA), and DFlash tok/s PROJECTED at a published mean acceptance length (--tau). bench_gpu.sh judges a CUDA run
+by gpu_bars: bars derived from the bytes of weights each step reads and the copy bandwidth the run measured.
 """
 from __future__ import annotations
 
