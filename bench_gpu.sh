@@ -43,6 +43,14 @@ MAX_NEW=${MAX_NEW:-64}
 CONCURRENCY=${CONCURRENCY:-1,8,32}
 FAIL_STAGE=${FAIL_STAGE:-}
 GRACE=5                      # seconds a stage gets to die after its limit's SIGTERM, before SIGKILL
+if [ -z "$PY" ]; then
+    echo "bench_gpu.sh: neither python nor python3 is on PATH; name the interpreter with PYTHON=/path/to/python" >&2
+    exit 2
+fi
+case $FAIL_STAGE in
+    "" | smoke | preset | bars | concurrency | gpu-tests) ;;
+    *) echo "bench_gpu.sh: FAIL_STAGE=$FAIL_STAGE names no stage (smoke, preset, bars, concurrency, gpu-tests)" >&2; exit 2 ;;
+esac
 mkdir -p "$OUTDIR"
 if [ "$DEVICE" = cuda ]; then
     DTYPE=bfloat16 PROMPT_LEN=${PROMPT_LEN:-512}
@@ -117,6 +125,6 @@ done
         printf '  %-8s %s\n' "${VERDICTS[$i]}" "${NAMES[$i]}"
     done
     echo "bars:"
-    grep -E '^  (PASS|FAIL|MISSING)  |^  no bars|^no JSON line' "$OUTDIR/bars.log" || echo "  none judged (see bars.log)"
+    sed 's/^/  /' "$OUTDIR/bars.log"            # the preset in a line, then each bar, its verdict and derivation
 } | tee "$OUTDIR/summary.txt"
 exit "$failed"

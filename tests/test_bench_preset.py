@@ -209,6 +209,15 @@ def test_bench_gpu_stage_limits_fit_one_command():
         assert re.search(rf"^#\s+{name}\s+\({s} s\)", src, re.M), f"the header's limit of {name}"
 
 
+def test_bench_gpu_refuses_an_unknown_fail_stage(tmp_path):
+    """FAIL_STAGE naming no stage is an error before anything runs (a typo would otherwise test nothing)."""
+    import subprocess
+    from helpers import ROOT
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FAIL_STAGE": "smoek", "OUT": str(tmp_path)})
+    assert run.returncode == 2 and "FAIL_STAGE=smoek names no stage" in run.stderr and not os.listdir(tmp_path)
+
+
 def nine_b_run(decode_eff: float, verify_eff: float, draft_eff: float, peak: float = 3000.0) -> dict:
     """A CUDA --preset JSON line of the 9B shapes (their byte counts, built on the meta device) whose decode, verify
     and draft steps stream their bytes at the given fractions of copy bandwidth `peak` (GB/s)."""
