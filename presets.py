@@ -6,7 +6,8 @@
 
 Step times do not depend on the weights' values, so random weights built on the device time the real shapes:
 AR decode, verify and draft steps, the weight bandwidth a decode step achieves against a measured device copy
-(CUDA), and DFlash tok/s PROJECTED at a published mean acceptance length (--tau).
+(CUDA), and DFlash tok/s PROJECTED at a published mean acceptance length (--tau). bench_gpu.sh judges a CUDA run
+by gpu_bars: bars derived from the bytes of weights each step reads and the copy bandwidth the run measured.
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ import time
 import torch
 
 import checkpoint as ckpt
+import compiling
 import engine
 import model as M
 import tables
 from generate import compile_options, pick_dtype, use_products
 
+BAR_FRACTION = 0.75     # every GPU bar asks this fraction of what the bytes its steps read allow (gpu_bars)
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
 PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-0.8b", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
 
@@ -129,18 +132,26 @@ def random_models(name: str, device, dtype) -> tuple:
     return target.eval(), drafter.eval()
 
 
-def weight_bytes_per_decode(target: M.Qwen35) -> int:
-    """Bytes of weights one decode step reads: every target parameter except the embedding table, of which it
-    reads one row, and in a mixture of experts only top_k of every layer's E routed experts. (The GDN states and
-    attention K/V it also reads are not counted: a conservative figure.)"""
+def weight_bytes_per_decode(target: M.Qwen35, tokens: int = 1) -> int:
+    """Bytes of weights one target step of `tokens` tokens reads (1: a decode step; a block: a verify): every target
+    parameter except the embedding table, of which it reads `tokens` rows, and in a mixture of experts
+    min(tokens * top_k, E) of every layer's E routed experts (SparseMoE's gathered path copies one expert's weights
+    per routed slot). (The GDN states and attention K/V it also reads are not counted: a conservative figure.)"""
     emb, cfg = target.embed_tokens.weight, target.cfg
     total = sum(p.numel() * p.element_size() for p in target.parameters())
     if cfg.num_experts:
         routed = sum(p.numel() * p.element_size() for m in target.modules() if isinstance(m, M.Experts) for p in m.parameters())
-        total -= routed * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
+        total -= routed * (cfg.num_experts - min(tokens * cfg.num_experts_per_tok, cfg.num_experts)) // cfg.num_experts
     if target.lm_head.weight is emb:          # tied: the table is read in full by the head anyway
         return total
-    return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
+    return total - emb.numel() * emb.element_size() + tokens * emb.shape[1] * emb.element_size()
+
+
+def draft_weight_bytes(drafter: M.DFlashDrafter, target: M.Qwen35) -> int:
+    """Bytes of weights one draft reads: every drafter parameter and the target's lm_head, which the drafter shares
+    (its logits over the block). (The block's embedding rows and the drafter's context K/V are not counted.)"""
+    return (sum(p.numel() * p.element_size() for p in drafter.parameters())
+            + target.lm_head.weight.numel() * target.lm_head.weight.element_size())
 
 
 def bandwidth(target: M.Qwen35, decode_ms: float, peak: float | None) -> tuple:
@@ -179,8 +190,11 @@ def cudagraph_skips() -> int:
 
 
 def preset_main(args, device) -> dict:
-    """Time AR decode, verify and draft steps of a preset's shapes on generate.py's engine (tables.single_engine: the same steps and
-    timings as the checkpoint benchmark), then print the step costs, the bandwidth and the projection."""
+    """Time AR decode, verify and draft steps of a preset's shapes on generate.py's engine (tables.single_engine: the
+    same steps and timings as the checkpoint benchmark). AR goes first: its engine is built, warmed up and timed,
+    and its decode step and bandwidth printed (with a JSON line of its own, "part": "ar") before the DFlash engine
+    is built, so that a DFlash compile that fails or runs out of time leaves AR's numbers behind. Then the DFlash
+    steps, the projection and the JSON line of the whole run, last."""
     cuda = torch.device(device).type == "cuda"
     dtype = pick_dtype(args.dtype, device)
     if args.concurrency:
@@ -197,53 +211,72 @@ def preset_main(args, device) -> dict:
     capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
     mode = args.compile_mode if args.compile else None
     products = use_products(args.products, block, target, drafter)
-    proposer = engine.DrafterProposer(drafter, target)
-    ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompt, ())
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
-          f"{sum(p.numel() for p in drafter.parameters()) / 1e9:.3f} B, {dtype}, built in {build_seconds:.1f} s on {device}; "
-          f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s", flush=True)
+          f"{sum(p.numel() for p in drafter.parameters()) / 1e9:.3f} B, {dtype}, built in {build_seconds:.1f} s on "
+          f"{platform(device)}", flush=True)
+    ar, ar_warm = timed_run(args, target, None, 1, capacity, prompt)
+    decode_ms = tables.step_ms([ar], "decode", "verify_seconds")
+    wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
+    head = {"preset": args.preset, "device": device, "platform": platform(device), "dtype": str(dtype).replace("torch.", ""),
+            "attention": args.attention, **products, "compile_mode": mode, "block_size": block, "prompt_len": prompt_len,
+            "max_new_tokens": new}
+    ar_part = {"decode_ms": decode_ms, "ar_tokens_per_s": 1000 / decode_ms, "weight_bytes_per_decode": wbytes,
+               "weight_bytes_per_verify": weight_bytes_per_decode(target, block),
+               "weight_bytes_per_draft": draft_weight_bytes(drafter, target), "achieved_gb_s": achieved,
+               "peak_copy_gb_s": peak, "bandwidth_fraction": fraction, "projected_tau": args.tau}
+    print(f"AR: decode {decode_ms:.3f} ms per step (median), {1000 / decode_ms:.1f} tok/s measured; warm-up "
+          f"{'(compilation, mode ' + mode + ') ' if mode else ''}{ar_warm:.1f} s", flush=True)
+    print(bw_line, flush=True)
+    print(json.dumps({**head, "part": "ar", **ar_part, "compile_seconds": ar_warm if mode else 0.0}), flush=True)
     # Random weights: the drafter's proposals are rejected, so every round commits ~1 token, but each still
     # runs a full B-token verify and a full draft: the per-step costs are the real ones.
-    ar = ar_engine.generate(prompt, new, profile=True)
-    sp = sp_engine.generate(prompt, new, profile=True)
-    decode_ms = tables.step_ms([ar], "decode", "verify_seconds")
+    sp, sp_warm = timed_run(args, target, engine.DrafterProposer(drafter, target), block, capacity, prompt)
     verify_ms = tables.step_ms([sp], "verify", "verify_seconds")
     draft_ms = tables.step_ms([sp], "verify", "draft_seconds")
     projected = args.tau / (verify_ms + draft_ms) * 1000
     formula = f"projected tok/s = tau / (verify_ms + draft_ms) * 1000 = {args.tau:.2f} / ({verify_ms:.3f} + {draft_ms:.3f}) * 1000"
-    wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
-    print(f"ms per step (median): decode {decode_ms:.3f}, verify ({block} tokens) {verify_ms:.3f}, draft {draft_ms:.3f}; "
-          f"verify/decode {verify_ms / decode_ms:.2f}x, draft/verify {draft_ms / verify_ms:.1%}")
-    print(bw_line)
+    print(f"DFlash warm-up {sp_warm:.1f} s. ms per step (median): decode {decode_ms:.3f}, verify ({block} tokens) "
+          f"{verify_ms:.3f}, draft {draft_ms:.3f}; verify/decode {verify_ms / decode_ms:.2f}x, draft/verify {draft_ms / verify_ms:.1%}")
     print(f"PROJECTED (not measured) DFlash at tau {args.tau:.2f}: {projected:.1f} tok/s; AR measured {1000 / decode_ms:.1f} tok/s")
     print(f"  {formula}")
     out = {
-        "preset": args.preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": args.attention, **products,
-        "compile_mode": mode, "compile_seconds": warmup_seconds if mode else 0.0, "block_size": block,
-        "prompt_len": prompt_len, "max_new_tokens": new,
-        "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,
-        "verify_over_decode": verify_ms / decode_ms, "draft_over_verify": draft_ms / verify_ms,
-        "ar_tokens_per_s": 1000 / decode_ms, "weight_bytes_per_decode": wbytes, "achieved_gb_s": achieved,
-        "peak_copy_gb_s": peak, "bandwidth_fraction": fraction,
-        "projected_tau": args.tau, "projected_dflash_tokens_per_s": projected, "projected_formula": formula,
+        **head, "compile_seconds": ar_warm + sp_warm if mode else 0.0, **ar_part,
+        "verify_ms": verify_ms, "draft_ms": draft_ms, "verify_over_decode": verify_ms / decode_ms,
+        "draft_over_verify": draft_ms / verify_ms, "projected_dflash_tokens_per_s": projected, "projected_formula": formula,
         "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         # compiled steps that inductor ran kernel by kernel instead of as a CUDA graph (its log says why)
         "cudagraph_skips": cudagraph_skips() if cuda and mode else None,
     }
-    if cuda:   # the GPU bars (docs/usage.md#gpu-checks-and-the-9b-step-costs)
-        out["bars"] = {"decode_bandwidth_ge_75pct": fraction >= 0.75, "verify_le_1.3x_decode": verify_ms <= 1.3 * decode_ms,
-                       "draft_le_15pct_verify": draft_ms <= 0.15 * verify_ms, "projected_ge_1000_tok_s": projected >= 1000}
-        if target.cfg.num_experts:    # a verify reads up to block * top_k experts per layer, a decode top_k: no such bar
-            del out["bars"]["verify_le_1.3x_decode"]
     print(json.dumps(out))
     return out
+
+
+def timed_run(args, target, proposer, block: int, capacity: int, prompt: list) -> tuple:
+    """One engine of a preset (tables.single_engine, pure rounds: random drafts would switch adaptive speculation
+    off), warmed up on `prompt` (compilation and CUDA graph capture), then one profiled generation of
+    --max-new-tokens. -> (its Result, the warm-up seconds)."""
+    eng = tables.single_engine(args, target, proposer, block, capacity, False)
+    t0 = time.perf_counter()
+    tables.warm_up(eng, prompt, (), args.max_new_tokens)
+    warm = time.perf_counter() - t0
+    return eng.generate(prompt, args.max_new_tokens, profile=True), warm
+
+
+def platform(device) -> str:
+    """What a run ran on, for its report: "cpu" or the GPU's name and the CUDA version, with torch's version."""
+    if torch.device(device).type != "cuda":
+        return f"cpu, torch {torch.__version__}"
+    return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
 
 
 def preset_concurrency(args, device, dtype) -> dict:
     """--preset with --concurrency N1,...: per N, an engine.Engine's AR decode step and DFlash round (draft, verify of
     N x block tokens, commit; pure rounds) on the preset's shapes with random weights, N requests of --prompt-len
     random tokens in flight. The step costs are measured; DFlash's tok/s is PROJECTED at --tau (random weights
-    accept nothing): N * tau / round seconds, against AR's measured N / decode seconds."""
+    accept nothing): N * tau / round seconds, against AR's measured N / decode seconds. At N = 1 with the same
+    --max-new-tokens and --prompt-len as a --preset run (the same cache capacity), the steps are the same
+    fixed-shape graphs as that run's, so inductor's on-disk cache serves them to a later process (each row
+    counts the graphs compiled and served: compiling.graph_counts)."""
     target, drafter = random_models(args.preset, device, dtype)
     block = args.block_size or drafter.cfg.block_size
     prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
@@ -256,22 +289,25 @@ def preset_concurrency(args, device, dtype) -> dict:
         reqs = [engine.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
                                  args.max_new_tokens) for _ in range(n)]
         capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
+        before = compiling.graph_counts()
         ar = engine.Engine(target, None, 1, n, capacity, mode, options)
         sp = engine.Engine(target, engine.DrafterProposer(drafter, target), block, n, capacity, mode, options)
         t0 = time.perf_counter()
         for eng in (ar, sp):
             eng.warm_up(reqs)
         warm = time.perf_counter() - t0
+        graphs = {k: v - before[k] for k, v in compiling.graph_counts().items()}
         decode_ms = 1000 * statistics.median(s.verify_seconds for s in ar.run(reqs)[0].steps[1:])
         round_ms = 1000 * statistics.median(s.draft_seconds + s.verify_seconds for s in sp.run(reqs)[0].steps[1:])
         row = {"n": n, "decode_ms": decode_ms, "round_ms": round_ms, "round_over_decode": round_ms / decode_ms,
                "ar_tokens_per_s": 1000 * n / decode_ms, "projected_dflash_tokens_per_s": 1000 * n * args.tau / round_ms,
-               "projected_speedup": args.tau * decode_ms / round_ms, "warmup_seconds": warm}
+               "projected_speedup": args.tau * decode_ms / round_ms, "warmup_seconds": warm, **graphs}
         table.append(row)
         print(f"{args.preset} N={n:3d}: decode {decode_ms:.3f} ms, round ({n}x{block} verified) {round_ms:.3f} ms "
               f"({row['round_over_decode']:.2f}x); AR {row['ar_tokens_per_s']:.0f} tok/s measured, DFlash "
               f"{row['projected_dflash_tokens_per_s']:.0f} tok/s PROJECTED at tau {args.tau:.2f} "
-              f"({row['projected_speedup']:.2f}x); warm-up {warm:.1f} s", flush=True)
+              f"({row['projected_speedup']:.2f}x); warm-up {warm:.1f} s" + (f" ({graphs['graphs_compiled']} graphs "
+              f"compiled, {graphs['graphs_cached']} served by inductor's on-disk cache)" if mode else ""), flush=True)
     out = {"preset": args.preset, "mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""),
            "compile_mode": mode, "block_size": block, "prompt_len": prompt_len, "projected_tau": args.tau, **products,
            "concurrency": table}
@@ -279,25 +315,89 @@ def preset_concurrency(args, device, dtype) -> dict:
     return out
 
 
-def preset_summary(json_path: str) -> int:
-    """bench_gpu.sh's verdict on a --preset JSON line: a one-line summary, then PASS/FAIL per GPU bar (CUDA runs
-    only carry them). -> exit code: 1 when a bar is missed, else 0."""
-    with open(json_path) as fh:
-        r = json.load(fh)
+def gpu_bars(r: dict) -> list:
+    """The GPU bars of a --preset JSON line, derived from the bytes of weights its steps read (weight_bytes_per_decode,
+    draft_weight_bytes) and the copy bandwidth P the same run measured (peak_copy_gb_s: CUDA only, so no bars
+    elsewhere). A step cannot beat its bytes / P; each bar asks for BAR_FRACTION f of that:
+        decode_bandwidth     the decode step's weight bandwidth >= f * P
+        verify_over_decode   verify / decode <= (verify bytes / decode bytes) / f
+        draft_over_verify    draft / verify <= (draft bytes / verify bytes) / f
+        projected_tok_s      projected DFlash tok/s >= f * tau / ((verify bytes + draft bytes) / P): a round reads both
+    (the two ratios: the one step streams its bytes at >= f of the other's rate). A run at f of P in every step
+    meets every bar exactly. -> [{"bar", "ok" (None: not measured, the run ended before that step), "measured",
+    "bound", "line": the comparison, "derivation"}]; [] without a measured bandwidth."""
+    peak, f = r.get("peak_copy_gb_s"), BAR_FRACTION
+    if not peak:
+        return []
+    wd, wv, wr, tau = r["weight_bytes_per_decode"], r["weight_bytes_per_verify"], r["weight_bytes_per_draft"], r["projected_tau"]
+    decode, verify, draft = r["decode_ms"], r.get("verify_ms"), r.get("draft_ms")
+    floor_ms = lambda n: 1000 * n / (peak * 1e9)             # the least time reading n bytes takes at the copy bandwidth
+    bound_tok_s = tau * 1000 / floor_ms(wv + wr)
+    rows = (
+        ("decode_bandwidth", r["achieved_gb_s"], f * peak, True, " GB/s",
+         f"decode reads {wd / 1e9:.2f} GB a step, >= {floor_ms(wd):.2f} ms at the measured copy bandwidth {peak:.0f} GB/s; "
+         f"bar {f:.0%} of that bandwidth (decode <= {floor_ms(wd) / f:.2f} ms; measured {decode:.2f} ms)"),
+        ("verify_over_decode", None if verify is None else verify / decode, wv / wd / f, False, "x",
+         f"verify ({r['block_size']} tokens) reads {wv / 1e9:.2f} GB, decode {wd / 1e9:.2f} GB: bytes ratio {wv / wd:.3f}; "
+         f"bar ratio / {f:.2f}"),
+        ("draft_over_verify", None if draft is None else draft / verify, wr / wv / f, False, "",
+         f"draft reads {wr / 1e9:.2f} GB (the drafter and the target's lm_head), verify {wv / 1e9:.2f} GB: bytes ratio "
+         f"{wr / wv:.3f}; bar ratio / {f:.2f}"),
+        ("projected_tok_s", r.get("projected_dflash_tokens_per_s"), f * bound_tok_s, True, " tok/s",
+         f"a round reads {(wv + wr) / 1e9:.2f} GB, >= {floor_ms(wv + wr):.2f} ms at {peak:.0f} GB/s: tau {tau:.2f} / that = "
+         f"{bound_tok_s:.0f} tok/s at most; bar {f:.0%} of that"))
+    bars = []
+    for name, measured, bound, at_least, unit, derivation in rows:
+        ok = None if measured is None else (measured >= bound if at_least else measured <= bound)
+        shown = "not measured" if measured is None else f"{measured:.3g}{unit}"
+        bars.append({"bar": name, "ok": ok, "measured": measured, "bound": bound, "derivation": derivation,
+                     "line": f"{shown} {'>=' if at_least else '<='} bar {bound:.3g}{unit}"})
+    return bars
+
+
+def last_json(path: str) -> dict | None:
+    """The last line of file `path` that is a JSON object (a log mixes them with other output), or None."""
+    found = None
+    with open(path, errors="replace") as fh:
+        for line in fh:
+            if line.startswith("{"):
+                try:
+                    found = json.loads(line)
+                except ValueError:
+                    pass
+    return found if isinstance(found, dict) else None
+
+
+def preset_summary(path: str) -> int:
+    """bench_gpu.sh's verdict on a --preset run: the last JSON line of `path` (the run's log or JSON file; AR's own
+    line, "part": "ar", when the run ended before its DFlash part) in one line, then each GPU bar (gpu_bars): PASS,
+    FAIL or MISSING (its step not measured), the measured value against the bar, and how the bar was derived.
+    -> exit code: 1 when a bar is missed or missing or `path` holds no JSON line, else 0 (no bars off CUDA)."""
+    r = last_json(path)
+    if r is None:
+        print(f"no JSON line in {path}: the --preset run printed none (its log says why)")
+        return 1
     if r["peak_copy_gb_s"]:
         bw = f"{r['achieved_gb_s']:.0f} GB/s = {r['bandwidth_fraction']:.1%} of {r['peak_copy_gb_s']:.0f} GB/s"
     else:
         bw = f"{r['achieved_gb_s']:.1f} GB/s (no peak measured off CUDA)"
-    extra = f"; max memory {r['max_memory_allocated_gb']:.1f} GB" if r["max_memory_allocated_gb"] is not None else ""
-    if r.get("cudagraph_skips"):
-        extra += f"; {r['cudagraph_skips']} compiled graphs NOT run as CUDA graphs (see inductor's log)"
-    print(f"{r['preset']} on {r['device']}: decode {r['decode_ms']:.3f} ms = {bw}; verify {r['verify_over_decode']:.2f}x "
-          f"decode; draft {r['draft_over_verify']:.1%} of verify; PROJECTED {r['projected_dflash_tokens_per_s']:.0f} tok/s "
-          f"at tau {r['projected_tau']}{extra}")
-    bars = r.get("bars")
-    if bars is None:
-        print("  no bars: they are GPU bars (CUDA runs only)")
+    line = f"{r['preset']} on {r.get('platform', r['device'])}: decode {r['decode_ms']:.3f} ms = {bw}"
+    if r.get("part") == "ar":
+        line += "; AR only: the run ended before its DFlash part finished (its log says why)"
+    else:
+        line += (f"; verify {r['verify_over_decode']:.2f}x decode; draft {r['draft_over_verify']:.1%} of verify; "
+                 f"PROJECTED {r['projected_dflash_tokens_per_s']:.0f} tok/s at tau {r['projected_tau']}")
+        if r["max_memory_allocated_gb"] is not None:
+            line += f"; max memory {r['max_memory_allocated_gb']:.1f} GB"
+        if r.get("cudagraph_skips"):
+            line += f"; {r['cudagraph_skips']} compiled graphs NOT run as CUDA graphs (see inductor's log)"
+    print(line)
+    bars = gpu_bars(r)
+    if not bars:
+        print("  no bars: they are GPU bars (derived from the copy bandwidth a CUDA run measures)")
         return 0
-    for bar, ok in bars.items():
-        print(f"  {'PASS' if ok else 'FAIL'}  {bar}")
-    return 0 if all(bars.values()) else 1
+    for b in bars:
+        verdict = "MISSING" if b["ok"] is None else ("PASS" if b["ok"] else "FAIL")
+        print(f"  {verdict}  {b['bar']}: {b['line']}")
+        print(f"      {b['derivation']}")
+    return 0 if all(b["ok"] for b in bars) else 1

@@ -112,8 +112,7 @@ def warm_engines(args, target, proposer, block: int, capacity: int, prompt: list
     """The AR and DFlash engines of one benchmark (single_engine; compiled with --compile), warmed up on `prompt`:
     compilation, CUDA graph capture, allocator and lazy init, excluded from the figures.
     -> (ar_engine, dflash_engine, warm-up seconds)."""
-    # --preset times the steps themselves: every step a round (random drafts would switch adaptive speculation off)
-    adapt = not (getattr(args, "no_adaptive", True) or getattr(args, "preset", None))
+    adapt = not getattr(args, "no_adaptive", True)
     ar_engine = single_engine(args, target, None, 1, capacity, False)
     sp_engine = single_engine(args, target, proposer, block, capacity, adapt, parallel)
     t0 = time.perf_counter()

@@ -1,6 +1,8 @@
-"""bench.py: the --preset 9B shapes are right, the small preset runs the same code path on CPU, and the default
-checkpoint benchmark reports what it promises on its held-out prompts."""
+"""bench.py: the --preset 9B shapes are right, the small preset runs the same code path on CPU, the GPU bars follow
+from the bytes the steps read, bench_gpu.sh runs every stage whatever fails, and the default checkpoint benchmark
+reports what it promises on its held-out prompts."""
 import json
+import os
 
 import pytest
 import torch
@@ -35,6 +37,8 @@ def test_35b_a3b_preset_shapes():
     experts = sum(p.numel() for m in target.modules() if isinstance(m, M.Experts) for p in m.parameters())
     assert sum(p.numel() for p in target.parameters()) == 34_660_610_688 and experts == 32_212_254_720
     assert presets.weight_bytes_per_decode(target) == 4 * (34_660_610_688 - experts * 248 // 256 - 248320 * 2048 + 2048)
+    # a 16-token verify: 16 x 8 = 128 routed slots, each one expert's weights copied, and 16 embedding rows
+    assert presets.weight_bytes_per_decode(target, 16) == 4 * (34_660_610_688 - experts * 128 // 256 - 248320 * 2048 + 16 * 2048)
     assert dcfg.target_layer_ids == [1, 10, 19, 28, 37] and dcfg.num_hidden_layers == 8 and dcfg.block_size == 16
     ckpt.check_fits(dcfg, tcfg)
 
@@ -51,17 +55,35 @@ def test_tiny_moe_preset_runs(capsys):
     assert "verify/decode" in capsys.readouterr().out
 
 
-def test_tiny_preset_runs_and_reports(capsys):
+def test_tiny_preset_runs_and_reports(capsys, monkeypatch):
+    """The small preset on the CPU: the JSON line it returns printed last, its figures consistent; AR's decode step,
+    bandwidth and a JSON line of its own ("part": "ar") printed before the DFlash engine is built."""
+    import tables
+    printed_before = {}
+    single_engine = tables.single_engine
+
+    def noting(args, target, proposer, *rest):
+        if proposer is not None:
+            printed_before["dflash"] = capsys.readouterr().out
+            print(printed_before["dflash"], end="")
+        return single_engine(args, target, proposer, *rest)
+    monkeypatch.setattr(tables, "single_engine", noting)
     out = bench.main(["--preset", "tiny-9b-shape", "--random-weights", "--max-new-tokens", "6", "--prompt-len", "20",
                       "--device", "cpu"])
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(lines[-1])
     assert last == json.loads(json.dumps(out))
-    for key in ("decode_ms", "verify_ms", "draft_ms", "achieved_gb_s", "projected_dflash_tokens_per_s", "weight_bytes_per_decode"):
+    for key in ("decode_ms", "verify_ms", "draft_ms", "achieved_gb_s", "projected_dflash_tokens_per_s", "weight_bytes_per_decode",
+                "weight_bytes_per_verify", "weight_bytes_per_draft"):
         assert last[key] > 0, key
     assert last["projected_tau"] == 5.60 and "tau / (verify_ms + draft_ms)" in last["projected_formula"]
     expected = last["projected_tau"] / (last["verify_ms"] + last["draft_ms"]) * 1000
     assert abs(last["projected_dflash_tokens_per_s"] - expected) < 1e-6 * expected
     assert last["peak_copy_gb_s"] is None and "bars" not in last          # CUDA only
+    before = printed_before["dflash"].splitlines()
+    assert any(line.startswith("AR: decode ") for line in before) and any(line.startswith("decode reads ") for line in before)
+    ar = json.loads(before[-1])
+    assert ar["part"] == "ar" and ar["decode_ms"] == last["decode_ms"] and "verify_ms" not in ar
 
 
 def test_checkpoint_bench_reports_side_by_side(capsys):
@@ -101,52 +123,160 @@ def test_heldout_prompts_extend_without_changing_the_first():
     assert all(30 <= len(p) <= 60 for p in many)
 
 
-def run_bench_gpu_on_cpu() -> tuple:
+STAGES = ["smoke", "preset", "bars", "concurrency", "gpu-tests"]
+
+
+def run_bench_gpu_on_cpu(**env) -> tuple:
     """bench_gpu.sh with the small preset on the CPU, short generations and prompts (MAX_NEW, PROMPT_LEN: the script
-    is checked, not its numbers); the time limit only guards against a hang. -> (the run, its two JSON lines)."""
-    import os
+    is checked, not its numbers), `env` added; the time limit only guards against a hang.
+    -> (the run, {name: text} of every file it wrote under $OUT)."""
     import subprocess
     import tempfile
     from helpers import ROOT
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, DEVICE="cpu", PRESET="tiny-9b-shape", COMPILE="0", OUT=out, CONCURRENCY="1,2",
-                   MAX_NEW="8", PROMPT_LEN="16", OMP_NUM_THREADS="1")
+        env = {**os.environ, "DEVICE": "cpu", "PRESET": "tiny-9b-shape", "COMPILE": "0", "OUT": out, "CONCURRENCY": "1,2",
+               "MAX_NEW": "8", "PROMPT_LEN": "16", "OMP_NUM_THREADS": "1", **env}
         run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], env=env, capture_output=True, text=True,
                              timeout=1200)
-        read = lambda name: json.loads(open(os.path.join(out, name)).read()) if run.returncode == 0 else None
-        return run, read("bench_gpu_sdpa.json"), read("bench_gpu_concurrency.json")
+        files = {}
+        for name in os.listdir(out):
+            with open(os.path.join(out, name)) as fh:
+                files[name] = fh.read()
+        return run, files
 
 
-# started with the suite, in the background
-BENCH_GPU = Early(run_bench_gpu_on_cpu, used_by=["test_bench_gpu_script_runs_on_cpu"])
+def bench_gpu_clean():
+    return run_bench_gpu_on_cpu()
+
+
+def bench_gpu_smoke_failing():
+    return run_bench_gpu_on_cpu(FAIL_STAGE="smoke", CONCURRENCY="1")
+
+
+# started with the suite, in the background, one after the other
+BENCH_GPU = Early(bench_gpu_clean, used_by=["test_bench_gpu_script_runs_on_cpu"])
+BENCH_GPU_FAILING = Early(bench_gpu_smoke_failing, used_by=["test_bench_gpu_goes_on_past_a_failed_stage"])
+
+
+def summary_verdicts(text: str) -> dict:
+    """{stage: verdict} from the summary bench_gpu.sh prints last."""
+    rows = text[text.index("== summary"):].splitlines()[1:]
+    return {stage: verdict for verdict, stage in (r.split() for r in rows[:rows.index("bars:")])}
 
 
 def test_bench_gpu_script_runs_on_cpu():
-    """bench_gpu.sh end to end with the small preset on the CPU (the GPU run uses the same lines): it writes
-    the JSON, prints the summary, and has no bars to judge off CUDA."""
-    run, r, c = BENCH_GPU.result()
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "SKIP  tests/test_gpu.py" in run.stdout and "no bars" in run.stdout
+    """bench_gpu.sh end to end with the small preset on the CPU (the GPU run uses the same lines): every stage in
+    order, each with its log; the JSON files; PASS everywhere but the GPU tests (pytest skips them: SKIP) and no
+    bars to judge off CUDA; exit code 0."""
+    run, files = BENCH_GPU.result()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert summary_verdicts(run.stdout) == {**dict.fromkeys(STAGES[:-1], "PASS"), "gpu-tests": "SKIP"}
+    assert all(f"{s}.log" in files for s in STAGES) and files["summary.txt"] in run.stdout
+    assert "no bars" in run.stdout.split("\nbars:\n")[-1]
+    r, c = json.loads(files["bench_gpu_sdpa.json"]), json.loads(files["bench_gpu_concurrency.json"])
     assert r["preset"] == "tiny-9b-shape" and r["device"] == "cpu" and r["verify_ms"] > 0
     assert [row["n"] for row in c["concurrency"]] == [1, 2] and all(row["round_ms"] > 0 for row in c["concurrency"])
 
 
+def test_bench_gpu_goes_on_past_a_failed_stage():
+    """FAIL_STAGE=smoke makes the first stage fail: every later stage still runs, in order, and writes its log; the
+    summary names the failed stage; the exit code, given at the end, is 1."""
+    run, files = BENCH_GPU_FAILING.result()
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
+    assert summary_verdicts(run.stdout) == {"smoke": "FAIL", "preset": "PASS", "bars": "PASS", "concurrency": "PASS",
+                                            "gpu-tests": "SKIP"}
+    starts = [run.stdout.index(f"== {s} (limit ") for s in STAGES]
+    assert starts == sorted(starts)
+    assert "made to fail on purpose" in files["smoke.log"]
+    assert json.loads(files["bench_gpu_sdpa.json"])["verify_ms"] > 0 and "no bars" in files["bars.log"]
+    assert "N=  1" in files["concurrency.log"] and "skipped" in files["gpu-tests.log"]
+
+
+def test_bench_gpu_stage_limits_fit_one_command():
+    """The stages' time limits, each with its grace to die, add up to less than 540 s (the device machine's command
+    limit is 600 s), `timeout` runs nowhere but in the stage function, and the header states each stage's limit."""
+    import re
+    from helpers import ROOT
+    with open(os.path.join(ROOT, "bench_gpu.sh")) as fh:
+        src = fh.read()
+    limits = [(name, int(s)) for name, s in re.findall(r"^\s*stage (\S+) (\d+) ", src, re.M)]
+    grace = int(re.search(r"^GRACE=(\d+)", src, re.M).group(1))
+    assert [name for name, _ in limits] == STAGES
+    assert sum(s + grace for _, s in limits) < 540, limits
+    code = [line for line in src.splitlines() if not line.lstrip().startswith("#")]
+    assert sum("timeout" in line.split("#")[0] for line in code) == 1
+    for name, s in limits:
+        assert re.search(rf"^#\s+{name}\s+\({s} s\)", src, re.M), f"the header's limit of {name}"
+
+
+def test_bench_gpu_refuses_an_unknown_fail_stage(tmp_path):
+    """FAIL_STAGE naming no stage is an error before anything runs (a typo would otherwise test nothing)."""
+    import subprocess
+    from helpers import ROOT
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench_gpu.sh")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FAIL_STAGE": "smoek", "OUT": str(tmp_path)})
+    assert run.returncode == 2 and "FAIL_STAGE=smoek names no stage" in run.stderr and not os.listdir(tmp_path)
+
+
+def nine_b_run(decode_eff: float, verify_eff: float, draft_eff: float, peak: float = 3000.0) -> dict:
+    """A CUDA --preset JSON line of the 9B shapes (their byte counts, built on the meta device) whose decode, verify
+    and draft steps stream their bytes at the given fractions of copy bandwidth `peak` (GB/s)."""
+    target, drafter = presets.random_models("qwen3.5-9b", "meta", torch.bfloat16)
+    wd, wv = presets.weight_bytes_per_decode(target), presets.weight_bytes_per_decode(target, 16)
+    wr = presets.draft_weight_bytes(drafter, target)
+    ms = lambda n, eff: 1000 * n / (eff * peak * 1e9)
+    decode, verify, draft = ms(wd, decode_eff), ms(wv, verify_eff), ms(wr, draft_eff)
+    return {"preset": "qwen3.5-9b", "device": "cuda", "decode_ms": decode, "verify_ms": verify, "draft_ms": draft,
+            "weight_bytes_per_decode": wd, "weight_bytes_per_verify": wv, "weight_bytes_per_draft": wr,
+            "achieved_gb_s": wd / decode * 1000 / 1e9, "peak_copy_gb_s": peak, "bandwidth_fraction": decode_eff,
+            "verify_over_decode": verify / decode, "draft_over_verify": draft / verify, "block_size": 16,
+            "projected_tau": 5.6, "projected_dflash_tokens_per_s": 5.6 / (verify + draft) * 1000,
+            "max_memory_allocated_gb": 20.0, "cudagraph_skips": 0}
+
+
+def test_gpu_bars_follow_from_bytes_and_bandwidth():
+    """The 9B preset's steps read 15.87 GB (decode, verify) and 4.13 GB (draft: the drafter's 2.10 GB and the shared
+    lm_head's 2.03), so a round at a 3,000 GB/s copy bandwidth allows at most about 840 tok/s at tau 5.6. Every bar
+    asks 75% of what the bytes allow: a run at 80% of the bandwidth in every step meets them all, one at 70% misses
+    the absolute two (decode bandwidth, tok/s) and meets the ratios; a verify and draft at 70% of the rate of a
+    decode at the full bandwidth miss verify/decode and tok/s, a draft alone at 70% of the others' rate draft/verify."""
+    r = nine_b_run(0.8, 0.8, 0.8)
+    assert abs(r["weight_bytes_per_verify"] / 1e9 - 15.87) < 0.01 and abs(r["weight_bytes_per_draft"] / 1e9 - 4.13) < 0.01
+    bars = {b["bar"]: b for b in presets.gpu_bars(r)}
+    assert list(bars) == ["decode_bandwidth", "verify_over_decode", "draft_over_verify", "projected_tok_s"]
+    assert all(b["ok"] for b in bars.values()), bars
+    assert 835 < bars["projected_tok_s"]["bound"] / 0.75 < 845 and "840 tok/s at most" in bars["projected_tok_s"]["derivation"]
+    assert abs(bars["draft_over_verify"]["bound"] - 0.2603 / 0.75) < 1e-3
+    missed = lambda r: sorted(b["bar"] for b in presets.gpu_bars(r) if not b["ok"])
+    assert missed(nine_b_run(0.7, 0.7, 0.7)) == ["decode_bandwidth", "projected_tok_s"]
+    assert missed(nine_b_run(1.0, 0.7, 0.7)) == ["projected_tok_s", "verify_over_decode"]
+    assert missed(nine_b_run(1.0, 1.0, 0.7)) == ["draft_over_verify"]        # a round still at 92% of its bound
+    assert presets.gpu_bars({**r, "peak_copy_gb_s": None}) == []          # off CUDA: no bandwidth, no bars
+
+
 def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
-    """The verdict bench_gpu.sh prints from a CUDA run's JSON: PASS/FAIL per bar, exit code 1 on any FAIL."""
-    r = {"preset": "qwen3.5-9b", "device": "cuda", "decode_ms": 8.0, "achieved_gb_s": 2240.0, "peak_copy_gb_s": 4000.0,
-         "bandwidth_fraction": 0.56, "verify_over_decode": 1.1, "draft_over_verify": 0.1,
-         "projected_dflash_tokens_per_s": 1100.0, "projected_tau": 5.6, "max_memory_allocated_gb": 20.0,
-         "bars": {"decode_bandwidth_ge_75pct": False, "verify_le_1.3x_decode": True}}
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(r))
+    """The verdict bench_gpu.sh prints from a CUDA run's log: each bar PASS/FAIL with its bar, measured value and
+    derivation, exit code 1 on any FAIL; AR's own line alone (the run ended in its DFlash part): the decode bar
+    judged, the others MISSING, exit code 1; a log without a JSON line: exit code 1."""
+    path = tmp_path / "preset.log"
+    r = nine_b_run(0.7, 0.8, 0.8)
+    path.write_text("a warning\n" + json.dumps(r) + "\nTraceback (most recent call last):\n")
     assert presets.preset_summary(str(path)) == 1
     out = capsys.readouterr().out
-    assert "56.0% of 4000 GB/s" in out and "FAIL  decode_bandwidth_ge_75pct" in out and "PASS  verify_le_1.3x_decode" in out
-    r["bars"]["decode_bandwidth_ge_75pct"] = True
-    r["cudagraph_skips"] = 2
-    path.write_text(json.dumps(r))
+    assert "FAIL  decode_bandwidth: 2.1e+03 GB/s >= bar 2.25e+03 GB/s" in out and "PASS  draft_over_verify" in out
+    assert "decode reads 15.87 GB a step, >= 5.29 ms at the measured copy bandwidth 3000 GB/s" in out
+    path.write_text(json.dumps({**nine_b_run(0.8, 0.8, 0.8), "cudagraph_skips": 2}) + "\n")
     assert presets.preset_summary(str(path)) == 0
     assert "2 compiled graphs NOT run as CUDA graphs" in capsys.readouterr().out
+    ar = {k: v for k, v in nine_b_run(0.8, 0.8, 0.8).items() if k not in ("verify_ms", "draft_ms", "verify_over_decode",
+                                                                          "draft_over_verify", "projected_dflash_tokens_per_s")}
+    path.write_text(json.dumps({**ar, "part": "ar"}) + "\nKilled\n")
+    assert presets.preset_summary(str(path)) == 1
+    out = capsys.readouterr().out
+    assert "AR only" in out and "PASS  decode_bandwidth" in out and out.count("MISSING  ") == 3
+    path.write_text("Traceback (most recent call last):\n")
+    assert presets.preset_summary(str(path)) == 1
+    assert "no JSON line" in capsys.readouterr().out
 
 
 def test_profile_decode_reports_per_step_self_times(capsys):
