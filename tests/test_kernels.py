@@ -195,3 +195,43 @@ def test_prefill_then_decode_equals_full_forward():
             l, _ = target(ids[:, t:t + 1], torch.arange(t, t + 1), cache)
             outs.append(l)
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+
+
+def unit_lower_system(seed, T, batch=(2, 3), dtype=torch.float64):
+    """A [*batch, T, T] whose strictly lower triangle is the system's (entries of a GDN block's size) and whose
+    diagonal and upper triangle hold large values the solve must not read; B [*batch, T, 5]."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(*batch, T, T, generator=g, dtype=torch.float64) * 0.5
+    A = A + torch.ones(T, T, dtype=torch.float64).triu() * 1e3
+    return A.to(dtype), torch.randn(*batch, T, 5, generator=g, dtype=torch.float64).to(dtype)
+
+
+def test_unit_lower_solve_equals_solve_triangular():
+    """kernels.unit_lower_solve (the block rule's solve under torch.compile) == torch.linalg.solve_triangular on
+    unit-lower-triangular systems of every verify size 1..16 and a whole 64-token block: float64 to rounding,
+    float32 within float32's noise of the float64 solution."""
+    for T in [*range(1, 17), 64]:
+        A, B = unit_lower_system(T, T)
+        want = torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
+        torch.testing.assert_close(kernels.unit_lower_solve(A, B), want, rtol=0, atol=1e-12 * want.abs().max().item())
+        got32 = kernels.unit_lower_solve(A.float(), B.float())
+        assert got32.dtype == torch.float32
+        assert (got32.double() - want).abs().max() <= 1e-5 * want.abs().max(), T
+        assert torch.equal(kernels.unit_lower_solve_call(A, B), want)
+
+
+def test_traced_block_rule_takes_the_fused_solve(monkeypatch):
+    """Traced by torch.compile (dynamo, run without inductor) the block rule solves with unit_lower_solve, never
+    the solver call, and still equals the recurrent rule (float64)."""
+    def refuse(A, B):
+        raise AssertionError("the traced block rule called torch.linalg.solve_triangular")
+    monkeypatch.setattr(kernels, "unit_lower_solve_call", refuse)
+    torch._dynamo.reset()
+    traced = torch.compile(kernels.block_gated_delta_rule, backend="eager", fullgraph=True, dynamic=False)
+    for T in (2, 7, 16):
+        q, k, v, g, beta, s0 = gdn_inputs(T, 2, T, 2, 4, 8, 8)
+        o_r, writes, _ = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+        o_b, writes_b = traced(q, k, v, g, beta, s0)
+        torch.testing.assert_close(o_b, o_r, rtol=0, atol=1e-10)
+        torch.testing.assert_close(writes_b, writes, rtol=0, atol=1e-10)
+    torch._dynamo.reset()
