@@ -159,11 +159,6 @@ def unit_lower_solve(A, B):
     return inv @ B
 
 
-def unit_lower_solve_call(A, B):
-    """unit_lower_solve as one torch.linalg.solve_triangular call (same arguments and result)."""
-    return torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
-
-
 def block_gated_delta_rule(q, k, v, g, beta, state):
     """The verify kernel: the chunked maths for ONE chunk of T tokens (T = the verify block, <= 64), with the
     signature of `recurrent_gated_delta_rule` and its first two results (o and the writes V' = U - W S_0).
@@ -180,11 +175,11 @@ def block_gated_delta_rule(q, k, v, g, beta, state):
     D = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # [B,H,T,T]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * D
-    # U = T (beta V) and W = T (beta e^gamma K) with one triangular solve over both right-hand sides: traced by
-    # torch.compile, as elementwise steps inductor fuses (unit_lower_solve); eager, as one solver call, which on
-    # small models costs less than those steps run one by one
-    solve = unit_lower_solve if torch.compiler.is_compiling() else unit_lower_solve_call
-    UW = solve(A, torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], -1))
+    # U = T (beta V) and W = T (beta e^gamma K), one triangular solve over both right-hand sides: traced by torch.compile
+    # as elementwise steps inductor fuses; eager as one solver call, which costs less than those steps one by one
+    rhs = torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], -1)
+    UW = (unit_lower_solve(A, rhs) if torch.compiler.is_compiling()
+          else torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True))
     U, W = UW.split([dv, k.shape[-1]], dim=-1)
     v_new = U - W @ s0                                               # V' [B,H,T,dv]: the writes
     o = (q * gamma.exp()[..., None]) @ s0 + ((q @ k.transpose(-1, -2)) * D) @ v_new
