@@ -294,7 +294,9 @@ def side_by_side_main(args, device) -> dict:
           flush=True)
 
     # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
-    eager_engine = tables.single_engine(args, target, proposer, block, capacity, False, eager=True) if mode else None
+    # With a proposer of its own: an engine resets its proposer's cache, which the compiled engine's steps hold as theirs.
+    eager_engine = tables.single_engine(args, target, engine.DrafterProposer(drafter, target, window), block, capacity,
+                                        False, eager=True) if mode else None
     if eager_engine is not None:
         eager_engine.generate(prompts[0], 3 * block, stops)
 

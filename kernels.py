@@ -23,6 +23,8 @@ token at a time) and the block form (one chunk in closed form) run decode and ve
 instead of a state. Nothing is final until the commit: `state_after(k, writes, g, S_0, n)` builds the state
 after the n-th token, which is what makes rollback after a partial acceptance exact and cheap (one small
 matmul per layer, and no [T, dk, dv] per-token state is ever stored; see model.TargetCache.commit).
+The block form's unit-lower-triangular solve, traced by torch.compile, is forward substitution in elementwise ops
+(unit_lower_solve), which inductor fuses; eager it is one torch.linalg.solve_triangular call.
 """
 from __future__ import annotations
 
@@ -140,6 +142,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     return o, s
 
 
+def unit_lower_solve(A, B):
+    """X = (I + L)^-1 B, L the strictly lower triangle of A (A's diagonal and upper triangle are not read, as
+    torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True) does not read them).
+    A [..., T, T]; B [..., T, d] -> X [..., T, d].
+
+    (I + L)^-1 by forward substitution by columns on the identity: once row j of the result is final, L[i, j] times
+    it is taken from every row i (a zero for rows i <= j, L being strictly lower), which makes row j + 1 final.
+    Then one batched matmul with B. The T - 1 steps are elementwise ops on [..., T, T], no solver call, so inductor
+    fuses them; substituting on B itself would be the same steps on [..., T, d], d / T times the work."""
+    T = A.shape[-1]
+    L = A.tril(-1)
+    inv = torch.eye(T, dtype=A.dtype, device=A.device).expand_as(A)
+    for j in range(T - 1):
+        inv = inv - L[..., :, j:j + 1] * inv[..., j:j + 1, :]          # rows > j lose L[i, j] times row j
+    return inv @ B
+
+
 def block_gated_delta_rule(q, k, v, g, beta, state):
     """The verify kernel: the chunked maths for ONE chunk of T tokens (T = the verify block, <= 64), with the
     signature of `recurrent_gated_delta_rule` and its first two results (o and the writes V' = U - W S_0).
@@ -156,9 +175,11 @@ def block_gated_delta_rule(q, k, v, g, beta, state):
     D = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # [B,H,T,T]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * D
-    # U = T (beta V) and W = T (beta e^gamma K) with one triangular solve over both right-hand sides
-    UW = torch.linalg.solve_triangular(A, torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], -1),
-                                       upper=False, unitriangular=True)
+    # U = T (beta V) and W = T (beta e^gamma K), one triangular solve over both right-hand sides: traced by torch.compile
+    # as elementwise steps inductor fuses; eager as one solver call, which costs less than those steps one by one
+    rhs = torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], -1)
+    UW = (unit_lower_solve(A, rhs) if torch.compiler.is_compiling()
+          else torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True))
     U, W = UW.split([dv, k.shape[-1]], dim=-1)
     v_new = U - W @ s0                                               # V' [B,H,T,dv]: the writes
     o = (q * gamma.exp()[..., None]) @ s0 + ((q @ k.transpose(-1, -2)) * D) @ v_new

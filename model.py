@@ -318,15 +318,31 @@ def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
 def attention(q, k, v, mask):
     """q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask: a boolean tensor [Tq,Tk] or [B,1,Tq,Tk] (True = visible) for SDPA,
     or a FlexAttention BlockMask (flex.py; training on a GPU) -> [B,Tq,Hq*D]. Query head h reads kv head
-    h // (Hq // Hkv). Scale D**-0.5."""
+    h // (Hq // Hkv). Scale D**-0.5. Grouped heads with a mask: folded (folded_attention) on a GPU; a CPU's SDPA
+    kernel reads them where they lie."""
     gqa = k.shape[1] != q.shape[1]
-    if isinstance(mask, torch.Tensor):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    else:
+    if not isinstance(mask, torch.Tensor):
         from torch.nn.attention.flex_attention import flex_attention
         out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    elif gqa and q.device.type != "cpu":
+        return folded_attention(q, k, v, mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+def folded_attention(q, k, v, mask):
+    """attention() with a boolean mask and Hq = G * Hkv, as one SDPA call over Hkv heads: the G query heads of a kv
+    head become G blocks of its query rows (q [B,Hkv,G*Tq,D], the mask repeated along them), so K/V are read where
+    they lie. On a GPU, SDPA given grouped heads and a mask takes its math path, which repeats K/V per query head
+    (a copy of the layer's cache per call); folded it keeps a fused kernel. -> [B,Tq,Hq*D]"""
+    B, Hq, Tq, D = q.shape
+    G = Hq // k.shape[1]
+    q = q.reshape(B, -1, G * Tq, D)                      # query head kv*G + g, row t -> kv head kv, row g*Tq + t
+    mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                      # [B,Hkv,G*Tq,D]
+    return out.reshape(B, Hq, Tq, D).transpose(1, 2).reshape(B, Tq, Hq * D)
 
 
 def attention_two(q, kc, vc, kb, vb, mask):

@@ -114,6 +114,28 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     assert any(line.startswith("warm-up ") and "few-row products: " in line for line in lines)
 
 
+def test_side_by_side_engines_keep_their_own_drafter_cache(monkeypatch, capsys):
+    """With --compile the default benchmark builds a compiled DFlash engine and then an eager one. An engine resets
+    its proposer's cache when it is built, and the compiled engine's steps hold that cache as theirs (on CUDA a
+    static address): so every engine's proposer still holds, after the run, the cache made for that engine, and no
+    two engines share a proposer. (The engines are built eager here, tables.single_engine with eager=True: the
+    construction is --compile's, without inductor's minutes.)"""
+    import tables
+    built, single = [], tables.single_engine
+
+    def record(*a, **kw):
+        engine = single(*a, **{**kw, "eager": True})
+        built.append((engine, engine.proposer, None if engine.proposer is None else engine.proposer.cache))
+        return engine
+    monkeypatch.setattr(tables, "single_engine", record)
+    out = bench.main(["--heldout", "1", "--max-new-tokens", "8", "--repeat", "1", "--compile"])
+    drafting = [(e, p, c) for e, p, c in built if p is not None]
+    assert len(drafting) == 2 and "eager_dflash_tokens_per_s" in out and out["identical_outputs"] == 1
+    for engine, proposer, cache in drafting:
+        assert engine.proposer is proposer and proposer.cache is cache
+    assert drafting[0][1] is not drafting[1][1]
+
+
 def test_heldout_prompts_extend_without_changing_the_first():
     """More prompts than held-out files: further windows of the same files; the first ones do not move."""
     import prompts

@@ -1,6 +1,6 @@
 """Checks that need a CUDA device (skipped elsewhere; bench_gpu.sh runs them): one host-device sync per step of
-engine.Engine (a draft-verify round or an AR step of every slot), DFlash == AR on the GPU in float64, and compiled
-steps replayed as CUDA graphs."""
+engine.Engine (a draft-verify round or an AR step of every slot), DFlash == AR on the GPU in float64, compiled
+steps replayed as CUDA graphs, and grouped-head attention with a mask on a fused SDPA kernel."""
 import warnings
 
 import pytest
@@ -87,3 +87,24 @@ def test_compiled_steps_replay_as_cuda_graphs():
             eng = engine.Engine(target, proposer, block, 1, 160, compile_mode="reduce-overhead")
             eng.generate(prompt, 24)                          # warm-up and recording
             assert eng.generate(prompt, 40).output_ids == ar.output_ids
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_grouped_attention_keeps_a_fused_kernel(per_row):
+    """model.attention with grouped query heads (4 per kv head) and a boolean mask, as a 16-token verify of 3 rows
+    over the cache calls it, runs with SDPA's math path switched off (its query heads folded: model.folded_attention)
+    and equals the math path's grouped attention in float32."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import model as M
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, hkv, G, Tq, S, D = 3, 2, 4, 16, 256, 64
+    q = torch.randn(B, hkv * G, Tq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    pos = torch.tensor([[100], [150], [200]], device="cuda") + torch.arange(Tq, device="cuda")
+    visible = torch.arange(S, device="cuda") <= pos[..., None]                  # [B,Tq,S]: causal over the cache
+    mask = visible[:, None] if per_row else visible[0]
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        got = M.attention(q, k, v, mask)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2).reshape(B, Tq, -1), rtol=0, atol=2e-2)

@@ -195,3 +195,75 @@ def test_prefill_then_decode_equals_full_forward():
             l, _ = target(ids[:, t:t + 1], torch.arange(t, t + 1), cache)
             outs.append(l)
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+
+
+def unit_lower_system(seed, T, batch=(2, 3), dtype=torch.float64):
+    """A [*batch, T, T] whose strictly lower triangle is the system's (entries of a GDN block's size) and whose
+    diagonal and upper triangle hold large values the solve must not read; B [*batch, T, 5]."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(*batch, T, T, generator=g, dtype=torch.float64) * 0.5
+    A = A + torch.ones(T, T, dtype=torch.float64).triu() * 1e3
+    return A.to(dtype), torch.randn(*batch, T, 5, generator=g, dtype=torch.float64).to(dtype)
+
+
+def test_unit_lower_solve_equals_solve_triangular():
+    """kernels.unit_lower_solve (the block rule's solve under torch.compile) == torch.linalg.solve_triangular on
+    unit-lower-triangular systems of every verify size 1..16 and a whole 64-token block: float64 to rounding,
+    float32 within float32's noise of the float64 solution."""
+    for T in [*range(1, 17), 64]:
+        A, B = unit_lower_system(T, T)
+        want = torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
+        torch.testing.assert_close(kernels.unit_lower_solve(A, B), want, rtol=0, atol=1e-12 * want.abs().max().item())
+        got32 = kernels.unit_lower_solve(A.float(), B.float())
+        assert got32.dtype == torch.float32
+        assert (got32.double() - want).abs().max() <= 1e-5 * want.abs().max(), T
+
+
+def test_traced_block_rule_takes_the_fused_solve(monkeypatch):
+    """Traced by torch.compile (dynamo, run without inductor) the block rule solves with unit_lower_solve, never
+    the solver call, and still equals the recurrent rule (float64)."""
+    def refuse(A, B):
+        raise AssertionError("the traced block rule called torch.linalg.solve_triangular")
+    monkeypatch.setattr(torch.linalg, "solve_triangular", refuse)
+    torch._dynamo.reset()
+    traced = torch.compile(kernels.block_gated_delta_rule, backend="eager", fullgraph=True, dynamic=False)
+    for T in (2, 7, 16):
+        q, k, v, g, beta, s0 = gdn_inputs(T, 2, T, 2, 4, 8, 8)
+        o_r, writes, _ = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+        o_b, writes_b = traced(q, k, v, g, beta, s0)
+        torch.testing.assert_close(o_b, o_r, rtol=0, atol=1e-10)
+        torch.testing.assert_close(writes_b, writes, rtol=0, atol=1e-10)
+    torch._dynamo.reset()
+
+
+def naive_attention(q, k, v, mask):
+    """Twin of model.attention with a boolean mask: K/V repeated per query head (head h reads kv head h // G), the
+    softmax of the masked, scaled scores written out. q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask [Tq,Tk] or
+    [B,1,Tq,Tk] -> [B,Tq,Hq*D]."""
+    B, Hq, Tq, D = q.shape
+    G = Hq // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    scores = (q @ k.transpose(-1, -2)) * D ** -0.5
+    p = scores.masked_fill(~mask, float("-inf")).exp()
+    p = p / p.sum(-1, keepdim=True)
+    return (p @ v).transpose(1, 2).reshape(B, Tq, Hq * D)
+
+
+@settings(max_examples=40)
+@given(B=st.integers(1, 3), hkv=st.integers(1, 3), G=st.integers(1, 4), Tq=st.integers(1, 9), extra=st.integers(0, 30),
+       per_row=st.booleans(), seed=st.integers(0, 1000))
+def test_attention_equals_naive_with_heads_folded_or_not(B, hkv, G, Tq, extra, per_row, seed):
+    """model.folded_attention (the G query heads of a kv head as G blocks of its query rows: what attention() runs on
+    a GPU) and attention() itself (on a CPU: SDPA reading the grouped heads) == the naive twin, float64, for masks
+    shared by the rows [Tq,Tk] and one per row [B,1,Tq,Tk], causal over a cache plus random holes."""
+    D, Tk = 8, Tq + extra
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, hkv * G, D, dtype=torch.float64, generator=g).transpose(1, 2)     # strided, as a layer's
+    k, v = (torch.randn(B, hkv, Tk, D, dtype=torch.float64, generator=g) for _ in range(2))
+    pos = extra + torch.arange(Tq) - torch.randint(0, extra + 1, (B if per_row else 1, 1), generator=g)
+    mask = (torch.arange(Tk) <= pos[..., None]) & (torch.rand(pos.shape[0], Tq, Tk, generator=g) < 0.7)
+    mask[..., 0] = True                                            # every query sees a key
+    mask = mask[:, None] if per_row else mask[0]
+    want = naive_attention(q, k, v, mask)
+    torch.testing.assert_close(M.folded_attention(q, k, v, mask), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(M.attention(q, k, v, mask), want, rtol=0, atol=1e-12)

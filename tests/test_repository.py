@@ -95,7 +95,9 @@ def test_core_files_are_small_and_plain():
     # (inductor options, the checks dynamo skips, model_state) in compiling.py. The drafter's attention over the
     # cache where it lies (model.attention_two) and cache writes inductor keeps in place: about 1,910. The
     # commit inside the verify step, and a layer's products of one input run as one (model.linears): about 1,950.
-    assert total <= 1970, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,970)"
+    # Grouped query heads folded into query rows for SDPA on a GPU (model.folded_attention) and the compiled block
+    # rule's triangular solve in elementwise ops (kernels.unit_lower_solve): about 1,990.
+    assert total <= 1990, f"{' + '.join(CORE)} = {total} lines (keep the core to about 1,990)"
 
 
 def flat_modules() -> set:
