@@ -1,6 +1,6 @@
 """The benchmarks' command line: plain AR and DFlash (or other proposers) on the same prompts and weights, in one
 process. One mode per flag, each a function (args, device) -> the JSON object it prints last (mode_of); the prompts
-come from prompts.py, the flags shared with generate.py from generate.shared_flags.
+come from prompts.py, the flags shared with generate.py from options.shared_flags.
 
     python bench.py                                     # embedded tiny pair, 64 held-out Python prompts
     python bench.py --target DIR --draft DIR --prompt "..." --prompt "..." --max-new-tokens 256
@@ -48,20 +48,20 @@ import check
 import checkpoint as ckpt
 import dflash
 import engine
-import generate
+import options
 import model as M
 import presets
 import prompts as P
 import tables
 import tp
-from generate import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_products
+from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_products
 from policy import Policy
 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=generate.HelpFormatter)
-    generate.shared_flags(p)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=options.HelpFormatter)
+    options.shared_flags(p)
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="the DFlash drafter: folder or Hugging Face repo id")
     p.add_argument("--prompt", action="append", default=[], help="a prompt text; repeat for several")
     p.add_argument("--prompts", help="a file with one prompt per line")
@@ -151,7 +151,7 @@ def parse_args(argv=None):
         refuse_flags(p, "--dataset chooses the prompts", {"--prompt": args.prompt, "--prompts": args.prompts,
                                                           "--preset": args.preset, "--prompt-len": args.prompt_len})
     if args.eagle3_draft is None:
-        args.eagle3_draft = generate.DEFAULT_EAGLE3 if args.target == generate.DEFAULT_TARGET else None
+        args.eagle3_draft = options.DEFAULT_EAGLE3 if args.target == options.DEFAULT_TARGET else None
     if args.methods and "eagle3" in args.methods and args.eagle3_draft is None:
         p.error("--methods eagle3 needs --eagle3-draft DIR (an EAGLE-3 checkpoint for --target)")
     if args.limit and not (args.methods or args.dataset):
@@ -290,7 +290,7 @@ def side_by_side_main(args, device) -> dict:
     parallel = args.parallel           # under torchrun every rank's policy decides from rank 0's step times
     ar_engine, sp_engine, warmup_seconds = tables.warm_engines(args, target, proposer, block, capacity, prompts[0], stops,
                                                                parallel)
-    print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s; {generate.products_words(products)}",
+    print(f"warm-up {'(compilation, mode ' + mode + ') ' if mode else ''}{warmup_seconds:.1f} s; {options.products_words(products)}",
           flush=True)
 
     # With --compile, eager DFlash runs too, on the same prompts in the same process: compiled / eager side by side.
@@ -383,10 +383,10 @@ def tp_fields(target, drafter, block: int, dtype, parallel) -> dict:
     """The JSON's tensor-parallel record: the degree, and the payload all-reduced per decode step and per round
     (tp.allreduce_bytes; 0 in one process)."""
     if parallel is None:
-        return {**generate.parallel_fields(None), "allreduce_bytes_per_decode": 0, "allreduce_bytes_per_round": 0}
+        return {**options.parallel_fields(None), "allreduce_bytes_per_decode": 0, "allreduce_bytes_per_round": 0}
     size = torch.tensor([], dtype=dtype).element_size()
     draft = (drafter.cfg.num_hidden_layers, block) if parallel.shard_drafter else (0, 0)
-    return {**generate.parallel_fields(parallel), "allreduce_bytes_per_decode": tp.allreduce_bytes(target.cfg, 1, size),
+    return {**options.parallel_fields(parallel), "allreduce_bytes_per_decode": tp.allreduce_bytes(target.cfg, 1, size),
             "allreduce_bytes_per_round": tp.allreduce_bytes(target.cfg, block, size, *draft)}
 
 
@@ -395,7 +395,7 @@ def vs_pure_main(args, device) -> dict:
     rounds in turn, --repeat times each; per prompt the ratio of their median tok/s, and its geometric mean."""
     dtype = pick_dtype(args.dtype, device)
     target, _, _, proposer, block, prompts, stops, products = load_pair(args, dtype, device)
-    print(generate.products_words(products), flush=True)
+    print(options.products_words(products), flush=True)
     eng = tables.single_engine(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), True)
     tables.warm_up(eng, prompts[0], stops, args.max_new_tokens)         # (every step kind of the policy)
     ratios, plain = [], 0
@@ -550,17 +550,17 @@ def concurrency_main(args, device) -> dict:
     (which goes first alternates too). --aa: the DFlash arm is a second AR batch (the timing's own noise)."""
     dtype = pick_dtype(args.dtype, device)
     target, drafter, window, _, block, prompts, stops, products = load_pair(args, dtype, device)
-    print(f"{generate.products_words(products)}; {torch.get_num_threads()} threads", flush=True)
+    print(f"{options.products_words(products)}; {torch.get_num_threads()} threads", flush=True)
     mode = args.compile_mode if args.compile else None
-    options = compile_options(args, target.embed_tokens.weight.device)
+    inductor = compile_options(args, target.embed_tokens.weight.device)
     table = []
     for n in args.concurrency:
         reqs = [engine.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
         policy = None if args.no_adaptive or args.aa else Policy(block=block)
-        ar = lambda: engine.Engine(target, None, 1, n, capacity, mode, options)     # (--aa: the second arm too)
+        ar = lambda: engine.Engine(target, None, 1, n, capacity, mode, inductor)     # (--aa: the second arm too)
         engines = {"ar": ar(), "dflash": ar() if args.aa else engine.Engine(
-            target, engine.DrafterProposer(drafter, target, window), block, n, capacity, mode, options, policy)}
+            target, engine.DrafterProposer(drafter, target, window), block, n, capacity, mode, inductor, policy)}
         t0 = time.perf_counter()
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)

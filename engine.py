@@ -48,8 +48,7 @@ import noise
 from dflash import check_block_size, check_inputs, cut
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
 from policy import Alternate
-# The sampling rules live in sampling.py; engine.Sampling, engine.draw, ... are these names.
-from sampling import Sampling, choose, draw, sampling_probs, speculative_accept  # noqa: F401 (re-exported)
+from sampling import Sampling, choose, speculative_accept
 
 
 # ---- Requests and results -----------------------------------------------------------------------

@@ -899,7 +899,7 @@ class CandidateSelector(nn.Module):
                 j = scores.argmax()
             else:
                 q = torch.softmax(scores.float() / temperature, -1)
-                j = (q / expo[i].clamp_min(1e-30)).argmax()            # a draw from q (engine.draw's race)
+                j = (q / expo[i].clamp_min(1e-30)).argmax()            # a draw from q (sampling.draw's race)
                 qs.append(q)
             prev = cand[i].gather(0, j.view(1))          # (a gather, not cand[i, j]: no host sync when compiled)
             path.append(prev)

@@ -2,7 +2,7 @@
 position, index), never of how many draws came before (docs/method.md#noise-keyed-by-position).
 
 The token that lands at sequence position t is drawn with the Exp(1) noise E(seed, TARGET, t, v) over the
-vocabulary v (engine.draw: argmax over v of p(v) / E(t, v)), whichever step computes it: a plain decode step, a
+vocabulary v (sampling.draw: argmax over v of p(v) / E(t, v)), whichever step computes it: a plain decode step, a
 verify row, prefill. So
 
 - a seed gives one text whatever the step pattern (rounds, plain steps, looks, other requests beside it);
@@ -91,7 +91,7 @@ def _exponentials(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def exponentials(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise float32 [R, C] for rows [R] over token ids [R, C] or [C]: the E of engine.draw."""
+    """Exp(1) noise float32 [R, C] for rows [R] over token ids [R, C] or [C]: the E of sampling.draw."""
     return _exponentials(rows, token_keys(ids))
 
 

@@ -22,7 +22,7 @@ import compiling
 import engine
 import model as M
 import tables
-from generate import compile_options, pick_dtype, use_products
+from options import compile_options, pick_dtype, use_products
 
 BAR_FRACTION = 0.75     # every GPU bar asks this fraction of what the bytes its steps read allow (gpu_bars)
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)

@@ -84,7 +84,7 @@ def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool
     policy.Policy for every request when `adapt` (policy.PerRun), and the --attention masks. AR: proposer None.
     parallel: under torchrun, rank 0's policy decides for every rank (tp.Synced). eager: not compiled whatever
     --compile says."""
-    from generate import ATTENTION, compile_options
+    from options import ATTENTION, compile_options
     mode = args.compile_mode if args.compile and not eager else None
     options = compile_options(args, target.embed_tokens.weight.device)
     eng = engine.Engine(target, proposer, block, 1, capacity, mode, options, None,
@@ -261,7 +261,7 @@ class Text:
 def table_main(args, device) -> dict:
     """--methods / --dataset: AR and every method on every set's prompts -> the table, printed (markdown), and with
     --out written with results.json and the plots; the last stdout line is the JSON."""
-    from generate import pick_dtype, products_words, use_products
+    from options import pick_dtype, products_words, use_products
     # the sets first: a set that cannot be read stops the run before the models load
     sets = [(P.set_label(n), P.select(P.load_set(n), args.limit or P.default_count(n))) for n in args.dataset or []]
     dtype = pick_dtype(args.dtype, device)

@@ -10,7 +10,7 @@ import torch
 import bench
 import checkpoint as ckpt
 from helpers import Early
-import generate
+import options
 import presets
 import model as M
 
@@ -98,7 +98,7 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     lo, hi = last["speedup_quartiles"]
     assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
     assert sum(last["acceptance_histogram"]) > 0 and len(last["acceptance_histogram"]) == last["block_size"]
-    target = ckpt.load_target(generate.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
+    target = ckpt.load_target(options.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
     assert last["weight_bytes_per_decode"] == presets.weight_bytes_per_decode(target)
     expected = last["weight_bytes_per_decode"] / (last["decode_ms"] / 1000) / 1e9
     assert abs(last["achieved_gb_s"] - expected) < 1e-6 * expected
@@ -139,7 +139,7 @@ def test_side_by_side_engines_keep_their_own_drafter_cache(monkeypatch, capsys):
 def test_heldout_prompts_extend_without_changing_the_first():
     """More prompts than held-out files: further windows of the same files; the first ones do not move."""
     import prompts
-    tok = ckpt.load_tokenizer(generate.DEFAULT_TARGET)
+    tok = ckpt.load_tokenizer(options.DEFAULT_TARGET)
     few, many = prompts.heldout_prompts(tok, 8), prompts.heldout_prompts(tok, 64)
     assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64
     assert all(30 <= len(p) <= 60 for p in many)

@@ -17,6 +17,7 @@ import torch
 
 import dflash
 import generate
+import options
 import model as M
 from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter
 
@@ -239,7 +240,7 @@ def test_text_mode_without_tokenizer_prints_ids_and_stats(ckpt, capsys):
 @pytest.mark.parametrize("text, ids", [("1,2,3", [1, 2, 3]), (" 1, 2 ,3 ", [1, 2, 3]), ("1 2", [1, 2]),
                                        ("7,", [7]), ("", []), (" , ", [])])
 def test_parse_ids(text, ids):
-    assert generate.parse_ids(text) == ids
+    assert options.parse_ids(text) == ids
 
 
 @pytest.mark.parametrize("args, exc, words", [
@@ -378,10 +379,10 @@ def test_chat_offline_with_a_template_file(capsys):
     as a user turn, offline; the prompt ids are that rendering's; a missing file is one error line."""
     import chat
     import checkpoint as ckpt
-    tpl = os.path.join(generate.HERE, "checkpoints", "qwen35_chat_template.jinja")
+    tpl = os.path.join(options.HERE, "checkpoints", "qwen35_chat_template.jinja")
     assert generate.main(["--chat-template", tpl, "--prompt", "Hi", "--max-new-tokens", "4", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    tok = ckpt.load_tokenizer(generate.DEFAULT_TARGET)
+    tok = ckpt.load_tokenizer(options.DEFAULT_TARGET)
     text = chat.render_chat(open(tpl).read(), [{"role": "user", "content": "Hi"}], special_tokens={})
     assert res["chat"] is not False and res["prompt_ids"] == tok.encode(text, add_special_tokens=False).ids
     assert text.startswith("<|im_start|>user\nHi")

@@ -203,14 +203,14 @@ def compiled_flex_batch() -> dict:
     import tempfile
     import torch._dynamo
     from torch._dynamo.utils import counters
-    import generate
+    import options as opts
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache                 # fresh code, not a cached graph
         cfg = tiny_target_config(vocab_size=40)
         target = random_target(cfg, 4, torch.float32)
         drafter = random_drafter(kind_draft_config(cfg, "dflash", block_size=4, target_layer_ids=[0, 2],
                                                    num_target_layers=None), 5, torch.float32)
-        options = generate.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
+        options = opts.compile_options(argparse.Namespace(cpp_wrapper=True, attention="flex"), "cpu")
         rng = random.Random(2)
 
         def requests(lengths):
@@ -237,7 +237,7 @@ FLEX_BATCH = Early(compiled_flex_batch, process=True,
 
 def test_compiled_flex_batch_as_the_command_lines_compile_it():
     """A batch of 2 slots compiled with flex attention (batched block masks) and the command lines' CPU options
-    (generate.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
+    (options.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
     for the one-query steps): DFlash through rounds, plain steps and plain steps that no longer feed the drafter,
     which are AR's own step (Engine.decode_step, the step of an engine without a proposer). Requests coming and
     going after the warm-up never recompile, and the tokens are the eager SDPA batch's. Prompts cross the

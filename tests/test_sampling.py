@@ -13,7 +13,8 @@ import dflash
 import engine
 import mtp
 import noise
-from engine import Sampling, sampling_probs, speculative_accept
+import sampling
+from sampling import Sampling, sampling_probs, speculative_accept
 from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, kind_draft_config, randomize_, random_drafter, random_target,
                      tiny_draft_config, tiny_target_config)
 from test_batching import Pattern
@@ -178,7 +179,7 @@ def test_noise_moments():
 def draws_over(keys: torch.Tensor, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The token each (key, position) pair draws from p [V], as sampling.choose draws it."""
     rows = noise.row_keys(keys, pos, noise.TARGET)
-    return engine.draw(p[None].expand(len(rows), -1), noise.exponentials(rows, torch.arange(len(p))))
+    return sampling.draw(p[None].expand(len(rows), -1), noise.exponentials(rows, torch.arange(len(p))))
 
 
 @pytest.mark.parametrize("over", ["seeds", "positions"])

@@ -270,10 +270,10 @@ def test_a_set_needs_samples(tmp_path):
 def test_table_runs_image_samples(tmp_path, capsys, monkeypatch):
     """An image sample of a local set on a multimodal target (tests/make_tiny_vl.py: the embedded pair with a random
     vision tower): the picture goes through the tower, and DFlash's output is AR's."""
-    import generate
     import make_tiny_vl
+    import options
     from PIL import Image
-    root = generate.HERE + "/checkpoints/"
+    root = options.HERE + "/checkpoints/"
     make_tiny_vl.main(["--target", root + "tiny-qwen35", "--draft", root + "tiny-qwen35-dflash", "--out", str(tmp_path),
                        "--threads", "1"])
     Image.new("RGB", (150, 110), (90, 30, 200)).save(tmp_path / "pic.png")

@@ -3,12 +3,14 @@ Qwen3_5ForConditionalGeneration's `model.visual`, 3-D positions == its get_rope_
 its forward with pixel_values; and bad image input is one clear error."""
 import json
 import math
+import os
 import re
 
 import pytest
 import torch
 
 import checkpoint as ckpt
+import options
 import model as M
 import vision as V
 from helpers import hf_text_config, randomize_hf_norms_
@@ -336,14 +338,13 @@ def test_prompts_file_lines_with_images_equal_single_runs(mm, tmp_path, capsys):
 
 def test_chat_puts_images_before_the_text(tmp_path):
     import chat
-    import generate
-    tpl = open(generate.os.path.join(generate.HERE, "tests", "fixtures", "qwen35_chat_template.jinja")).read()
+    tpl = open(os.path.join(options.HERE, "tests", "fixtures", "qwen35_chat_template.jinja")).read()
     a = dict(prompt="What is shown?", n_images=2)
     pad = "<|vision_start|><|image_pad|><|vision_end|>"
     assert chat.chat_prompt(tpl, {}, **a) == ("<|im_start|>user\n" + pad * 2 +
                                                 "What is shown?<|im_end|>\n<|im_start|>assistant\n<think>\n")
     # an earlier turn from --messages that holds an image takes the first file; the new turn opens with the rest
-    f = generate.os.path.join(str(tmp_path), "m.json")
+    f = os.path.join(str(tmp_path), "m.json")
     with open(f, "w") as fh:
         json.dump([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "A?"}]},
                    {"role": "assistant", "content": "B."}], fh)
@@ -359,7 +360,7 @@ def test_add_vision_pair_runs_and_matches_transformers(tmp_path, capsys):
     import generate
     import make_tiny_vl
     from transformers import Qwen3_5ForConditionalGeneration
-    root = generate.HERE + "/checkpoints/"
+    root = options.HERE + "/checkpoints/"
     make_tiny_vl.main(["--target", root + "tiny-qwen35", "--draft", root + "tiny-qwen35-dflash",
                 "--out", str(tmp_path), "--threads", "1"])
     random_image(150, 110, 9).save(tmp_path / "pic.png")
