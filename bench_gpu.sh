@@ -6,7 +6,7 @@
 #                compiled like the full one: a torch or CUDA problem fails here in about a minute.
 #   preset      (220 s) the real Qwen3.5-9B text shapes + a 5-layer block-16 drafter, random bf16 weights built on
 #                the device, steps compiled with CUDA graphs (mode reduce-overhead: no autotuning), timed by
-#                bench.py --preset: AR's engine first, its decode step and bandwidth printed (and a JSON line of
+#                tools/bench.py --preset: AR's engine first, its decode step and bandwidth printed (and a JSON line of
 #                its own) before the DFlash engine is built; then verify, draft and the PROJECTED tok/s.
 #   bars         (15 s) the GPU bars, judged on the preset's last JSON line (presets.preset_summary). Each is derived
 #                from the bytes of weights the steps read and the copy bandwidth the same run measured, and asks
@@ -99,15 +99,15 @@ last_json() {   # last_json LOG FILE: the log's last JSON line into FILE (nothin
     grep '^{' "$1" | tail -n 1 > "$2" || rm -f "$2"
 }
 
-stage smoke 70 "$PY" bench.py --preset "$SMOKE" "${RUN[@]}" --attention "$ATTENTION" \
+stage smoke 70 "$PY" tools/bench.py --preset "$SMOKE" "${RUN[@]}" --attention "$ATTENTION" \
     --max-new-tokens $(( MAX_NEW < 16 ? MAX_NEW : 16 )) --prompt-len $(( PROMPT_LEN < 64 ? PROMPT_LEN : 64 ))
-stage preset 220 "$PY" bench.py --preset "$PRESET" "${RUN[@]}" --attention "$ATTENTION" \
+stage preset 220 "$PY" tools/bench.py --preset "$PRESET" "${RUN[@]}" --attention "$ATTENTION" \
     --max-new-tokens "$MAX_NEW" --prompt-len "$PROMPT_LEN"
 last_json "$OUTDIR/preset.log" "$OUTDIR/bench_gpu_$ATTENTION.json"
 stage bars 15 "$PY" -c 'import presets, sys; sys.exit(presets.preset_summary(sys.argv[1]))' "$OUTDIR/preset.log"
 # The preset's --max-new-tokens and --prompt-len: at N = 1 the same cache capacity, so the same compiled steps.
 if [ "$ATTENTION" = sdpa ] && [ "$CONCURRENCY" != none ]; then
-    stage concurrency 115 "$PY" bench.py --preset "$PRESET" "${RUN[@]}" --max-new-tokens "$MAX_NEW" \
+    stage concurrency 115 "$PY" tools/bench.py --preset "$PRESET" "${RUN[@]}" --max-new-tokens "$MAX_NEW" \
         --prompt-len "$PROMPT_LEN" --concurrency "$CONCURRENCY"
     last_json "$OUTDIR/concurrency.log" "$OUTDIR/bench_gpu_concurrency.json"
 else

@@ -58,7 +58,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 # 8-layer target, a float32 forward by up to 21 float32 steps. The defaults sit above both, for deeper models and
 # kernels that sum in other orders: 8 bf16 / fp16 steps (0.5 logits at a top logit in [8, 16)), 64 float32 steps.
 TOLERANCE_STEPS = {torch.bfloat16: 8.0, torch.float16: 8.0, torch.float32: 64.0, torch.float64: 64.0}
-# Our own bf16 runs (DFlash against AR, one CPU) must part within NEAR_TIE_STEPS: bench.py --parting measures it,
+# Our own bf16 runs (DFlash against AR, one CPU) must part within NEAR_TIE_STEPS: tools/bench.py --parting measures it,
 # tests/test_near_ties.py requires it. Why 2: two runs choose differently only where their roundings move the
 # top-2 margin m across 0, so |m| <= the larger of the two moves, measured at most 1.64 steps.
 NEAR_TIE_STEPS = 2.0
@@ -593,7 +593,7 @@ def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch
 # --parting: where greedy DFlash and greedy AR part in a low precision, and how near a tie the target was there
 # ---------------------------------------------------------------------------------------------------------------
 
-# `python bench.py --parting` runs parting_main. A parting is a near-tie when both runs' tokens lie within
+# `python tools/bench.py --parting` runs parting_main. A parting is a near-tie when both runs' tokens lie within
 # NEAR_TIE_STEPS rounding steps of the run's dtype of the reference's best logit, as the checker judges.
 
 
@@ -670,7 +670,7 @@ def parting_main(args, device) -> dict:
     one JSON line last."""
     t_start = time.perf_counter()
     from generate import DTYPES, pick_dtype
-    import prompts as P
+    from tools import prompts as P
     dtype = pick_dtype(args.dtype, device)
     target = ckpt.load_target(args.target, dtype, device)
     proposer = engine.DrafterProposer(ckpt.load_drafter(args.draft, target.cfg, dtype, device), target)
@@ -787,9 +787,9 @@ def prompt_line_args(args):
 def server_prompts(args, target, tok) -> list:
     """--server's prompt set -> [(prompt ids, max new tokens)]: --prompts-file's lines (generate.py's format, read
     as generate.py reads them; greedy only), the conformance pack's prompts (--pack), the first turns of
-    --dataset's samples, else --heldout (default 32) held-out prompts (bench.py's)."""
+    --dataset's samples, else --heldout (default 32) held-out prompts (tools/bench.py's)."""
     import generate
-    import prompts as P
+    from tools import prompts as P
     if args.prompts_file is None and tok is None:
         raise CheckError(f"{target.path} has no tokenizer.json to make the prompts; give --prompts-file with prompt_ids")
     if args.prompts_file is not None:
@@ -942,9 +942,9 @@ def parse_args(argv=None):
     s.add_argument("--concurrency", default=None, help="requests in flight, one run per count, comma-separated (default: 1,8,32)")
     s.add_argument("--prompts-file", metavar="FILE.jsonl", help="the prompts: generate.py's format, one JSON object a line "
                                                                 "with prompt or prompt_ids (or messages), optionally max_new_tokens")
-    s.add_argument("--heldout", type=int, default=None, help="the prompts: this many held-out stdlib prompts (bench.py's; "
+    s.add_argument("--heldout", type=int, default=None, help="the prompts: this many held-out stdlib prompts (tools/bench.py's; "
                                                              "the default set, 32)")
-    s.add_argument("--dataset", default=None, metavar="NAMES", help="the prompts: the first turns of bench.py's sets (comma-separated)")
+    s.add_argument("--dataset", default=None, metavar="NAMES", help="the prompts: the first turns of tools/bench.py's sets (comma-separated)")
     s.add_argument("--limit", type=int, default=None, help="with --dataset: samples per set")
     s.add_argument("--pack", action="store_true", help="the prompts: the conformance pack's (--export)")
     s.add_argument("--max-new-tokens", type=int, default=None, help="tokens asked per request where the prompt line sets none "

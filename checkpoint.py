@@ -257,7 +257,7 @@ def draft_config(raw: dict) -> DraftConfig:
 
 def default_draft_window(cfg: DraftConfig) -> int | None:
     """The draft window to use when none is asked for: the context the drafter was trained on, read from
-    `train_context_length` in dflash_config (train.py records it: its --window, else --prompt-len + --resp-len).
+    `train_context_length` in dflash_config (tools/train.py records it: its --window, else --prompt-len + --resp-len).
     A drafter's acceptance collapses on contexts much longer than its training ones, and a window of that length
     restores most of it. None (no window: drafts see the whole context) when the config does not state it, and so
     for z-lab's sliding drafters: their sliding layers keep to their own `sliding_window` and their full layers

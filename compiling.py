@@ -46,7 +46,7 @@ QUIET = {option: value for option, value, env in (
 
 
 def inductor_options(mode: str, extra: dict, device: torch.device) -> dict:
-    """The inductor options of torch.compile mode `mode` with `extra` (cppwrapper.py's) added and autotune's reports
+    """The inductor options of torch.compile mode `mode` with `extra` (speed/cppwrapper.py's) added and autotune's reports
     off (QUIET); on a CPU without max-autotune's CUDA graphs and with every one-row product written as multiply-sum
     loops (module docstring; `extra` may set post_grad_fusion_options itself)."""
     from torch._inductor import list_mode_options

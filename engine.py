@@ -351,7 +351,7 @@ class Slots:
                  capacity: int = 2048, compile_mode: str | None = None, compile_options: dict | None = None,
                  masks=DenseMasks):
         """masks: the class of the cached calls' masks, model.DenseMasks (SDPA) or flex.FlexMasks, built here once
-        for the target and the drafter. compile_options: inductor options added to the mode's (cppwrapper.py's)."""
+        for the target and the drafter. compile_options: inductor options added to the mode's (speed/cppwrapper.py's)."""
         if slots < 1:
             raise GenerationError(f"--concurrency must be >= 1, got {slots}")
         self.target, self.proposer, self.slots, self.capacity = target, proposer, slots, capacity

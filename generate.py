@@ -160,7 +160,7 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
             proposer = engine.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
-    if parallel is not None:               # the proposer cut too (before packed.py packs any weight); target.cfg the shard's
+    if parallel is not None:               # the proposer cut too (before speed/packed.py packs any weight); target.cfg the shard's
         parallel.shard(target, proposer)
     rows = (args.block_size or proposer.max_block_size) if proposer else 1    # a slot's verify block, draft queries
     dense = proposer.drafter if isinstance(proposer, engine.DrafterProposer) else None
@@ -288,7 +288,8 @@ def main(argv=None) -> int:
         stops = chat.with_chat_stops(tokenizer, stops)
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
-                                   None if args.tree_size else proposer, round_up=args.compile)
+                                   None if args.tree_size or proposer is None else proposer.max_block_size,
+                                   round_up=args.compile)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
     policy = None if (proposer is None or args.no_adaptive or args.tree_size) else Policy(block=block_size)
     policy = parallel.synced(policy) if parallel else policy     # rank 0 decides every step for every rank
@@ -467,8 +468,9 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     capacity = 0
     for i, r in enumerate(reqs):
         try:
+            most = None if proposer is None else proposer.max_block_size
             capacity = max(capacity, dflash.check_inputs(target, r.prompt_ids, r.max_new_tokens, block, args.cache_len,
-                                                         proposer, round_up=args.compile))
+                                                         most, round_up=args.compile))
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
     policy = None if (proposer is None or args.no_adaptive) else Policy(block=block)

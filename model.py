@@ -17,7 +17,7 @@ Glossary (code name: meaning; the DFlash paper's symbol in brackets)
     capacity        positions the static caches hold (prompt + new tokens + one block of slack)
     masks           who sees whom in a cached call: DenseMasks (boolean, for SDPA) or flex.FlexMasks
     SHARED_INPUT    a layer's linears that read one input (q/k/v, gate/up, the GDN input projections); the forward
-                    runs them through `linears`, one product per group where packed.py joined their weights
+                    runs them through `linears`, one product per group where speed/packed.py joined their weights
 
 How a GDN layer's cache moves (the rollback of docs/method.md#rollback-on-a-hybrid-target):
     verify=False    prefill (chunked rule) and decode (recurrent step): every token is committed, the cache
@@ -200,7 +200,7 @@ class GatedRMSNorm(RMSNorm):
 
 def linears(x, *layers) -> tuple:
     """x [..., H] through linears that all read it -> their outputs, in order. A layer class names such groups in
-    SHARED_INPUT; where packed.py made one product of a group (packed.PackedGroup, kept as the first layer's `group`),
+    SHARED_INPUT; where speed/packed.py made one product of a group (packed.PackedGroup, kept as the first layer's `group`),
     the group runs as that one product, split; else each layer runs its own."""
     group = getattr(layers[0], "group", None)
     if group is not None and group.members == layers:
@@ -317,7 +317,7 @@ def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
 
 def attention(q, k, v, mask):
     """q [B,Hq,Tq,D]; k, v [B,Hkv,Tk,D]; mask: a boolean tensor [Tq,Tk] or [B,1,Tq,Tk] (True = visible) for SDPA,
-    or a FlexAttention BlockMask (flex.py; training on a GPU) -> [B,Tq,Hq*D]. Query head h reads kv head
+    or a FlexAttention BlockMask (speed/flex.py; training on a GPU) -> [B,Tq,Hq*D]. Query head h reads kv head
     h // (Hq // Hkv). Scale D**-0.5. Grouped heads with a mask: folded (folded_attention) on a GPU; a CPU's SDPA
     kernel reads them where they lie."""
     gqa = k.shape[1] != q.shape[1]

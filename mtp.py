@@ -23,7 +23,7 @@ post-norm hidden states captured in full for the draft's prefill, the draft's KV
     MTPProposer    the Engine's proposer: K chained steps -> K proposals; one-hot drafts (greedy), so sampling
                    stays exact through the same speculative rule as DFlash's
     load_mtp       the head from a target checkpoint folder (the published names; per-expert or fused MoE MLPs)
-    save_mtp       a head into a target checkpoint folder under the same names (train.py mtp)
+    save_mtp       a head into a target checkpoint folder under the same names (tools/train.py mtp)
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def load_mtp(path: str, target: Qwen35, dtype=None) -> MTPHead:
     tensors = ckpt.read_safetensors(path, keep=lambda k: k.startswith(MTP_PREFIXES))
     if not tensors:
         raise CheckpointError(f"{path} has no MTP head (no mtp.* tensors); --draft mtp needs a Qwen3.5 checkpoint that "
-                              f"ships one (the published ones do), or train one: python train.py mtp --target {path}")
+                              f"ships one (the published ones do), or train one: python tools/train.py mtp --target {path}")
     if n is not None and n != 1:
         raise CheckpointError(f"mtp_num_hidden_layers = {n!r} in {path}/config.json; the published Qwen3.5 heads have "
                               "one layer, which is what this project runs")

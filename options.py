@@ -1,13 +1,13 @@
-"""What the command line (generate.py), the checker (check.py) and the tools (bench.py, tables.py, presets.py) share:
-the embedded checkpoints, the dtype and attention choices, the flags generate.py and bench.py both take, the
+"""What the command line (generate.py), the checker (check.py) and the tools (tools/bench.py, tools/tables.py, tools/presets.py) share:
+the embedded checkpoints, the dtype and attention choices, the flags generate.py and tools/bench.py both take, the
 compile options and the few-row products of a run, and the request files (--prompts-file) with their checks.
 
     DEFAULT_TARGET, DEFAULT_DRAFT, DEFAULT_EAGLE3   the embedded pair (checkpoints/) and its EAGLE-3 head
     pick_dtype, DTYPES        --dtype, and each device's default
     ATTENTION                 --attention: the masks class of the cached steps (SDPA or FlexAttention)
-    shared_flags              the flags generate.py and bench.py share
+    shared_flags              the flags generate.py and tools/bench.py share
     compile_options           inductor options added to --compile-mode's on a CPU
-    use_products              --products: packed few-row products (packed.py), chosen and swapped in
+    use_products              --products: packed few-row products (speed/packed.py), chosen and swapped in
     read_requests, request_of --prompts-file lines, checked, and each line's engine.Request
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import chat
 import dflash
 import engine
-import flex
+from speed import flex
 import model as M
 import tp
 import vision
@@ -36,7 +36,7 @@ DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")
 DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
 
 
-DEFAULT_EAGLE3 = os.path.join(HERE, "checkpoints", "tiny-qwen35-eagle3")     # the embedded EAGLE-3 head (train.py eagle3)
+DEFAULT_EAGLE3 = os.path.join(HERE, "checkpoints", "tiny-qwen35-eagle3")     # the embedded EAGLE-3 head (tools/train.py eagle3)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -55,7 +55,7 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help of generate.py, bench.py and check.py: each flag's default appended as "(default: ...)", unless its
+    """--help of generate.py, tools/bench.py and check.py: each flag's default appended as "(default: ...)", unless its
     help already says what the default is, or there is none to say (None, off, empty)."""
 
     def _get_help_string(self, action):
@@ -71,7 +71,7 @@ MAX_SEED = 2 ** 63 - 1      # seeds are 0 .. 2^63-1 (noise.py keys the low 64 bi
 
 
 def shared_flags(p) -> None:
-    """The flags generate.py and bench.py share, declared once: the target, the dtype and device, the step settings."""
+    """The flags generate.py and tools/bench.py share, declared once: the target, the dtype and device, the step settings."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3.5 checkpoint folder or Hugging Face repo id (default: the embedded tiny model)")
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="generate at most this many tokens, the first included (fewer when a stop token comes first)")
@@ -91,15 +91,15 @@ def shared_flags(p) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step functions (warm-up timed apart)")
     p.add_argument("--compile-mode", default="max-autotune", choices=COMPILE_MODES, help="torch.compile mode used with --compile")
     p.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (cppwrapper.py)")
+                   help="with --compile on a CPU: inductor's C++ wrapper around each compiled step (speed/cppwrapper.py)")
     p.add_argument("--products", choices=["auto", "plain", "mkl", "onednn"], default="auto",
                    help="float32 on a CPU with a drafter: the products of a few rows (verify, draft) on weights packed "
-                        "once (packed.py): MKL's packed sgemm, oneDNN's, or plain F.linear. auto: the fastest kind "
+                        "once (speed/packed.py): MKL's packed sgemm, oneDNN's, or plain F.linear. auto: the fastest kind "
                         "on this machine, measured on the first run and cached beside inductor's cache")
     p.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                    help="attention of the cached steps: sdpa (default; boolean masks) or flex (FlexAttention block masks "
                         "built once; use with --compile on CUDA, eager flex on CPU is slow)")
-    p.add_argument("--no-think", action="store_true", help="chat (and bench.py --dataset's prompts): answer without a "
+    p.add_argument("--no-think", action="store_true", help="chat (and tools/bench.py --dataset's prompts): answer without a "
                                                            "reasoning block (enable_thinking=False)")
     g = p.add_argument_group("tensor parallelism (under torchrun --nproc-per-node N: tp.py)")
     g.add_argument("--tp-backend", choices=sorted(tp.SERVES), default=None,
@@ -111,7 +111,7 @@ def shared_flags(p) -> None:
 
 
 def compile_options(args, device) -> dict:
-    """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (cppwrapper.py), unless --no-cpp-wrapper;
+    """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (speed/cppwrapper.py), unless --no-cpp-wrapper;
     with --attention flex on a CPU no epilogue fusion (torch 2.13's CPU flex kernel refuses to take the
     one-query steps' following ops as epilogues: NotImplementedError in CppFlexAttentionTemplate)."""
     if torch.device(device).type != "cpu":
@@ -119,20 +119,20 @@ def compile_options(args, device) -> dict:
     options = {"epilogue_fusion": False} if getattr(args, "attention", "sdpa") == "flex" else {}
     if not args.cpp_wrapper:
         return options
-    import cppwrapper
+    from speed import cppwrapper
     return {**options, **cppwrapper.options()}
 
 
 def use_products(choice: str, rows: int, *modules) -> dict:
     """--products: swap the linears of the loaded, final models (None entries skipped) for packed ones of the chosen
-    kind (packed.py, optional); auto: packed.choose (measured once per machine, then cached). A no-op where it does
+    kind (speed/packed.py, optional); auto: packed.choose (measured once per machine, then cached). A no-op where it does
     not apply: not float32, not a CPU, the kind missing in this torch, too little free memory, or (auto) no products
     of 2-64 rows, as in plain decoding (rows 1).
     -> {"products": the kind the models run ("plain" when none), "products_measured": {kind: its time / plain's} as
     measured or read from the cache (None when forced), "products_cached": whether read from the cache}."""
     if choice == "plain":
         return {"products": "plain", "products_measured": None, "products_cached": False}
-    import packed
+    from speed import packed
     modules = [m for m in modules if m is not None]
     measured, cached = None, False
     if choice == "auto":

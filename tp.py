@@ -1,6 +1,6 @@
 """Tensor and expert parallelism for the Qwen3.5 target on torch.distributed (docs/method.md#past-one-device).
 
-`torchrun --nproc-per-node N generate.py ...` (and bench.py) runs N processes. Each reads the checkpoint one layer
+`torchrun --nproc-per-node N generate.py ...` (and tools/bench.py) runs N processes. Each reads the checkpoint one layer
 at a time and cuts each layer into the part its rank holds before reading the next (`Parallel.load_target`), as
 gpt-fast's `tp.py` cuts a built model in place: model.py is unchanged, and the cut layers are model.py's own
 classes with fewer heads. The ranks' partial sums meet in all-reduces issued by `AllReduce` through torch's

@@ -1,4 +1,4 @@
-"""bench.py: the --preset 9B shapes are right, the small preset runs the same code path on CPU, the GPU bars follow
+"""tools/bench.py: the --preset 9B shapes are right, the small preset runs the same code path on CPU, the GPU bars follow
 from the bytes the steps read, bench_gpu.sh runs every stage whatever fails, and the default checkpoint benchmark
 reports what it promises on its held-out prompts."""
 import json
@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-import bench
+from tools import bench
 import checkpoint as ckpt
 from helpers import Early
 import options
-import presets
+from tools import presets
 import model as M
 
 
@@ -58,7 +58,7 @@ def test_tiny_moe_preset_runs(capsys):
 def test_tiny_preset_runs_and_reports(capsys, monkeypatch):
     """The small preset on the CPU: the JSON line it returns printed last, its figures consistent; AR's decode step,
     bandwidth and a JSON line of its own ("part": "ar") printed before the DFlash engine is built."""
-    import tables
+    from tools import tables
     printed_before = {}
     single_engine = tables.single_engine
 
@@ -105,7 +105,7 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     assert last["peak_copy_gb_s"] is None and last["bandwidth_fraction"] is None      # CUDA only
     assert any(line.startswith("decode reads ") and "GB/s" in line for line in lines)
     # the few-row products were chosen as generate.py chooses them: measured once, a packed kind only past the margin
-    import packed
+    from speed import packed
     measured = last["products_measured"]
     if packed.KINDS and measured:
         assert (last["products"] != "plain") == (min(measured.values()) <= 1 - packed.MARGIN), last
@@ -120,7 +120,7 @@ def test_side_by_side_engines_keep_their_own_drafter_cache(monkeypatch, capsys):
     static address): so every engine's proposer still holds, after the run, the cache made for that engine, and no
     two engines share a proposer. (The engines are built eager here, tables.single_engine with eager=True: the
     construction is --compile's, without inductor's minutes.)"""
-    import tables
+    from tools import tables
     built, single = [], tables.single_engine
 
     def record(*a, **kw):
@@ -138,7 +138,7 @@ def test_side_by_side_engines_keep_their_own_drafter_cache(monkeypatch, capsys):
 
 def test_heldout_prompts_extend_without_changing_the_first():
     """More prompts than held-out files: further windows of the same files; the first ones do not move."""
-    import prompts
+    from tools import prompts
     tok = ckpt.load_tokenizer(options.DEFAULT_TARGET)
     few, many = prompts.heldout_prompts(tok, 8), prompts.heldout_prompts(tok, 64)
     assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64
@@ -302,7 +302,7 @@ def test_preset_summary_judges_the_gpu_bars(tmp_path, capsys):
 
 
 def test_profile_decode_reports_per_step_self_times(capsys):
-    """bench.py --profile-decode (eager here, kept tiny): a decode-step median, then the profiler's top entries per
+    """tools/bench.py --profile-decode (eager here, kept tiny): a decode-step median, then the profiler's top entries per
     decode step of one generation, its prefill left out; the JSON line says how many steps were profiled. It refuses
     the flags of the modes it does not run."""
     out = bench.main(["--profile-decode", "--threads", "1", "--heldout", "2", "--max-new-tokens", "12", "--repeat", "1"])
@@ -319,7 +319,7 @@ def test_profile_decode_reports_per_step_self_times(capsys):
 
 
 def test_profile_round_times_each_step_called_directly(capsys, monkeypatch):
-    """bench.py --profile-round (eager here, 3 calls of each step): the medians of a draft of the whole block, its
+    """tools/bench.py --profile-round (eager here, 3 calls of each step): the medians of a draft of the whole block, its
     verify (which commits) and an AR decode step on a live state, their ratios, the draft and verify again in turn,
     then the profiler's top entries per call of each; the JSON line carries them. The draft called again on the same
     state drafts the same block (its context appends rewrite the same slots). It refuses the flags of the modes it

@@ -1,6 +1,6 @@
-"""bench.py --concurrency: two engines stepped in turns through their observers (engine.Observer: clock(),
+"""tools/bench.py --concurrency: two engines stepped in turns through their observers (engine.Observer: clock(),
 stepped(live)), each timed on its own steps' clock (bench.in_turns, bench.whole_runs, ArmRun's held stretch), and
-bench.py --vs-pure."""
+tools/bench.py --vs-pure."""
 import pytest
 
 import engine
@@ -37,7 +37,7 @@ class FakeArm:
 def test_in_turns_steps_the_arm_behind_in_its_own_time(monkeypatch):
     """bench.in_turns: the arm with the least time of its own goes next (the first listed on a tie); each arm's time is
     the sum of its own steps'; each gets its own results."""
-    import bench
+    from tools import bench
     clock, log = Clock(), []
     monkeypatch.setattr(bench.time, "perf_counter", clock)
     arms = [("a", FakeArm("a", [3, 3, 3], clock, log)), ("b", FakeArm("b", [1] * 7, clock, log))]
@@ -55,7 +55,7 @@ def test_in_turns_reads_each_batch_decode_seconds_on_its_own_time(monkeypatch):
     steps only, not the time the slow one stepped between them (and the outputs are those of a run alone)."""
     import time
 
-    import bench
+    from tools import bench
     target = random_target(tiny_target_config(), seed=3)
     reqs = [engine.Request([1, 2, 3], 12), engine.Request([4, 5], 9)]
     fast, slow = (engine.Engine(target, None, 1, 1, 64) for _ in range(2))
@@ -74,7 +74,7 @@ def test_in_turns_measures_the_stretch_with_every_slot_live():
     the second then the third: steps 1-6 hold two live rows, then the queue is dry and steps 7-11 hold one. The held
     stretch ends with step 6: 15 tokens (12 + 4 + 4 in all), part of the batch's time; the observer's stepped(live)
     gets each step's live rows."""
-    import bench
+    from tools import bench
     target = random_target(tiny_target_config(), seed=3)
     reqs = [engine.Request([1, 2, 3], 12), engine.Request([4, 5], 4), engine.Request([6], 4)]
     eng = engine.Engine(target, None, 1, 2, 64)
@@ -104,9 +104,9 @@ def test_in_turns_measures_the_stretch_with_every_slot_live():
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_bench_concurrency_in_turns_whole_runs_and_aa(capsys):
-    """bench.py --concurrency on the embedded pair: in turns (the default) and --whole-runs, the outputs identical to AR's;
+    """tools/bench.py --concurrency on the embedded pair: in turns (the default) and --whole-runs, the outputs identical to AR's;
     --aa times two AR batches (no rounds); --whole-runs and --aa need --concurrency."""
-    import bench
+    from tools import bench
     base = ["--concurrency", "2", "--heldout", "3", "--max-new-tokens", "12", "--threads", "1", "--repeat", "2"]
     for extra, timing in (([], "in_turns"), (["--whole-runs"], "whole_runs")):
         res = bench.main(base + extra)
@@ -127,8 +127,8 @@ def test_bench_concurrency_in_turns_whole_runs_and_aa(capsys):
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_bench_vs_pure(capsys):
-    """bench.py --vs-pure: a line per prompt and a geometric mean that follows from them."""
-    import bench
+    """tools/bench.py --vs-pure: a line per prompt and a geometric mean that follows from them."""
+    from tools import bench
     s = bench.main(["--vs-pure", "--threads", "1", "--heldout", "2", "--max-new-tokens", "24"])
     out = capsys.readouterr().out
     ratios = [float(line.rsplit("ratio ", 1)[1]) for line in out.splitlines() if line.startswith("prompt ")]

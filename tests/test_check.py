@@ -245,7 +245,7 @@ def test_zlab_loop_divergences_are_found_where_it_leaves_greedy(pair):
     checker reports each such run's first divergence at exactly that token, as a divergence (not a tie), some
     verify steps after a partial acceptance."""
     from transformers import AutoModelForCausalLM
-    import prompts
+    from tools import prompts
     target = pair[0]
     zm = zlab_module()
     zm._cuda_time = lambda: 0.0                      # its timing helper synchronises CUDA unconditionally

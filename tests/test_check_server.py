@@ -42,7 +42,7 @@ def near_tie_variant(target, prompt: list, out: list) -> tuple | None:
 @pytest.fixture(scope="module")
 def cases(one_thread):
     """Prompts (token ids) and what the replay server answers for each: name -> (prompt, output ids or None)."""
-    import prompts as P
+    from tools import prompts as P
     import checkpoint as ckpt
     target, _, p1, p2 = embedded_pair()
     tok = ckpt.load_tokenizer(target.path)
@@ -237,11 +237,11 @@ def test_refused_connection_and_other_prompt_ids_are_reported_per_request(cases,
 
 @pytest.mark.parametrize("flags", [["--pack"], ["--heldout", "3"], ["--dataset", "LOCAL", "--limit", "2"]])
 def test_prompt_sets_are_sent_as_token_ids(flags, tmp_path, capsys):
-    """--pack (the conformance pack's prompts), --heldout (bench.py's held-out prompts) and --dataset (a local set's
+    """--pack (the conformance pack's prompts), --heldout (tools/bench.py's held-out prompts) and --dataset (a local set's
     first turns) go out as the token ids our tokenizer gives, each asking --max-new-tokens; our greedy outputs
     back are all equal."""
     import checkpoint as ckpt
-    import prompts as P
+    from tools import prompts as P
     target = embedded_pair()[0]
     tok = ckpt.load_tokenizer(target.path)
     (tmp_path / "set.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Queue:"}\n{"prompt": "import re"}\n')

@@ -269,7 +269,7 @@ def test_more_bad_inputs(ckpt, args, exc, words):
 
 @pytest.mark.parametrize("extra", [["--attention", "flex"], ["--products", "onednn"], ["--products", "mkl"]])
 def test_optional_speed_paths_same_output(ckpt, capsys, extra):
-    """The optional modules behind their flags (flex.py, packed.py) change no token."""
+    """The optional modules behind their flags (speed/flex.py, speed/packed.py) change no token."""
     res = main_json(capsys, "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompt-ids", IDS_ARG,
                     "--max-new-tokens", MAX_NEW, "--json", *extra)
     assert res["output_ids"] == ckpt["ref"]
@@ -281,7 +281,7 @@ def test_packed_products_are_chosen_once_by_measurement(ckpt, capsys, monkeypatc
     verdict from the cache beside inductor's (other rows are measured anew); the --json line and the statistics line
     say what was chosen. --products forces a kind without measuring, plain decoding has no few-row products to
     measure, and no choice changes a token."""
-    import packed
+    from speed import packed
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fast = packed.KINDS[0]
     asked, timing = [], {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import compiling
-import cppwrapper
+from speed import cppwrapper
 import dflash
 import engine
 from helpers import HAS_EMBEDDED_PAIR, ROOT, Early, embedded_pair
@@ -25,10 +25,10 @@ def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
-    """With the command lines' CPU wrapper (cppwrapper.py's C++ one; the Python wrapper where this torch cannot take
+    """With the command lines' CPU wrapper (speed/cppwrapper.py's C++ one; the Python wrapper where this torch cannot take
     the patch): in the compiled decode step of the embedded target each distinct decoder layer is compiled once and
     called per layer (torch.compiler.nested_compile_region), and the tokens are the eager batch's. Inductor lowers a
-    region's body once whatever the wrapper; the C++ wrapper's calls of it are cppwrapper.py's own code. One step
+    region's body once whatever the wrapper; the C++ wrapper's calls of it are speed/cppwrapper.py's own code. One step
     kind: the regions are the model's, whichever step calls it (recompiles and the other kinds: the tests below)."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code

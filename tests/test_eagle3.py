@@ -194,7 +194,7 @@ def test_training_unrolls_what_inference_drafts():
     """train.eagle3_hidden (all chained steps teacher-forced in one masked forward per step) == the drafter's chain
     at inference when the forced tokens are the chain's own: each step's output at the prompt's last row equals
     the hidden state Eagle3Tree computed for that node (through their log probabilities)."""
-    import train
+    from tools import train
     cfg = tiny_target_config()
     target = random_target(cfg, 13)
     d = random_eagle(cfg, 14)
@@ -216,8 +216,8 @@ EMBEDDED_EAGLE3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 @pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED_EAGLE3, "model.safetensors")), reason="embedded EAGLE-3 head absent")
 def test_embedded_head_drafts_and_bench_compares(capsys):
     """The trained head for the embedded target: its trees are accepted (more than one token per round), every
-    output is AR's, and bench.py's table has its rows beside DFlash's."""
-    import bench
+    output is AR's, and tools/bench.py's table has its rows beside DFlash's."""
+    from tools import bench
     res = bench.main(["--methods", "dflash,eagle3,eagle3-chain4", "--heldout", "4", "--max-new-tokens", "32",
                       "--no-adaptive", "--threads", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
@@ -282,9 +282,9 @@ def test_drafts_equal_the_speculators_layer_unrolled(norm_first):
 @pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(EMBEDDED_EAGLE3), "tiny-qwen35", "tokenizer.json")),
                     reason="embedded target absent")
 def test_train_py_eagle3_writes_a_head_that_loads_and_drafts(tmp_path):
-    """`train.py eagle3` end to end (a few steps on the embedded target): the head it writes loads in the published
+    """`tools/train.py eagle3` end to end (a few steps on the embedded target): the head it writes loads in the published
     layout, reads the layers asked for, and its trees give AR's output."""
-    import train
+    from tools import train
     tdir = os.path.join(os.path.dirname(EMBEDDED_EAGLE3), "tiny-qwen35")
     train.main(["eagle3", "--target", tdir, "--out", str(tmp_path), "--steps", "3", "--n-seq", "4", "--prompt-len", "16",
                 "--resp-len", "16", "--batch", "2", "--threads", "1", "--aux-layers", "1,2,4"])

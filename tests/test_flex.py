@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 import engine
-import flex
+from speed import flex
 import model as M
 import policy
 from helpers import (Early, OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,

@@ -164,7 +164,7 @@ def test_steps_out_of_range():
 def test_training_forward_is_the_chained_head():
     """train.mtp_hidden (all chained steps in one masked forward per step) == the head run from scratch with the
     true tokens in place of its proposals: step k at row i sees the committed rows up to i and its own chain."""
-    import train
+    from tools import train
     target = random_target(tiny_target_config(vocab_size=40), 8)
     head = random_head(target, 9)
     S, K = 30, 3
@@ -204,7 +204,7 @@ def test_load_the_published_names(tmp_path):
     from safetensors.torch import save_file
     import checkpoint as ckpt
     target = saved_target(tmp_path)
-    with pytest.raises(M.CheckpointError, match="no MTP head.*train.py mtp"):
+    with pytest.raises(M.CheckpointError, match="no MTP head.*tools/train.py mtp"):
         mtp.load_mtp(str(tmp_path), target)
     before = ckpt.read_safetensors(str(tmp_path))
     head = random_head(target, 3, torch.float32)
@@ -293,10 +293,10 @@ def test_embedded_head_through_a_prompts_file(tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_embedded_head_accepts_and_bench_compares(capsys):
-    """bench.py --methods on held-out prompts: the trained head's mean tokens per round is above 1.5 (it predicts
+    """tools/bench.py --methods on held-out prompts: the trained head's mean tokens per round is above 1.5 (it predicts
     the target's text), every output equals AR, and the table names each method."""
     import json
-    import bench
+    from tools import bench
     bench.main(["--methods", "dflash,mtp3", "--heldout", "6", "--max-new-tokens", "48", "--no-adaptive"])
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])

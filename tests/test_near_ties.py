@@ -4,7 +4,7 @@ A 16-token verify and a 1-token decode round differently, so where two logits li
 each other either run may take either token (docs/method.md#exactness-and-precision). At the first token where
 the two runs differ, the target re-run in float32 over the prompt + the tokens both agreed on must put both runs'
 tokens within check.NEAR_TIE_STEPS rounding steps of bfloat16 (at the top logit's magnitude) of its best logit.
-The measurement over 64 held-out prompts is `python bench.py --threads 1 --parting --dtype bfloat16`.
+The measurement over 64 held-out prompts is `python tools/bench.py --threads 1 --parting --dtype bfloat16`.
 """
 import math
 import os
@@ -12,17 +12,17 @@ import os
 import pytest
 import torch
 
-import bench
+from tools import bench
 import check
 import checkpoint as ckpt
 import engine
-import prompts as P
+from tools import prompts as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")
 DRAFT = os.path.join(ROOT, "checkpoints", "tiny-qwen35-dflash")
 NEW = 128
-# Two prompts of the README's examples and two held-out prompts (prompts.heldout_prompts, bench.py's order) that
+# Two prompts of the README's examples and two held-out prompts (prompts.heldout_prompts, tools/bench.py's order) that
 # part in bfloat16 with one CPU thread: measured here (AMD EPYC, AVX2, torch 2.13.0+cpu, the pass-9 drafter) at
 # output tokens 8 and 42, so the test sees partings to judge. Other CPUs or thread counts may part elsewhere; the property must hold
 # wherever they do.
@@ -71,7 +71,7 @@ def test_bfloat16_dflash_and_ar_part_only_at_near_ties(runs):
     # held-out prompts part. Elsewhere none may, and then this test has judged nothing: it says so instead of passing.
     if not seen:
         pytest.skip("no prompt parted on this CPU: nothing to judge (find prompts that part with "
-                    "python bench.py --threads 1 --parting --dtype bfloat16)")
+                    "python tools/bench.py --threads 1 --parting --dtype bfloat16)")
 
 
 def test_a_clear_divergence_is_not_a_near_tie(runs):

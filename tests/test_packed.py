@@ -1,4 +1,4 @@
-"""packed.py, the optional float32 CPU products of a few rows on packed weights (MKL's packed sgemm, oneDNN): the
+"""speed/packed.py, the optional float32 CPU products of a few rows on packed weights (MKL's packed sgemm, oneDNN): the
 same products as F.linear up to float32 rounding, only where they are meant to apply, never from a stale copy of a
 weight; a swap that keeps parameters, names and ties and refuses what it cannot serve; compiled code that calls
 the kernels themselves; a choice measured once per machine and then read from its cache."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import packed
+from speed import packed
 
 pytestmark = pytest.mark.skipif(not packed.KINDS, reason="this torch build has neither MKL's nor oneDNN's packed linear")
 

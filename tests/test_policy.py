@@ -13,7 +13,7 @@ import checkpoint as ckpt
 import dflash
 import engine
 import generate
-import prompts
+from tools import prompts
 from helpers import embedded_pair, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target, tiny_target_config
 from policy import Policy, verify_blocks
 
@@ -359,7 +359,7 @@ def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
 # ---- The default draft window ------------------------------------------------------------------------------
 
 def test_default_window_from_the_config(tmp_path):
-    """train_context_length (dflash_config, written by train.py), else none, a sliding drafter's included (its
+    """train_context_length (dflash_config, written by tools/train.py), else none, a sliding drafter's included (its
     sliding layers keep their own window, its full layers see everything: the z-lab package's reading);
     generate.py applies it unless --draft-window says otherwise (0 = none)."""
     from helpers import tiny_draft_config

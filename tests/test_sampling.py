@@ -415,7 +415,7 @@ def test_dflash2_form_drafts_what_the_drafter_drafts():
     """bench.dflash2_form (how --draft-rules measures the two rules with the embedded DFlash drafter): greedy, its
     rounds propose exactly the DFlash drafter's tokens; sampling, its q is softmax(top-k logits / T) of the same
     rows, and under the coupled rule the output is plain decoding's for the seed."""
-    import bench
+    from tools import bench
     target = random_target(tiny_target_config(vocab_size=40), 3, torch.float64)
     drafter = random_drafter(tiny_draft_config(target.cfg, block_size=6, target_layer_ids=[0, 2], num_target_layers=None), 4)
     d2 = bench.dflash2_form(drafter, 5)
@@ -436,9 +436,9 @@ def test_dflash2_form_drafts_what_the_drafter_drafts():
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_bench_draft_rules_on_the_embedded_pair(capsys):
-    """bench.py --draft-rules: the three arms per temperature; the greedy draft and the coupled rule give every
+    """tools/bench.py --draft-rules: the three arms per temperature; the greedy draft and the coupled rule give every
     prompt's plain sampled text, the ratio rule its own; a flag it does not run is refused."""
-    import bench
+    from tools import bench
     res = bench.main(["--draft-rules", "0.8", "--heldout", "3", "--max-new-tokens", "16", "--threads", "1"])
     row = res["table"]["0.8"]
     assert set(row) == {"greedy draft", "sampled, coupled", "sampled, ratio"}

@@ -1,5 +1,5 @@
 """docs/llama-cpp/side_by_side.py without llama.cpp: llama-bench's JSON read (a real one, trimmed, from the recipe's
-tiny f32 GGUF at 1 and 2 threads), bench.py's last JSON line read, the tables, the run wired end to end with a
+tiny f32 GGUF at 1 and 2 threads), tools/bench.py's last JSON line read, the tables, the run wired end to end with a
 stand-in llama-bench that prints that JSON, and a WORKDIR without the recipe's outputs as one line, exit 2."""
 import importlib.util
 import json
@@ -67,7 +67,7 @@ def test_tables(sbs):
 
 def test_bench_commands(sbs):
     emb = sbs.bench_cmd("py", "embedded", "bf16", 2, 3)
-    assert emb[:7] == ["py", "bench.py", "--compile", "--threads", "2", "--dtype", "bfloat16"]
+    assert emb[:7] == ["py", "tools/bench.py", "--compile", "--threads", "2", "--dtype", "bfloat16"]
     assert [emb[i + 1] for i, a in enumerate(emb) if a == "--prompt"] == sbs.PROMPTS and "--repeat" in emb and "--no-adaptive" in emb
     small = sbs.bench_cmd("py", "0.8b", "f32", 1, 3)
     assert small[small.index("--preset") + 1] == "qwen3.5-0.8b" and "--random-weights" in small

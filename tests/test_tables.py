@@ -1,4 +1,4 @@
-"""The seeds' prompt sets and table (prompts.py, tables.py): each set is built from rows in its real schema exactly
+"""The seeds' prompt sets and table (tools/prompts.py, tools/tables.py): each set is built from rows in its real schema exactly
 as the z-lab package's benchmark builds it, sampled with the same shuffle, kept for offline runs, refused in one line
 when it cannot be read; the table's tau and speedup are the z-lab script's; a run writes the table, the JSON and
 plots that open as images."""
@@ -12,9 +12,9 @@ from contextlib import redirect_stdout
 
 import pytest
 
-import bench
-import prompts as P
-import tables
+from tools import bench
+from tools import prompts as P
+from tools import tables
 from check import zlab_module
 from dflash import GenerationError
 from helpers import HAS_EMBEDDED_PAIR
@@ -143,7 +143,7 @@ def test_unreadable_sets_are_one_line_that_says_what_to_do(monkeypatch, tmp_path
 
 
 def test_bench_refuses_an_unreadable_set_in_one_line_before_loading(monkeypatch, tmp_path, capsys):
-    """`python bench.py --dataset gsm8k` offline: exit code 2 and one stderr line, before any model loads."""
+    """`python tools/bench.py --dataset gsm8k` offline: exit code 2 and one stderr line, before any model loads."""
     monkeypatch.setenv("DFLASH_FAST_CACHE", str(tmp_path))
     monkeypatch.setitem(sys.modules, "datasets", None)
     monkeypatch.setattr(tables.ckpt, "load_target", lambda *a, **k: pytest.fail("the models load before the sets"))

@@ -1,4 +1,4 @@
-"""generate.py and bench.py under `torchrun --nproc-per-node 2` (gloo, CPU) print what one process prints: on the
+"""generate.py and tools/bench.py under `torchrun --nproc-per-node 2` (gloo, CPU) print what one process prints: on the
 embedded pair (adaptive speculation: the ranks share rank 0's step times), on a mixture-of-experts checkpoint with
 its experts and drafter cut, and for a file of requests; the JSON records the degree."""
 import atexit
@@ -83,7 +83,7 @@ def run_all() -> dict:
     return {"files": f, "embedded": torchrun(EMBEDDED + ["--threads", "1"]),
             "moe": torchrun(moe_flags(f) + ["--expert-parallel", "--tp-drafter", "sharded", "--threads", "1"]),
             "file": torchrun(file_flags(f) + ["--threads", "1"]),
-            "bench": torchrun(["bench.py", "--heldout", "2", "--max-new-tokens", "24", "--threads", "1"])}
+            "bench": torchrun(["tools/bench.py", "--heldout", "2", "--max-new-tokens", "24", "--threads", "1"])}
 
 
 RUNS = Early(run_all)              # started with the suite, on the core its one-thread tests leave idle

@@ -1,4 +1,4 @@
-"""train.py: the training mask, that training lowers the loss, and that the saved formats load elsewhere."""
+"""tools/train.py: the training mask, that training lowers the loss, and that the saved formats load elsewhere."""
 import os
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import checkpoint as ckpt
 import model as M
-import train
+from tools import train
 from helpers import random_target, tiny_target_config, tiny_draft_config, zlab_module
 
 
@@ -171,7 +171,7 @@ class _Payload:
 
 
 def test_state_files_load_weights_only(tmp_path):
-    """train.py's state round-trips with weights_only=True, and a state file carrying a pickled object is refused."""
+    """tools/train.py's state round-trips with weights_only=True, and a state file carrying a pickled object is refused."""
     tcfg = tiny_target_config(vocab_size=40)
     drafter = M.DFlashDrafter(tiny_draft_config(tcfg, target_layer_ids=[0, 2]))
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3, betas=(0.9, 0.95))

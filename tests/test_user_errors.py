@@ -378,7 +378,7 @@ def test_help_shows_defaults(capsys, module):
     (["--prompts", "{tmp}"], "error: --prompts {tmp} is a directory; give a text file with one prompt per line"),
 ])
 def test_bench_prompt_flags_are_one_error_line(tmp_path, capsys, monkeypatch, args, says):
-    import bench
+    from tools import bench
     import checkpoint
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(checkpoint, "load_target", lambda *a, **kw: pytest.fail("loaded before the flags were checked"))
@@ -389,7 +389,7 @@ def test_bench_prompt_flags_are_one_error_line(tmp_path, capsys, monkeypatch, ar
 
 def test_bench_empty_prompts_file_is_refused(tmp_path, capsys):
     """An empty --prompts file is refused, not replaced by the held-out prompts."""
-    import bench
+    from tools import bench
     (tmp_path / "p.txt").write_text("\n  \n")
     assert bench.cli(["--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "2", "--threads", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

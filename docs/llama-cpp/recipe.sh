@@ -266,7 +266,7 @@ set -e
 echo "check.py exit code: $rc (0: every case clean; 1: something found; 2: bad input)"
 
 # ---- 8. Under concurrency: llama-server with 8 slots (-np 8: continuous batching, 512 context tokens each) on the
-# f32 GGUFs, plain and with its DFlash drafter; `check.py --server` sends $SERVER_PROMPTS held-out prompts (bench.py's)
+# f32 GGUFs, plain and with its DFlash drafter; `check.py --server` sends $SERVER_PROMPTS held-out prompts (tools/bench.py's)
 # as token ids, greedy, 128 tokens, EOS ignored, first one at a time, then 8 in flight, and judges every reply
 # token by token (docs/usage.md#against-a-running-server). The reports: WORKDIR/check-server-{ar,dflash}.out.
 step "8. check.py --server: llama-server -np 8, concurrency 1 and 8"

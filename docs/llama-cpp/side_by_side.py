@@ -8,17 +8,17 @@ WORKDIR is a directory where `bash docs/llama-cpp/recipe.sh WORKDIR` ran: its ll
 venv and GGUFs of the embedded pair are used as they are. Two models:
 
 - embedded: the tiny pair in checkpoints/ (the recipe's GGUFs).
-- 0.8b: bench.py's `qwen3.5-0.8b` preset (random weights at the shapes of Qwen3.5-0.8B, seed 0), saved once as an
+- 0.8b: tools/bench.py's `qwen3.5-0.8b` preset (random weights at the shapes of Qwen3.5-0.8B, seed 0), saved once as an
   HF checkpoint in WORKDIR/qwen35-0.8b-random (with the embedded tokenizer; the converter pads the vocabulary to
   248,320) and converted with the recipe's converter and eos/bos fix to GGUF. Steps whose outputs exist are skipped.
 
 Per GGUF, llama.cpp's own step timer, `llama-bench -p 16 -n N -r R -t T -o json`, gives tg (ms per generated
-token: 1000 / its mean tokens per second) and pp16 (ms per 16-token batch). Ours: `bench.py --compile --threads T
+token: 1000 / its mean tokens per second) and pp16 (ms per 16-token batch). Ours: `tools/bench.py --compile --threads T
 --dtype D` in a subprocess, its last JSON line read for decode, verify (16 tokens) and draft ms; on the embedded
 pair the recipe's three prompts, 128 tokens, --no-adaptive --repeat 3, which also gives our AR and DFlash tok/s. On
 the embedded pair llama-server runs the same three prompts (as token ids, greedy, 128 tokens, EOS ignored), plain and with
 `-md DRAFTER --spec-type draft-dflash --spec-draft-n-max 15`, and its `timings.predicted_per_second` is read (the
-median over repeats, then over prompts, as bench.py takes ours). The random 0.8B gets no tok/s: its drafter's
+median over repeats, then over prompts, as tools/bench.py takes ours). The random 0.8B gets no tok/s: its drafter's
 proposals are noise. Our DFlash runs pure rounds (`--no-adaptive`: every round drafts 15 tokens and verifies 16, as
 llama.cpp's drafts 15 every round; its accepted / drafted counts are in the JSON), so verify(16) is exactly that.
 
@@ -209,23 +209,23 @@ def run_server(wd: Workdir, target: str, draft: str | None, threads: int, prompt
     return out
 
 
-# ---- ours: bench.py --------------------------------------------------------------------------------------------
+# ---- ours: tools/bench.py --------------------------------------------------------------------------------------------
 
 def bench_cmd(python: str, model: str, dtype: str, threads: int, repeat: int) -> list:
-    cmd = [python, "bench.py", "--compile", "--threads", str(threads), "--dtype", DTYPES[dtype]]
+    cmd = [python, "tools/bench.py", "--compile", "--threads", str(threads), "--dtype", DTYPES[dtype]]
     if model == "0.8b":
         return cmd + ["--preset", "qwen3.5-0.8b", "--random-weights", "--max-new-tokens", "16", "--prompt-len", "64"]
     return cmd + ["--no-adaptive", "--repeat", str(repeat)] + [a for p in PROMPTS for a in ("--prompt", p)]
 
 
 def parse_bench(stdout: str) -> dict:
-    """bench.py's last JSON line -> the numbers of the table (missing keys None)."""
+    """tools/bench.py's last JSON line -> the numbers of the table (missing keys None)."""
     for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             obj = json.loads(line)
             break
     else:
-        raise RuntimeError("bench.py printed no JSON line")
+        raise RuntimeError("tools/bench.py printed no JSON line")
     keys = ("decode_ms", "verify_ms", "draft_ms", "ar_tokens_per_s", "dflash_tokens_per_s", "mean_acceptance_length",
             "block_size", "compile_seconds", "products")
     return {k: obj.get(k) for k in keys}
@@ -235,7 +235,7 @@ def run_bench(cmd: list) -> dict:
     log(shlex.join(cmd))
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"bench.py exited with {out.returncode}: {last_line(out.stderr)}")
+        raise RuntimeError(f"tools/bench.py exited with {out.returncode}: {last_line(out.stderr)}")
     return parse_bench(out.stdout)
 
 
@@ -258,7 +258,7 @@ def save_random_target(hf_dir: str) -> None:
     f32 and bf16 GGUFs are made from it) with the embedded target's tokenizer.json."""
     import torch
     import checkpoint
-    import presets
+    from tools import presets
     torch.manual_seed(0)
     target, drafter = presets.random_models("qwen3.5-0.8b", "cpu", torch.bfloat16)
     del drafter
@@ -327,7 +327,7 @@ TITLES = {"embedded": "embedded pair (checkpoints/tiny-qwen35 + tiny-qwen35-dfla
 def report(result: dict) -> str:
     s = result["settings"]
     out = [f"CPU: {result['cpu']}; date: {result['date']}", f"llama.cpp: {result['llama_cpp'] or 'not run'}",
-           f"llama-bench -p {PP} -n {s['n_gen']} -r {s['repetitions']}; ours: bench.py --compile "
+           f"llama-bench -p {PP} -n {s['n_gen']} -r {s['repetitions']}; ours: tools/bench.py --compile "
            f"(embedded: 3 prompts x {s['n_predict']} tokens, --no-adaptive --repeat {s['repeat']}; 0.8b: --prompt-len 64 "
            f"--max-new-tokens 16)"]
     for model, rows in result["models"].items():
@@ -369,9 +369,9 @@ def parse_args(argv=None):
     p.add_argument("--repetitions", "-r", type=int, default=5, help="llama-bench -r (default: 5)")
     p.add_argument("--n-gen", type=int, default=32, help="llama-bench -n: generated tokens per tg test (default: 32)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="embedded pair: each prompt this many times, in bench.py and in llama-server (default: 3)")
+                   help="embedded pair: each prompt this many times, in tools/bench.py and in llama-server (default: 3)")
     p.add_argument("--only", choices=("llama", "ours"), default=None, help="run one side only")
-    p.add_argument("--python", default=sys.executable, help="the interpreter for bench.py (default: this one)")
+    p.add_argument("--python", default=sys.executable, help="the interpreter for tools/bench.py (default: this one)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     if min(args.threads) < 1 or args.repetitions < 1 or args.n_gen < 1 or args.repeat < 1:
@@ -428,9 +428,9 @@ def measure_ours(model: str, args, rows: dict, errors: list) -> None:
                 continue
             try:
                 rows[d, t]["ours"] = run_bench(cmd)
-                log(f"bench.py {model} {d} t{t}: {json.dumps(rows[d, t]['ours'])}")
+                log(f"tools/bench.py {model} {d} t{t}: {json.dumps(rows[d, t]['ours'])}")
             except (RuntimeError, OSError, ValueError) as e:
-                errors.append(f"{model} {d} t{t} bench.py: {e}")
+                errors.append(f"{model} {d} t{t} tools/bench.py: {e}")
                 log(errors[-1])
 
 
@@ -447,9 +447,9 @@ def main(argv=None) -> int:
               f"`bash docs/llama-cpp/recipe.sh {args.workdir}` first", file=sys.stderr)
         return 2
     if REPO not in sys.path:
-        sys.path.insert(0, REPO)     # the repository's flat modules (tables, servers, presets, checkpoint)
-    import tables                    # imports torch: after the checks above
-    result = {"cpu": tables.cpu_model(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        sys.path.insert(0, REPO)     # the repository's modules (servers, checkpoint, tools.presets, speed.packed)
+    from speed.packed import cpu_model   # imports torch: after the checks above
+    result = {"cpu": cpu_model(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "llama_cpp": wd.engine() if args.only != "ours" else None, "workdir": wd.root,
               "settings": {"threads": args.threads, "dtypes": args.dtypes, "repetitions": args.repetitions,
                            "n_gen": args.n_gen, "n_prompt": PP, "repeat": args.repeat, "n_predict": 128,

@@ -1,5 +1,5 @@
 """FlexAttention block masks for the cached steps: an optional attention backend, selected by `--attention flex`
-(generate.py, bench.py), which passes `FlexMasks` to engine.Engine in place of
+(generate.py, tools/bench.py), which passes `FlexMasks` to engine.Engine in place of
 model.DenseMasks. Deleting this file and that flag leaves a working project on SDPA, the default.
 
 Why: compiled on a GPU, flex_attention skips the key tiles a step cannot see; SDPA with a boolean mask reads

@@ -35,6 +35,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -482,8 +483,19 @@ def cache_path() -> str:
     return os.path.join(folder, "dflash_fast_products.json")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), for the record beside every number."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _key(modules, rows: int) -> str:
-    from tables import cpu_model          # (the record's CPU name; imported here: the verdict's key needs it once)
     shapes = sorted(Counter(map(_shape, _linears(modules))).items())
     # "passes": how `measure` times (a verdict measured another way, or by an older version, is measured again)
     return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])

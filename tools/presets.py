@@ -1,8 +1,8 @@
-"""--preset: the step costs of real model shapes with random weights, no checkpoint needed (bench.py --preset).
+"""--preset: the step costs of real model shapes with random weights, no checkpoint needed (tools/bench.py --preset).
 
-    python bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
-    python bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU
-    python bench.py --preset tiny-9b-shape --random-weights --concurrency 1,8,32                  # per N in flight
+    python tools/bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
+    python tools/bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU
+    python tools/bench.py --preset tiny-9b-shape --random-weights --concurrency 1,8,32                  # per N in flight
 
 Step times do not depend on the weights' values, so random weights built on the device time the real shapes:
 AR decode, verify and draft steps, the weight bandwidth a decode step achieves against a measured device copy
@@ -21,7 +21,7 @@ import checkpoint as ckpt
 import compiling
 import engine
 import model as M
-import tables
+from tools import tables
 from options import compile_options, pick_dtype, use_products
 
 BAR_FRACTION = 0.75     # every GPU bar asks this fraction of what the bytes its steps read allow (gpu_bars)

@@ -1,8 +1,8 @@
-"""The seeds' tables: tau / speedup per method and prompt set, as markdown, JSON and plots (`bench.py --methods`,
-`bench.py --dataset`).
+"""The seeds' tables: tau / speedup per method and prompt set, as markdown, JSON and plots (`tools/bench.py --methods`,
+`tools/bench.py --dataset`).
 
-    python bench.py --dataset humaneval --limit 16 --methods dflash,mtp3 --out results/
-    python bench.py --dataset gsm8k,math500,humaneval,mbpp,mt-bench,alpaca --methods dflash --no-adaptive   # a GPU
+    python tools/bench.py --dataset humaneval --limit 16 --methods dflash,mtp3 --out results/
+    python tools/bench.py --dataset gsm8k,math500,humaneval,mbpp,mt-bench,alpaca --methods dflash --no-adaptive   # a GPU
 
 Rows are methods, columns prompt sets, and each cell is "tau / speedup", with an Avg. column: the shape of the
 z-lab and MMFlash cards' tables. Every prompt (every turn of a multi-turn sample) runs plain AR decoding first and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,21 +30,10 @@ import chat
 import checkpoint as ckpt
 import dflash
 import engine
-import prompts as P
+from tools import prompts as P
+from speed.packed import cpu_model
 import tree
 from policy import PerRun, Policy
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), for the record beside every number."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def method_proposers(args, target, dtype, device) -> dict:
@@ -275,7 +263,7 @@ def table_main(args, device) -> dict:
     drafters = [p.drafter if isinstance(p, engine.DrafterProposer) else None for p in inner]
     products = use_products(args.products, widest, target, *drafters)             # chosen at the widest block
     print(f"{products_words(products)}; {torch.get_num_threads()} threads; {cpu_model()}", flush=True)
-    if not sets:                                              # --methods alone: bench.py's own prompts, one column
+    if not sets:                                              # --methods alone: tools/bench.py's own prompts, one column
         sets = [("heldout" if not (args.prompt or args.prompts) else "prompts",
                  [P.Sample(ids=ids) for ids in P.from_args(args, tok, target.path)][:args.limit])]
     runner = Runner(args, target, methods, text.stops(ckpt.stop_token_ids(target.path, target.cfg)))

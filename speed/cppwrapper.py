@@ -8,7 +8,7 @@ teaches it: each region body (one per kind of layer) is written ONCE, as a C++ l
 and every layer calls the lambda. Written out again at every call site, the entry function would hold one copy
 per layer, and g++ -O3 on that huge function is most of a CPU compilation.
 
-generate.py and bench.py use it when they compile on a CPU (`--no-cpp-wrapper` keeps the Python wrapper).
+generate.py and tools/bench.py use it when they compile on a CPU (`--no-cpp-wrapper` keeps the Python wrapper).
 It patches a private inductor method of the torch this project pins; where that method is missing, options()
 returns {} and the Python wrapper is used. Deleting this file and the lines that call it leaves a working
 project (compiled CPU steps then run the Python wrapper).

@@ -1,8 +1,8 @@
 """The prompts the benchmarks run, in one place: held-out Python for the embedded pair, and the seeds' prompt sets.
 
-    heldout_prompts(tok, n)      n prompts of 30-60 tokens from held-out standard-library files (bench.py's default)
+    heldout_prompts(tok, n)      n prompts of 30-60 tokens from held-out standard-library files (tools/bench.py's default)
     long_prompts(tok, n, length) n prompts of `length` tokens from the same files (--prompt-len)
-    stdlib_files(split)          this Python's standard library, split into train / held-out files (train.py)
+    stdlib_files(split)          this Python's standard library, split into train / held-out files (tools/train.py)
     SETS                         the seeds' prompt sets by name: where each is read from and how a row becomes turns
     load_set(name)               -> [Sample]: a named set (offline where it can be) or a local .jsonl file
     select(samples, count)       the seeds' sample: shuffled with a fixed seed, the first `count`

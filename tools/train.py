@@ -1,9 +1,9 @@
 """Train the embedded default pair: a tiny Qwen3.5-architecture target and its DFlash drafter.
 
-    python train.py target --out checkpoints/tiny-qwen35 --minutes 25
-    python train.py draft  --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-dflash --minutes 25
-    python train.py mtp    --target checkpoints/tiny-qwen35 --out /tmp/mtp-run --minutes 20   (writes mtp.* into --target)
-    python train.py eagle3 --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-eagle3 --minutes 12
+    python tools/train.py target --out checkpoints/tiny-qwen35 --minutes 25
+    python tools/train.py draft  --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-dflash --minutes 25
+    python tools/train.py mtp    --target checkpoints/tiny-qwen35 --out /tmp/mtp-run --minutes 20   (writes mtp.* into --target)
+    python tools/train.py eagle3 --target checkpoints/tiny-qwen35 --out checkpoints/tiny-qwen35-eagle3 --minutes 12
 
 `target`: a byte-level BPE tokenizer (`tokenizers`) and a small hybrid model (Gated DeltaNet + gated attention)
 trained on the Python standard library's own source, which every machine with Python has; files are split
@@ -31,14 +31,18 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+
+if __package__ in (None, ""):       # run as a script (python tools/train.py): the repository's modules beside tools/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.nn.functional as F
 
 import checkpoint as ckpt
 import model as M
-from prompts import read_text, stdlib_files   # the held-out split is the benchmarks' prompts (prompts.py)
+from tools.prompts import read_text, stdlib_files   # the held-out split is the benchmarks' prompts (tools/prompts.py)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
