@@ -696,9 +696,9 @@ def draws(requests: list) -> tuple:
 @contextlib.contextmanager
 def gc_paused():
     """Python's cyclic garbage collector off for a run. Every step allocates per-row records (Steps, lists), and
-    the collections they trigger traverse every object of the process (the models, the compiled graphs' guards;
-    docs/measurements.md has what they cost). The records are acyclic and freed by reference counting while the
-    collector is off."""
+    the collections they trigger traverse every object of the process (the models, the compiled graphs' guards), a
+    cost paid again and again in a long run of many requests. The records are acyclic and freed by reference
+    counting while the collector is off."""
     was = gc.isenabled()
     gc.disable()
     try:
