@@ -104,7 +104,7 @@ stage smoke 70 "$PY" tools/bench.py --preset "$SMOKE" "${RUN[@]}" --attention "$
 stage preset 220 "$PY" tools/bench.py --preset "$PRESET" "${RUN[@]}" --attention "$ATTENTION" \
     --max-new-tokens "$MAX_NEW" --prompt-len "$PROMPT_LEN"
 last_json "$OUTDIR/preset.log" "$OUTDIR/bench_gpu_$ATTENTION.json"
-stage bars 15 "$PY" -c 'import presets, sys; sys.exit(presets.preset_summary(sys.argv[1]))' "$OUTDIR/preset.log"
+stage bars 15 "$PY" -c 'import sys; from tools import presets; sys.exit(presets.preset_summary(sys.argv[1]))' "$OUTDIR/preset.log"
 # The preset's --max-new-tokens and --prompt-len: at N = 1 the same cache capacity, so the same compiled steps.
 if [ "$ATTENTION" = sdpa ] && [ "$CONCURRENCY" != none ]; then
     stage concurrency 115 "$PY" tools/bench.py --preset "$PRESET" "${RUN[@]}" --max-new-tokens "$MAX_NEW" \

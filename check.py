@@ -45,6 +45,7 @@ import engine
 import model as M
 import noise
 import servers
+import sampling
 from sampling import DRAFT_RULES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -258,7 +259,7 @@ class Judge:
     """The teacher-forced logits of one case and how far each token is from our choice: z [n, V] float64, row t
     for output token t. Our choice is the argmax of the scores: the logits (greedy), or with a seed the noised
     scores `z - T * ln E(seed, position, token)` over the tokens top-k / top-p keep, whose argmax is exactly the
-    draw engine.draw makes. margin(t, tok) = top score - score of tok (0 for our choice), in logits;
+    draw sampling.draw makes. margin(t, tok) = top score - score of tok (0 for our choice), in logits;
     tolerance(t) in logits, from the rounding step at the row's top logit."""
 
     def __init__(self, z: torch.Tensor, tolerance, engine_dtype, scores: torch.Tensor | None = None):
@@ -360,7 +361,7 @@ def judge_sampled(j: Judge, case: Case, rep: Report) -> None:
     settings could give. A token is outside the support only by more than the tolerance (rounding may move a
     token across the top-k or top-p edge)."""
     s = engine.Sampling(case.temperature, case.top_p, case.top_k)
-    p = engine.sampling_probs(j.z, s).double()
+    p = sampling.sampling_probs(j.z, s).double()
     out = torch.tensor(case.output_ids, device=j.z.device)
     rep.log_prob = float(p.gather(1, out[:, None]).clamp_min(1e-300).log().sum())
     for t, tok in enumerate(case.output_ids):
@@ -376,7 +377,7 @@ def seeded_scores(z: torch.Tensor, case: Case) -> torch.Tensor:
     pos = len(case.prompt_ids) + torch.arange(z.shape[0], device=z.device)
     e = noise.vocab_noise(torch.tensor(noise.seed_key(case.seed), device=z.device), pos,
                           noise.vocab_keys(z.shape[-1], z.device)).double()
-    kept = engine.sampling_probs(z, s) > 0
+    kept = sampling.sampling_probs(z, s) > 0
     return torch.where(kept, z - case.temperature * e.log(), float("-inf"))
 
 
@@ -387,7 +388,7 @@ def outside_support(z: torch.Tensor, tok: int, s: engine.Sampling, tol: float) -
     if 0 < s.top_k < z.shape[0] and lifted < z.topk(s.top_k).values[-1]:
         return True
     if s.top_p < 1:
-        p = engine.sampling_probs(z, engine.Sampling(s.temperature, 1.0, s.top_k)).double()
+        p = sampling.sampling_probs(z, engine.Sampling(s.temperature, 1.0, s.top_k)).double()
         return float(p[z > lifted].sum()) >= s.top_p
     return False
 
@@ -679,7 +680,7 @@ def parting_main(args, device) -> dict:
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     stops = ckpt.stop_token_ids(target.path, target.cfg)
     capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
-    import tables                  # generate.py's engine for single requests (eager)
+    from tools import tables       # the engine for single requests (eager)
     ar_engine = tables.single_engine(args, target, None, 1, capacity, False, eager=True)
     sp_engine = tables.single_engine(args, target, proposer, block, capacity, False, eager=True)
     print(f"greedy DFlash vs AR in {str(dtype).replace('torch.', '')}, {len(prompts)} prompts, {args.max_new_tokens} new "

@@ -358,7 +358,7 @@ def test_stats_lines_are_short(pair, tmp_path, capsys):
     assert "adaptive speculation:" not in err and "histogram" not in err
 
 
-@pytest.mark.parametrize("module", ["generate", "bench", "check"])
+@pytest.mark.parametrize("module", ["generate", "tools.bench", "check"])
 def test_help_shows_defaults(capsys, module):
     import importlib
     with pytest.raises(SystemExit) as e:
@@ -366,7 +366,7 @@ def test_help_shows_defaults(capsys, module):
     text = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
     wanted = {"generate": ["(default: 128)", "(default: 0.0)", "(default: 1.0)", "(default: 0)", "(default: True)"],
-              "bench": ["(default: 128)", "(default: 64)", "(default: 5.6)"],
+              "tools.bench": ["(default: 128)", "(default: 64)", "(default: 5.6)"],
               "check": ["(default: float32)", "(default: bfloat16)"]}[module]
     assert all(w in text for w in wanted), text
     assert "(default: None)" not in text and "(default: False)" not in text
