@@ -1,12 +1,12 @@
 """DFlash speculative decoding on a hybrid Qwen3.5 target, one request, greedy: the method on one page.
 
-`generate` is the reference loop, eager and read top to bottom; it is the spec, as a naive kernel is. The engine
-that users run (engine.py: many requests at once, compiled steps, adaptive speculation, other proposers) is
-tested to give the same tokens (tests/test_reference.py), and this loop to give plain greedy decoding's
-(tests/test_spec_equals_ar.py). Each step of a round names its section in docs/method.md:
+`generate` is the reference loop, eager and read top to bottom; it is the spec, as a naive kernel is. The tests
+hold it to plain greedy decoding written without a cache, and the engine that users run (engine.py: many requests
+at once, compiled steps, adaptive speculation, other proposers) to it, token for token (tests/test_reference.py).
+Each step names its section in docs/method.md:
 
     prefill   the prompt through the target; its first token, and the features of the target layers the drafter
-              reads (its context)
+              reads (its context) (#one-round)
     draft     the block [last, MASK x (B-1)] through the drafter in ONE pass -> B-1 proposals (#the-drafter)
     verify    the target over [last, proposals] in ONE pass: its own token after every block position; GDN
               layers keep each token's state write (#one-round)
@@ -37,7 +37,7 @@ def generate(target: Qwen35, drafter: DFlashDrafter, prompt_ids: list, max_new_t
     context = DraftCache(drafter.cfg, capacity, drafter.fc.weight.dtype, dev)   # the drafter's context K/V
     masks, layers, stops = DenseMasks(capacity), tuple(drafter.cfg.target_layer_ids), set(stop_ids)
     with torch.inference_mode():
-        # PREFILL
+        # PREFILL (#one-round): the first token, and the drafter's context from the prompt's features
         pos = torch.arange(len(prompt_ids), device=dev)
         logits, feats = target(torch.tensor([prompt_ids], device=dev), pos, cache, feature_layers=layers)
         out = [int(logits[0, -1].argmax())]
