@@ -404,7 +404,7 @@ def test_eager_use_never_imports_inductor():
     import os
     import subprocess
     import sys
-    code = ("import sys, torch, packed\n"
+    code = ("import sys, torch\nfrom speed import packed\n"
             "m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 8))\n"
             "assert packed.measure([m], 16)['plain'] > 0\n"
             "assert all(packed.swap_linears_(m, kind, 16) > 0 for kind in packed.KINDS[:1])\n"

@@ -434,7 +434,7 @@ def test_the_mtp_head_under_tp(ranks):
         pytest.skip("the MTP head runs at degree 2")
     want = mtp_run(*mtp_pair())
     assert all(r["mtp"] == want for r in results)
-    assert want[0] == __import__("dflash").run(build("dense", 2)[0], PROMPT, 24).output_ids
+    assert want[0] == __import__("engine").run(build("dense", 2)[0], PROMPT, 24).output_ids
 
 
 def test_a_tree_under_tp(ranks):
@@ -444,7 +444,7 @@ def test_a_tree_under_tp(ranks):
     target, drafter = build("dense", 2)
     want = tree_run(target, drafter)
     assert all(r["tree"] == want for r in results)
-    assert want == __import__("dflash").run(target, PROMPT, 20).output_ids
+    assert want == __import__("engine").run(target, PROMPT, 20).output_ids
 
 
 def test_compiled_steps_under_tp(ranks):
@@ -452,7 +452,7 @@ def test_compiled_steps_under_tp(ranks):
     if world != 2:
         pytest.skip("compiled at degree 2 only (a minute of compiling per degree on a CPU)")
     target, _ = build("dense", world)
-    want = __import__("dflash").run(target, PROMPT, 12).output_ids
+    want = __import__("engine").run(target, PROMPT, 12).output_ids
     assert all(r["compiled_ar"] == want for r in results)
 
 
