@@ -90,10 +90,27 @@ def rounding_step(z: float, dtype) -> float:
 
 @torch.inference_mode()
 def teacher_forced_logits(ref: M.Qwen35, ids: list) -> torch.Tensor:
-    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T, V]; row t predicts token t + 1."""
+    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T, V]; row t predicts token t + 1.
+    Logits that are not finite raise CheckError naming the checkpoint (finite_or_fail): no verdict can rest on them."""
     device = ref.embed_tokens.weight.device
     logits, _ = ref(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
+    finite_or_fail(ref, logits[0])
     return logits[0].double()
+
+
+def finite_or_fail(ref: M.Qwen35, logits: torch.Tensor) -> None:
+    """Our own logits [T, V] hold a NaN or an infinity: one line that says so, with the checkpoint at fault and its
+    first non-finite weight, or, where every weight is finite, that the forward overflowed in its dtype."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    row = int((~torch.isfinite(logits)).any(-1).nonzero()[0, 0])
+    bad = next((n for n, p in ref.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    dtype = str(ref.embed_tokens.weight.dtype).replace("torch.", "")
+    where = getattr(ref, "path", "the target")
+    raise CheckError(f"our own logits are not finite (NaN or inf) from position {row} of the sequence: "
+                     + (f"the checkpoint {where} holds non-finite weights (the first: {bad}); nothing can be judged against it"
+                        if bad is not None else
+                        f"the weights of {where} are finite, so the forward overflowed in {dtype}; try --dtype float64"))
 
 
 # ---- Traces -----------------------------------------------------------------------------------------------
@@ -771,9 +788,17 @@ def server_flags_check(args) -> None:
     if args.prompts_file is not None:
         import generate
         try:
-            generate.read_requests(args.prompts_file, prompt_line_args(args))
+            lines = generate.read_requests(args.prompts_file, prompt_line_args(args))
         except dflash.GenerationError as e:
             raise CheckError(str(e)) from None
+        for n, line in lines:
+            if (line.get("temperature") or 0) > 0:
+                raise CheckError(f"{args.prompts_file} line {n}: check.py --server judges greedy requests only; drop its "
+                                 "temperature (sampled runs: check their traces, with a seed, as files)")
+    try:
+        servers.reachable(args.server, min(args.timeout, 10.0))
+    except servers.ReplyError as e:
+        raise CheckError(f"--server: {e}") from None
 
 
 def prompt_line_args(args):
@@ -839,7 +864,7 @@ def judge_reply(target, reply, prompt: list, asked: int, args, cache: dict) -> t
         return out, None
     key = (tuple(prompt), tuple(case.output_ids))
     if key not in cache:
-        cache[key] = check_case(target, case, args.tolerance, DTYPES[args.engine_dtype])
+        cache[key] = check_case(target, case, args.tolerance, DTYPES[args.judge_dtype])
     rep = cache[key]
     out.output_ids, out.first_divergence, out.divergences = case.output_ids, rep.first_divergence, len(rep.divergences)
     out.first_difference = next((t for t, x in enumerate(case.output_ids) if x != int(rep.judge.top.indices[t])), None)
@@ -865,9 +890,44 @@ def outcome_line(o, found, tok) -> str:
     return line
 
 
+def engine_dtype_of(args) -> tuple:
+    """--server: the engine's precision, the basis of the noise its tokens are judged with -> (dtype name, how it was
+    found): --engine-dtype, else what llama-server says of its model (servers.llama_cpp_dtype), else bfloat16,
+    assumed, and the report says so."""
+    if args.engine_dtype is not None:
+        return args.engine_dtype, "--engine-dtype"
+    if args.api == "llama.cpp":
+        dtype, how = servers.llama_cpp_dtype(args.server)
+        if dtype is not None:
+            return dtype, how
+    else:
+        how = f"the {args.api} API does not say"
+    return "bfloat16", f"assumed: {how}; give --engine-dtype"
+
+
+def save_traces(out_dir: str, label: str, judged: list, reqs: list, dtype: str, args) -> dict:
+    """--save-traces: every reply of one run as a trace file check.py reads (out_dir/LABEL.jsonl, one trace a line),
+    and each reply that is not identical to our greedy output alone in out_dir/request-I-LABEL.json -> {request
+    index: that file}, for the reports' reproducers."""
+    files = {}
+    with open(os.path.join(out_dir, f"{label}.jsonl"), "w") as fh:
+        for o, found in judged:
+            if found is None:
+                continue
+            trace = {"name": f"request {o.index} ({label})", "prompt_ids": reqs[o.index][0], "output_ids": o.output_ids,
+                     "dtype": dtype, "engine": args.server, "api": args.api}
+            fh.write(json.dumps(trace) + "\n")
+            if o.verdict != "equal":
+                files[o.index] = os.path.join(out_dir, f"request-{o.index}-{label}.json")
+                with open(files[o.index], "w") as one:
+                    json.dump(trace, one)
+    return files
+
+
 def server_main(args, target, tok) -> int:
-    """--server: every prompt sent at each --concurrency, every reply judged; per concurrency the counts, the worst
-    request and the engine against itself at the first concurrency; the last line one JSON object."""
+    """--server: every prompt sent at each --concurrency, every reply judged; per concurrency the counts, each wrong
+    request's full report and the engine against itself at the first concurrency; the last line one JSON object
+    (with --json every request's prompt and output ids)."""
     reqs = server_prompts(args, target, tok)
     for i, (p, m) in enumerate(reqs):
         bad = [t for t in p if not 0 <= t < target.cfg.vocab_size]
@@ -876,13 +936,16 @@ def server_main(args, target, tok) -> int:
                              f"past max_position_embeddings {target.cfg.max_position_embeddings}")
     api = servers.APIS[args.api]
     model = args.model or (servers.served_model(args.server) if args.api == "openai" else None)
-    tol = (f"{args.tolerance:g} logits" if args.tolerance is not None else
-           f"{TOLERANCE_STEPS[DTYPES[args.engine_dtype]]:g} {args.engine_dtype} rounding steps at the top logit")
+    dtype, how = engine_dtype_of(args)
+    args.judge_dtype = dtype
+    tol = (f"{args.tolerance:g} logits (--tolerance)" if args.tolerance is not None else
+           f"{TOLERANCE_STEPS[DTYPES[dtype]]:g} {dtype} rounding steps at the top logit")
     lo, hi = min(m for _, m in reqs), max(m for _, m in reqs)
     print(f"{args.server} ({args.api} API{f', model {model}' if model else ''}): {len(reqs)} prompts, greedy, "
-          f"{lo if lo == hi else f'{lo}-{hi}'} new tokens each; tie tolerance {tol}", flush=True)
+          f"{lo if lo == hi else f'{lo}-{hi}'} new tokens each; noise basis {dtype} ({how}); tie tolerance {tol}", flush=True)
     sent = {n: servers.send_all(args.server, api, reqs, n, args.timeout, model) for n in args.levels}
     cache, levels, ok = {}, [], True
+    runs = [[] for _ in reqs]
     print(f"judging {sum(len(r) for r, _, _ in sent.values())} replies ...", file=sys.stderr, flush=True)
     for n, (replies, most, seconds) in sent.items():
         judged = [judge_reply(target, r, *reqs[r.index], args, cache) for r in replies]
@@ -890,21 +953,26 @@ def server_main(args, target, tok) -> int:
         ref = (levels[0]["n"], levels[0]["outcomes"]) if levels else None
         summary = servers.level_summary(n, outcomes, replies, most, seconds, ref)
         ok &= summary["wrong"] == summary["errors"] == summary["truncated"] == 0
+        label = f"concurrency-{n}"
+        files = save_traces(args.save_traces, label, judged, reqs, dtype, args) if args.save_traces else {}
         print(servers.level_text(summary))
-        w = servers.worst(outcomes)
-        if w is not None and w.verdict == "wrong":
-            rep, case = judged[w.index][1]          # (a report judged once for an identical output keeps its first name)
-            text = f"request {w.index}" + report_text(rep, case, tok)[len(rep.name):]
-            print("  worst: " + text.replace("\n", "\n  "))
         for o, found in judged:
-            if o.verdict != "equal" or o.truncated:
+            if o.verdict == "wrong":               # every wrong request's full report (a report judged once for an
+                rep, case = found                  # identical output keeps its first name)
+                text = f"request {o.index}" + report_text(rep, case, tok)[len(rep.name):]
+                print("  " + text.replace("\n", "\n  "))
+                if o.index in files:
+                    print(f"    replay: python check.py --target {target.path} {files[o.index]}")
+            elif o.verdict != "equal" or o.truncated:
                 print(outcome_line(o, found, tok))
+            runs[o.index].append({"concurrency": n} | o.json() | {"output_ids": o.output_ids})
         levels.append(summary | {"outcomes": outcomes})
     out = {"mode": "server", "server": args.server, "api": args.api, "model": model, "prompts": len(reqs),
-           "max_new_tokens": hi, "engine_dtype": args.engine_dtype, "oracle_dtype": args.dtype,
+           "max_new_tokens": hi, "engine_dtype": dtype, "engine_dtype_from": how, "oracle_dtype": args.dtype,
            "tolerance": args.tolerance, "ok": ok,
-           "concurrency": [{k: v for k, v in s.items() if k != "outcomes"}
-                           | ({"results": [o.json() for o in s["outcomes"]]} if args.json else {}) for s in levels]}
+           "concurrency": [{k: v for k, v in s.items() if k != "outcomes"} for s in levels]}
+    if args.json:
+        out["requests"] = [{"index": i, "prompt_ids": p, "max_new_tokens": m, "runs": runs[i]} for i, (p, m) in enumerate(reqs)]
     print(json.dumps(out))
     return 0 if ok else 1
 
@@ -920,8 +988,10 @@ def parse_args(argv=None):
     p.add_argument("--draft", default=None, help="--export only: the drafter for the DFlash traces (default: the embedded one "
                                                  "with the embedded target)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="our precision for the teacher-forced pass")
-    p.add_argument("--engine-dtype", choices=sorted(DTYPES), default="bfloat16",
-                   help="the engine's precision, which sets the default tolerance, when the trace has no `dtype`")
+    p.add_argument("--engine-dtype", choices=sorted(DTYPES), default=None,
+                   help="the engine's precision, which sets the noise the tolerance allows, where the trace has no `dtype` "
+                        "(--server: where the engine does not say; llama-server's /props is asked); default: bfloat16, "
+                        "said in the report")
     p.add_argument("--tolerance", type=float, default=None,
                    help="a fixed tie tolerance in logits (default: TOLERANCE_STEPS rounding steps of the engine's dtype at the top logit)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
@@ -950,13 +1020,16 @@ def parse_args(argv=None):
                                                                     "(default 128)")
     s.add_argument("--model", default=None, help="the OpenAI API's \"model\" (default: the first the server lists at /v1/models)")
     s.add_argument("--timeout", type=float, default=None, help="seconds to wait for one reply (default 600)")
+    s.add_argument("--save-traces", metavar="DIR", default=None, help="write every reply as a trace file check.py "
+                   "replays (DIR/concurrency-N.jsonl, and one file per request that is not identical to ours)")
     args = p.parse_args(argv)
     modes = sum(bool(m) for m in (args.dump_layers, args.export, args.server)) + bool(args.trace)
     if modes != 1:
         p.error("give trace files to check, or --server URL, or --dump-layers DIR, or --export DIR (one of them)")
     server_only = {"--api": args.api, "--concurrency": args.concurrency, "--prompts-file": args.prompts_file,
                    "--heldout": args.heldout, "--dataset": args.dataset, "--limit": args.limit, "--pack": args.pack or None,
-                   "--max-new-tokens": args.max_new_tokens, "--model": args.model, "--timeout": args.timeout}
+                   "--max-new-tokens": args.max_new_tokens, "--model": args.model, "--timeout": args.timeout,
+                   "--save-traces": args.save_traces}
     given = [f for f, v in server_only.items() if v is not None]
     if given and not args.server:
         p.error(f"{given[0]} goes with --server URL")
@@ -971,6 +1044,8 @@ def parse_args(argv=None):
     args.timeout = 600.0 if args.timeout is None else args.timeout
     if args.calibrate and not args.trace:
         p.error("--calibrate reads trace files")
+    if args.calibrate:
+        args.engine_dtype = args.engine_dtype or "bfloat16"
     if args.dump_layers and not args.prompt_ids:
         p.error("--dump-layers needs --prompt-ids")
     if args.tolerance is not None and not args.tolerance >= 0:
@@ -982,7 +1057,7 @@ def check_main(args, target, tok) -> int:
     cases = [c for path in args.trace for c in read_cases(path)]
     for c in cases:
         validate(c, target.cfg)
-    engine_dtype = DTYPES[args.engine_dtype]
+    engine_dtype = DTYPES[args.engine_dtype or "bfloat16"]
     reports = [check_case(target, c, args.tolerance, engine_dtype) for c in cases]
     for rep, case in zip(reports, cases):
         print(report_text(rep, case, tok))
@@ -1010,34 +1085,73 @@ def calibrate_main(args, target, device) -> int:
     return 0
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TARGET = os.path.join(HERE, "checkpoints", "tiny-qwen35")        # (generate.py's defaults: the embedded pair)
+DEFAULT_DRAFT = os.path.join(HERE, "checkpoints", "tiny-qwen35-dflash")
+
+
+def parse_id_list(text: str, flag: str) -> list:
+    """'1,2,3' (commas or spaces) -> [1, 2, 3]; anything else one CheckError line."""
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise CheckError(f"{flag} takes comma-separated integer token ids, got {text!r}") from None
+    if not ids:
+        raise CheckError(f"{flag} is empty; give comma-separated token ids, e.g. 1,2,3")
+    return ids
+
+
+def writable_dir(path: str, flag: str) -> None:
+    """The folder an option writes into: created if missing; an existing file, or a place where no folder can be
+    made, is one CheckError line (before anything loads)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckError(f"{flag} {path} is an existing file; give a folder (created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CheckError(f"{flag} {path}: cannot create the folder ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CheckError(f"{flag} {path}: the folder is not writable")
+
+
 def main(argv=None) -> int:
-    import generate
     args = parse_args(argv)
     if args.server:
         server_flags_check(args)
+    ids = parse_id_list(args.prompt_ids, "--prompt-ids") if args.dump_layers else None
+    for flag, path in (("--dump-layers", args.dump_layers), ("--export", args.export),
+                       ("--save-traces", args.save_traces)):
+        if path:
+            writable_dir(path, flag)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise CheckError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
-    args.target = args.target or generate.DEFAULT_TARGET
+    args.target = args.target or DEFAULT_TARGET
     target = ckpt.load_target(args.target, DTYPES[args.dtype], device)
     tok = ckpt.load_tokenizer(target.path)
-    if args.dump_layers:
-        names = dump_layers(target, generate.parse_ids(args.prompt_ids), args.dump_layers)
-        print(f"wrote {len(names)} tensors to {os.path.join(args.dump_layers, 'layers.safetensors')} (names: README.md there)")
-        return 0
-    if args.export:
-        draft = args.draft or (generate.DEFAULT_DRAFT if args.target == generate.DEFAULT_TARGET else None)
-        proposer = None
-        if draft and draft.lower() != "none":
-            proposer = dflash.DrafterProposer(ckpt.load_drafter(draft, target.cfg, DTYPES[args.dtype], device), target)
-        n = export_pack(target, proposer, tok, args.export)
-        print(f"wrote {n} traces to {os.path.join(args.export, 'cases.jsonl')}; how to replay them: README.md there")
-        return 0
-    if args.calibrate:
-        return calibrate_main(args, target, device)
-    if args.server:
-        return server_main(args, target, tok)
-    return check_main(args, target, tok)
+    try:
+        if args.dump_layers:
+            bad = [t for t in ids if not 0 <= t < target.cfg.vocab_size]
+            if bad or len(ids) > target.cfg.max_position_embeddings:
+                raise CheckError(f"--prompt-ids: {f'ids {bad[:5]} are outside the vocabulary 0..{target.cfg.vocab_size - 1}' if bad else f'{len(ids)} ids exceed max_position_embeddings {target.cfg.max_position_embeddings}'}")
+            names = dump_layers(target, ids, args.dump_layers)
+            print(f"wrote {len(names)} tensors to {os.path.join(args.dump_layers, 'layers.safetensors')} (names: README.md there)")
+            return 0
+        if args.export:
+            draft = args.draft or (DEFAULT_DRAFT if args.target == DEFAULT_TARGET else None)
+            proposer = None
+            if draft and draft.lower() != "none":
+                proposer = dflash.DrafterProposer(ckpt.load_drafter(draft, target.cfg, DTYPES[args.dtype], device), target)
+            n = export_pack(target, proposer, tok, args.export)
+            print(f"wrote {n} traces to {os.path.join(args.export, 'cases.jsonl')}; how to replay them: README.md there")
+            return 0
+        if args.calibrate:
+            return calibrate_main(args, target, device)
+        if args.server:
+            return server_main(args, target, tok)
+        return check_main(args, target, tok)
+    except OSError as e:                 # a write that failed after the folder was checked (a full disk, a file removed)
+        raise CheckError(f"cannot write {e.filename or 'a file'} ({e.strerror or e})") from None
 
 
 def cli(argv=None) -> int:

@@ -131,6 +131,59 @@ def endpoint(url: str, api: Api) -> str:
     return base + api.path
 
 
+def reachable(url: str, timeout: float = 10.0) -> None:
+    """Whether anything listens at the server's host and port: ReplyError (one line) where nothing does, so that a
+    run against a server that is not up stops at once instead of failing every request."""
+    import socket
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ReplyError(f"cannot reach {parts.hostname}:{port} ({e.strerror or e}); is the server running there?") from None
+
+
+DTYPE_NAMES = (("bfloat16", ("bf16", "bfloat16")), ("float16", ("f16", "fp16", "float16")),
+               ("float32", ("f32", "fp32", "float32")))
+
+
+def get_json(url: str, path: str, timeout: float = 10.0):
+    """GET url + path -> its JSON, or None for anything else (no such endpoint, not JSON, nothing there)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+
+
+def llama_cpp_dtype(url: str) -> tuple:
+    """What a llama-server says of its weights' precision -> (dtype name or None, how it was found). Its /props names
+    the model file (`model_path`): a GGUF's name carries its type by convention (-f32, -bf16, -f16); else its
+    /v1/models `meta` gives the weights' bytes (`size`) and parameters (`n_params`): 4 bytes each is float32, 2 is a
+    16-bit type (bfloat16 or float16: taken as bfloat16, the coarser)."""
+    import re
+    props = get_json(url, "/props")
+    path = props.get("model_path") if isinstance(props, dict) else None
+    if isinstance(path, str):
+        name = path.replace("\\", "/").rsplit("/", 1)[-1].lower()
+        words = set(re.split(r"[^a-z0-9]+", name))
+        for dtype, spellings in DTYPE_NAMES:
+            if words & set(spellings):
+                return dtype, f"llama-server /props: model file {name}"
+    models = get_json(url, "/v1/models")
+    try:
+        meta = models["data"][0]["meta"]
+        per = meta["size"] / meta["n_params"]
+    except (TypeError, KeyError, IndexError, ZeroDivisionError):
+        return None, "the server does not say (llama-server /props and /v1/models name no type)"
+    if 3.5 <= per <= 4.5:
+        return "float32", f"llama-server /v1/models: {per:.2f} bytes per parameter"
+    if 1.8 <= per <= 2.2:
+        return "bfloat16", f"llama-server /v1/models: {per:.2f} bytes per parameter (16-bit: bfloat16 or float16, taken as bfloat16)"
+    return None, f"llama-server /v1/models: {per:.2f} bytes per parameter, not a float type this checker models"
+
+
 # ---- Sending ------------------------------------------------------------------------------------------------
 
 def error_line(raw: bytes) -> str:

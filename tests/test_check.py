@@ -305,6 +305,46 @@ def test_bad_trace_is_one_error_line(tmp_path, capsys, content, says):
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
 
 
+def one_error_line(rc: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err)
+    return lines[0]
+
+
+def test_target_with_nan_weights_is_one_line_naming_it(tmp_path, capsys):
+    """A target whose weights hold a NaN: one line saying our own logits are not finite, naming the checkpoint and
+    the first bad weight (not a ValueError from deep inside the tolerance)."""
+    from safetensors.torch import load_file, save_file
+    save_hf_causal_lm(tmp_path / "t", seed=3)
+    f = tmp_path / "t" / "model.safetensors"
+    w = load_file(str(f))
+    name = next(k for k in sorted(w) if k.endswith("mlp.down_proj.weight"))
+    w[name][0, 0] = float("nan")
+    save_file(w, str(f), metadata={"format": "pt"})
+    (tmp_path / "trace.json").write_text('{"prompt_ids": [5, 17, 42], "output_ids": [8, 9, 10]}')
+    capsys.readouterr()
+    line = one_error_line(check.cli([str(tmp_path / "trace.json"), "--target", str(tmp_path / "t")]), capsys.readouterr().err)
+    assert "not finite" in line and str(tmp_path / "t") in line and "mlp.down_proj.weight" in line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--dump-layers", "OUT", "--prompt-ids", "99999"], "outside the vocabulary"),
+    (["--dump-layers", "OUT", "--prompt-ids", "-1"], "outside the vocabulary"),
+    (["--dump-layers", "OUT", "--prompt-ids", "1,x"], "comma-separated integer token ids"),
+    (["--dump-layers", "OUT", "--prompt-ids", " , "], "is empty"),
+    (["--dump-layers", "FILE", "--prompt-ids", "1,2"], "is an existing file"),
+    (["--dump-layers", "FILE/sub", "--prompt-ids", "1,2"], "cannot create the folder"),
+    (["--export", "FILE"], "is an existing file"),
+    (["--export", "FILE/sub"], "cannot create the folder"),
+])
+def test_bad_output_or_ids_are_one_error_line(tmp_path, capsys, argv, says):
+    (tmp_path / "FILE").write_text("x")
+    argv = [str(tmp_path / a) if a.startswith(("OUT", "FILE")) else a for a in argv]
+    capsys.readouterr()
+    assert says in one_error_line(check.cli(argv), capsys.readouterr().err)
+    assert not (tmp_path / "OUT" / "layers.safetensors").exists()
+
+
 def test_dump_layers_equals_transformers(tmp_path, capsys):
     """Every hidden state (transformers' output_hidden_states indexing), the logits and each linear-attention
     layer's recurrent state after the prompt, against transformers on the same checkpoint."""

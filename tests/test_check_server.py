@@ -91,8 +91,9 @@ class Replay:
     body, delay), after the delay; it records the requests it got and the most it held at once (of those answered
     within the client's timeout)."""
 
-    def __init__(self, api: str, script):
+    def __init__(self, api: str, script, gets: dict | None = None):
         self.api, self.script, self.lock = api, script, threading.Lock()
+        self.gets = {"/v1/models": {"object": "list", "data": [{"id": "tiny-qwen35", "object": "model"}]}} | (gets or {})
         self.now = self.most = 0
         self.bodies, self.calls = [], {}
         replay = self
@@ -122,8 +123,13 @@ class Replay:
                     with replay.lock:
                         replay.now -= counted
 
-            def do_GET(self):                   # /v1/models, as vLLM and SGLang list their models
-                data = json.dumps({"object": "list", "data": [{"id": "tiny-qwen35", "object": "model"}]}).encode()
+            def do_GET(self):                   # /v1/models, as vLLM and SGLang list their models; llama.cpp's /props
+                if self.path not in replay.gets:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = json.dumps(replay.gets[self.path]).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -178,7 +184,7 @@ def test_each_api_replayed_every_request_judged_or_reported(api, cases, tmp_path
         assert level["n"] == n and level["max_in_flight"] == n
         assert {k: level[k] for k in ("requests", "equal", "near_tie", "wrong", "errors", "truncated")} == \
             {"requests": 8, "equal": 3, "near_tie": 1, "wrong": 1, "errors": 3, "truncated": 1}
-        got = {NAMES[r["index"]]: r for r in level["results"]}
+        got = {NAMES[r["index"]]: run for r in res["requests"] for run in r["runs"] if run["concurrency"] == n}
         assert [got[n]["verdict"] for n in NAMES] == ["equal", "equal", "wrong", "near_tie", "error", "error", "equal", "error"]
         assert got["wrong"]["first_divergence"] == got["wrong"]["first_difference"] == cases["_k"]
         assert got["near_tie"]["first_difference"] == cases["_t"] and got["near_tie"]["first_divergence"] is None
@@ -194,7 +200,8 @@ def test_each_api_replayed_every_request_judged_or_reported(api, cases, tmp_path
     assert res["concurrency"][1]["invariance"] == {"against": 1, "compared": 5, "same": 5, "differ": []}
     lines = out.splitlines()
     assert sum(line.startswith("concurrency ") for line in lines) == 2
-    assert f"  request {NAMES.index('http500')}: failed: HTTP 500: " in out and "  worst: " in out
+    assert f"  request {NAMES.index('http500')}: failed: HTTP 500: " in out
+    assert out.count(f"  request {NAMES.index('wrong')}: {NEW} tokens, ") == 2     # its full report at each concurrency
     assert f"  request {NAMES.index('near_tie')}: near-tie at output token {cases['_t']}: " in out
     assert f"  request {NAMES.index('truncated')}: equal; truncated: {NEW // 2} of {NEW} tokens" in out
     # the bar counts what failed on the way (HTTP, timeout; a missing "tokens" or output_ids), before judging
@@ -220,19 +227,64 @@ def test_batch_variance_is_the_engine_against_itself(cases, tmp_path, capsys):
     assert f"against concurrency 1: 2 of 3 outputs the same, request 1 differs from token {cases['_t']}" in out
 
 
-def test_refused_connection_and_other_prompt_ids_are_reported_per_request(cases, tmp_path, capsys):
-    """A server that is not there: every request one 'failed' line, the run ends with its JSON line (exit 1). A
-    server that ran other prompt ids than were sent: not judged, said so."""
+def test_nothing_listening_is_one_line_and_other_prompt_ids_are_reported_per_request(cases, tmp_path, capsys):
+    """A server that is not there: one error line, exit 2 (bad input, not a wrong engine), before any model loads.
+    A server that ran other prompt ids than were sent: not judged, said so."""
     port = servers.free_port()             # nothing listens there
     path = prompts_file(tmp_path, [cases["ok0"][0], cases["ok1"][0]])
-    rc, out, err, res = run_check(capsys, f"http://127.0.0.1:{port}", "sglang", path, "--concurrency", "2")
-    assert rc == 1 and res["concurrency"][0]["errors"] == 2 and out.count("failed: cannot reach") == 2
+    rc = check.cli(["--server", f"http://127.0.0.1:{port}", "--api", "sglang", "--prompts-file", path, "--concurrency", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "cannot reach 127.0.0.1:" in err, err
 
     def script(api, prompt, call):
         return (*answer(api, "ok0", prompt[1:], cases["ok0"][1]), 0.0)
     with Replay("sglang", script) as server:
         rc, out, err, res = run_check(capsys, server.url, "sglang", path, "--concurrency", "1")
     assert rc == 1 and res["concurrency"][0]["errors"] == 2 and "other prompt ids than were sent" in out
+
+
+@pytest.mark.parametrize("gets, dtype, source", [
+    ({"/props": {"model_path": "/w/gguf/tiny-qwen35-f32.gguf", "total_slots": 4}}, "float32", "model file tiny-qwen35-f32.gguf"),
+    ({"/v1/models": {"data": [{"id": "m", "meta": {"n_params": 1000, "size": 2000}}]}}, "bfloat16", "2.00 bytes per parameter"),
+    ({}, "bfloat16", "assumed"),
+])
+def test_engine_dtype_is_asked_of_llama_server(cases, tmp_path, capsys, gets, dtype, source):
+    """Without --engine-dtype, llama-server is asked: its /props model file name, else its /v1/models bytes per
+    parameter; where it says nothing the report says the basis was assumed. --engine-dtype overrides."""
+    def script(api, prompt, call):
+        return (*answer(api, "ok0", prompt, cases["ok0"][1]), 0.0)
+    with Replay("llama.cpp", script, gets | ({} if "/v1/models" in gets else {"/v1/models": None})) as server:
+        rc, out, err, res = run_check(capsys, server.url, "llama.cpp", prompts_file(tmp_path, [cases["ok0"][0]]), "--concurrency", "1")
+        assert rc == 0 and res["engine_dtype"] == dtype and source in res["engine_dtype_from"]
+        assert f"noise basis {dtype} (" in out.splitlines()[0]
+        rc, out, err, res = run_check(capsys, server.url, "llama.cpp", prompts_file(tmp_path, [cases["ok0"][0]]),
+                                      "--concurrency", "1", "--engine-dtype", "float16")
+        assert res["engine_dtype"] == "float16" and res["engine_dtype_from"] == "--engine-dtype"
+
+
+def test_json_holds_every_request_and_saved_traces_replay(cases, tmp_path, capsys):
+    """--json: every request's prompt ids and, per run, its output ids and verdict; --save-traces DIR: every reply as a
+    trace file, and each request that is not identical to ours alone in a file whose replay gives the same finding."""
+    names = ("ok0", "wrong", "near_tie")
+
+    def script(api, prompt, call):
+        name = next(n for n in names if cases[n][0] == prompt)
+        return (*answer(api, name, prompt, cases[name][1]), 0.0)
+    with Replay("sglang", script) as server:
+        rc, out, err, res = run_check(capsys, server.url, "sglang", prompts_file(tmp_path, [cases[n][0] for n in names]),
+                                      "--concurrency", "1,2", "--save-traces", str(tmp_path / "traces"))
+    assert rc == 1
+    assert [r["prompt_ids"] for r in res["requests"]] == [cases[n][0] for n in names]
+    for r, n in zip(res["requests"], names):
+        assert [run["concurrency"] for run in r["runs"]] == [1, 2]
+        assert all(run["output_ids"] == cases[n][1] for run in r["runs"])
+    wrong = tmp_path / "traces" / "request-1-concurrency-2.json"
+    assert wrong.exists() and not (tmp_path / "traces" / "request-0-concurrency-2.json").exists()
+    assert len((tmp_path / "traces" / "concurrency-1.jsonl").read_text().splitlines()) == 3
+    assert f"replay: python check.py --target " in out and str(wrong) in out
+    assert check.cli([str(wrong), "--json"]) == 1
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"][0]
+    assert got["first_divergence"] == cases["_k"]
 
 
 @pytest.mark.parametrize("flags", [["--pack"], ["--heldout", "3"], ["--dataset", "LOCAL", "--limit", "2"]])
