@@ -28,12 +28,12 @@ TIMEOUT = 1.0       # the client's --timeout; the replayed "timeout" request ans
 
 def near_tie_variant(target, prompt: list, out: list) -> tuple | None:
     """(t, the output with its token t replaced by the runner-up, continued greedily from there) at the first
-    position where the runner-up is within a quarter of the bfloat16 tie tolerance of our top logit; None if none."""
+    position where the runner-up is within half a bfloat16 rounding step of our top logit (a flip any bf16 engine
+    may make: our own bf16 evaluations move margins by more than a step); None if none."""
     z = check.teacher_forced_logits(target, prompt + out[:-1])[len(prompt) - 1:]
     for t in range(len(out) - 2):
         (top, second), (a, b) = z[t].topk(2).indices.tolist(), z[t].topk(2).values.tolist()
-        tol = check.TOLERANCE_STEPS[torch.bfloat16] * check.rounding_step(a, torch.bfloat16)
-        if 0 < a - b < tol / 4 and top == out[t]:
+        if 0 < a - b < check.rounding_step(a, torch.bfloat16) / 2 and top == out[t]:
             rest = dflash.run(target, prompt + out[:t] + [second], len(out) - t - 1).output_ids
             return t, out[:t] + [second] + rest
     return None
@@ -49,7 +49,7 @@ def cases(one_thread):
     pool = [p1, p2] + P.heldout_prompts(tok, 12)
     outs = [dflash.run(target, p, NEW).output_ids for p in pool]
     tie = next(((p, o, v) for p, o in zip(pool, outs) if (v := near_tie_variant(target, p, o))), None)
-    assert tie is not None, "no near-tie within a quarter of the tolerance in the held-out outputs"
+    assert tie is not None, "no near-tie within half a bf16 step in the held-out outputs"
     p_tie, _, (t_tie, o_tie) = tie
     rest = [(p, o) for p, o in zip(pool, outs) if p is not p_tie]
     k = 7
@@ -178,14 +178,15 @@ def test_each_api_replayed_every_request_judged_or_reported(api, cases, tmp_path
                                       "--concurrency", "1,4")
     assert rc == 1 and not res["ok"] and res["api"] == api and res["prompts"] == len(NAMES)
     path, body = server.bodies[0]
-    assert path == servers.APIS[api].path and body == servers.APIS[api].body(cases["ok0"][0], NEW, "tiny-qwen35" if api == "openai" else None)
+    assert path == servers.APIS[api].path and body == servers.APIS[api].body(cases["ok0"][0], NEW, "tiny-qwen35" if api == "openai" else None, 8)
     assert server.most == 4                            # at --concurrency 4 the server really held 4 at once
     for level, n in zip(res["concurrency"], (1, 4)):
         assert level["n"] == n and level["max_in_flight"] == n
-        assert {k: level[k] for k in ("requests", "equal", "near_tie", "wrong", "errors", "truncated")} == \
-            {"requests": 8, "equal": 3, "near_tie": 1, "wrong": 1, "errors": 3, "truncated": 1}
+        assert {k: level[k] for k in ("requests", "identical", "tie_break", "diverged", "errors", "truncated")} == \
+            {"requests": 8, "identical": 3, "tie_break": 1, "diverged": 1, "errors": 3, "truncated": 1}
         got = {NAMES[r["index"]]: run for r in res["requests"] for run in r["runs"] if run["concurrency"] == n}
-        assert [got[n]["verdict"] for n in NAMES] == ["equal", "equal", "wrong", "near_tie", "error", "error", "equal", "error"]
+        assert [got[n]["verdict"] for n in NAMES] == ["identical", "identical", "diverged", "tie-break", "error", "error",
+                                                      "identical", "error"]
         assert got["wrong"]["first_divergence"] == got["wrong"]["first_difference"] == cases["_k"]
         assert got["near_tie"]["first_difference"] == cases["_t"] and got["near_tie"]["first_divergence"] is None
         assert got["truncated"]["truncated"] and got["truncated"]["tokens"] == NEW // 2 and got["truncated"]["finish"] in ("eos", "stop")
@@ -197,13 +198,15 @@ def test_each_api_replayed_every_request_judged_or_reported(api, cases, tmp_path
         if api == "llama.cpp":
             assert level["engine_stats"] == {"draft_n": 30 * 5, "draft_n_accepted": 20 * 5}   # the 5 replies with tokens
     assert res["concurrency"][0]["invariance"] is None
-    assert res["concurrency"][1]["invariance"] == {"against": 1, "compared": 5, "same": 5, "differ": []}
+    assert res["concurrency"][1]["invariance"] == {"against": 1, "against_repeat": 1, "compared": 5, "same": 5, "differ": []}
     lines = out.splitlines()
     assert sum(line.startswith("concurrency ") for line in lines) == 2
     assert f"  request {NAMES.index('http500')}: failed: HTTP 500: " in out
-    assert out.count(f"  request {NAMES.index('wrong')}: {NEW} tokens, ") == 2     # its full report at each concurrency
-    assert f"  request {NAMES.index('near_tie')}: near-tie at output token {cases['_t']}: " in out
-    assert f"  request {NAMES.index('truncated')}: equal; truncated: {NEW // 2} of {NEW} tokens" in out
+    w = NAMES.index('wrong')                 # its full report once, with the runs that returned that output
+    assert out.count(f"    request {w}: {NEW} tokens, ") == 1 and f"  request {w}, returned at concurrency/repeat 1/1, 4/1:" in out
+    assert f"    send it alone: curl -s {server.url}{servers.APIS[api].path} " in out
+    assert f"  request {NAMES.index('near_tie')}: tie-break at output token {cases['_t']}: " in out
+    assert f"  request {NAMES.index('truncated')}: identical; truncated: {NEW // 2} of {NEW} tokens" in out
     # the bar counts what failed on the way (HTTP, timeout; a missing "tokens" or output_ids), before judging
     assert f"concurrency 4: [{'#' * 20}] 8/8 requests, {2 if api == 'openai' else 3} failed" in err
 
@@ -222,8 +225,8 @@ def test_batch_variance_is_the_engine_against_itself(cases, tmp_path, capsys):
         rc, out, err, res = run_check(capsys, server.url, "openai", prompts_file(tmp_path, [p, pt, p]), "--concurrency", "1,3")
     assert rc == 0 and res["ok"] and res["model"] == "tiny-qwen35"
     one, three = res["concurrency"]
-    assert (one["equal"], one["near_tie"], three["equal"], three["near_tie"]) == (3, 0, 2, 1)
-    assert three["invariance"] == {"against": 1, "compared": 3, "same": 2, "differ": [{"request": 1, "from_token": cases["_t"]}]}
+    assert (one["identical"], one["tie_break"], three["identical"], three["tie_break"]) == (3, 0, 2, 1)
+    assert three["invariance"] == {"against": 1, "against_repeat": 1, "compared": 3, "same": 2, "differ": [{"request": 1, "from_token": cases["_t"]}]}
     assert f"against concurrency 1: 2 of 3 outputs the same, request 1 differs from token {cases['_t']}" in out
 
 
@@ -309,7 +312,7 @@ def test_prompt_sets_are_sent_as_token_ids(flags, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted(b["input_ids"] for _, b in server.bodies) == sorted(want)
     assert {b["sampling_params"]["max_new_tokens"] for _, b in server.bodies} == {4}
-    assert rc == 0 and res["concurrency"][0]["equal"] == len(want) == res["prompts"]
+    assert rc == 0 and res["concurrency"][0]["identical"] == len(want) == res["prompts"]
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -378,6 +381,6 @@ def test_real_llama_server_with_slots(mode, tmp_path, capsys):
         proc.terminate()
         proc.wait(10)
     for level in res["concurrency"]:
-        assert level["errors"] == level["wrong"] == level["truncated"] == 0 and level["equal"] + level["near_tie"] == 8, level
+        assert level["errors"] == level["diverged"] == level["truncated"] == 0 and level["identical"] + level["tie_break"] == 8, level
         assert mode == "ar" or level["engine_stats"].get("draft_n", 0) > 0
     assert rc == 0
