@@ -11,8 +11,10 @@ by, and a divergence when it is past it. What rounding moves margins by is measu
                 tolerance is FACTOR times the largest move seen (reference_noise).
     logprobs    (the engine returns its top log-probabilities: llama.cpp's n_probs, the logprobs of vLLM's and
                 SGLang's APIs) the engine's own discrepancy from our logits at every position where it reports
-                them, a direct measurement of its noise; the tolerance is FACTOR times the P_LOGPROBS quantile
-                (engine_noise), robust to the few positions a fault may corrupt.
+                them, a direct measurement of its noise: the reference tolerance scaled by the ratio of its
+                median discrepancy to our median move (engine_noise; robust to a fault that corrupts fewer than
+                half of the positions), capped (NOISIER) where it is far noisier than a correct engine. Where its
+                discrepancy at a position is past the tolerance, no departure there is a tie-break.
 
 Moves are measured as in the judgement: at each position, the change of every top-TOP token's logit difference to
 the top one (`moves`), in rounding steps of the engine's dtype at the top logit (rounding is relative to a logit's
@@ -30,8 +32,8 @@ import model as M
 
 FACTOR = 2.0          # the tolerance over the largest move of our own evaluations (docs/method.md)
 TOP = 8               # the tokens per position whose logit differences to the top one are compared
-P_LOGPROBS = 0.99     # the quantile of an engine's own discrepancies compared with our own evaluations' moves
-# How much noisier than our own evaluations (at the P_LOGPROBS quantile) an engine's logits may be and still be
+P_QUANTILE = 0.99     # a high quantile of moves and discrepancies, reported beside the median and the largest
+# How much noisier than our own evaluations (the ratio of medians) an engine's logits may be and still be
 # taken for a correct engine of its dtype: float32 engines sum in other orders and use other formulas for the same
 # functions (a float32 llama.cpp flips near-ties 40x further than our own float32 evaluations move); a 16-bit
 # engine's noise is its rounding, which no formula difference of a correct engine comes near.
@@ -87,7 +89,7 @@ class Noise:
             used = min(max(d["ratio"], 1.0), NOISIER[self.dtype])
             return (f"{self.steps:.3g} {name} steps at the top logit = our own evaluations' {d['reference_steps']:.3g} x "
                     f"{used:.3g}: the engine's own logprobs depart from our logits {d['ratio']:.3g}x as far as our own "
-                    f"evaluations move (the {P_LOGPROBS:.0%} quantiles, {d['positions']} positions)"
+                    f"evaluations move (medians, {d['positions']} positions)"
                     + (f"; CAPPED at {NOISIER[self.dtype]:g}x: its logits are farther from ours than a correct {name} "
                        "engine's" if d["capped"] else ""))
         return (f"{self.steps:.3g} {name} steps at the top logit = {FACTOR:g} x the largest move of our own {name} "
@@ -175,7 +177,7 @@ def reference_noise(model_d: M.Qwen35, oracle: list, seqs: list, positions: int 
         every.append(m)
     every = torch.cat(every)
     return Noise("reference", dtype, FACTOR * max(most.values()),
-                 detail={"positions": n, "max_by_kind": most, "quantile": float(torch.quantile(every, P_LOGPROBS)),
+                 detail={"positions": n, "max_by_kind": most, "quantile": float(torch.quantile(every, P_QUANTILE)),
                          "median": float(every.median())})
 
 
@@ -210,20 +212,21 @@ def discrepancies(z: torch.Tensor, logprobs: list, chosen: list) -> torch.Tensor
 def engine_noise(disc: list, tops: list, reference: Noise) -> Noise | None:
     """The logprobs basis from every case's discrepancies (disc: [n] per case, NaN where none) and top logits (tops:
     [n] per case): the reference tolerance scaled by how much noisier the engine is than our own evaluations, the
-    ratio of the P_LOGPROBS quantiles of its discrepancies and of our moves, at least 1 (an engine is never held
-    to less noise than our own evaluations show) and at most NOISIER[dtype] (past it the engine's logits are not
-    a correct engine's of that dtype: said in the report, `capped`). None without any logprobs."""
+    ratio of the medians of its discrepancies and of our moves (a noisier engine moves every margin further; a fault
+    that corrupts fewer than half of the positions leaves the median alone), at least 1 (an engine is never held to
+    less noise than our own evaluations show) and at most NOISIER[dtype] (past it the engine's logits are not a
+    correct engine's of that dtype: said in the report, `capped`). None without any logprobs."""
     d, t = torch.cat(disc), torch.cat(tops)
     keep = ~torch.isnan(d)
     if not bool(keep.any()):
         return None
     s = d[keep] / steps_of(t[keep], reference.dtype)
-    q = float(torch.quantile(s, P_LOGPROBS))
-    ratio = q / max(reference.detail["quantile"], 1e-12)
+    med = float(s.median())
+    ratio = med / max(reference.detail["median"], 1e-12)
     cap = NOISIER[reference.dtype]
     return Noise("logprobs", reference.dtype, reference.steps * min(max(ratio, 1.0), cap),
-                 detail={"positions": int(keep.sum()), "quantile": q, "median": float(s.median()), "max": float(s.max()),
-                         "ratio": ratio, "capped": ratio > cap, "reference_steps": reference.steps})
+                 detail={"positions": int(keep.sum()), "median": med, "quantile": float(torch.quantile(s, P_QUANTILE)),
+                         "max": float(s.max()), "ratio": ratio, "capped": ratio > cap, "reference_steps": reference.steps})
 
 
 def kl_and_agreement(z: torch.Tensor, logprobs: list) -> tuple:

@@ -51,14 +51,10 @@ class StandIn(dflash.Engine):
     # ---- the engine's hooks ----------------------------------------------------------------------
 
     def admit(self, b, index, req, *clock):
+        """(The first token, from prefill, gets no logprobs: as a token a server reports without them.)"""
         self.owner[b] = index
         self.lp[index] = {}
-        row = super().admit(b, index, req, *clock)
-        if self.logprobs:                         # the first token's logits: the prompt once more (a test's cost)
-            ids = torch.tensor([req.prompt_ids], device=self.device)
-            z, _ = self.target(ids, torch.arange(len(req.prompt_ids), device=self.device))
-            self.record(z[:, -1:], torch.tensor([[len(req.prompt_ids)]], device=self.device), rows=[b])
-        return row
+        return super().admit(b, index, req, *clock)
 
     def _choose(self, logits, at):
         if self.logprobs:
@@ -120,7 +116,7 @@ class StandIn(dflash.Engine):
         for layer in self.gdn():
             rec = kernels.state_after(layer.keys, layer.writes, layer.decay, layer.rec, n_rec)
             if f == "row_state_leak" and self.slots > 1:
-                rec[0] = rec[0] + 0.05 * rec[1]
+                rec[0] = rec[0] + 0.25 * rec[1]
             layer.rec.copy_(rec)
             rows = n_conv[:, None] + torch.arange(layer.conv.shape[1], device=self.device)
             layer.conv.copy_(layer.window.gather(1, rows[..., None].expand(-1, -1, layer.window.shape[2])))
@@ -130,12 +126,12 @@ class StandIn(dflash.Engine):
     def gdn(self) -> list:
         return [l for l in self.cache.layers if isinstance(l, GDNCache)]
 
-    def record(self, logits, at, rows=None) -> None:
+    def record(self, logits, at) -> None:
         """Top log-probabilities of logits [N,k,V] at positions at [N,k] (the position of the token each row
-        chooses), for the requests in the slots (rows: the slots these logits are of)."""
+        chooses), for the requests in the slots."""
         lp = logits.float().log_softmax(-1).topk(self.logprobs, dim=-1)
         vals, ids, at = lp.values.tolist(), lp.indices.tolist(), at.tolist()
-        for i, b in enumerate(rows if rows is not None else range(len(vals))):
+        for i, b in enumerate(range(len(vals))):
             if self.owner[b] is None:
                 continue
             for j, p in enumerate(at[i]):
