@@ -246,6 +246,68 @@ def test_nothing_listening_is_one_line_and_other_prompt_ids_are_reported_per_req
     assert rc == 1 and res["concurrency"][0]["errors"] == 2 and "other prompt ids than were sent" in out
 
 
+def test_repeat_tells_faults_in_company_from_faults_alone(cases, tmp_path, capsys):
+    """--repeat 2 at concurrency 1 and 3: a request wrong only when others are in flight (calls 2 and 4: the runs at
+    3) is diverged in those runs only, with 2 distinct outputs, "only in company"; a request wrong at 1 in flight
+    (calls 1 and 3) is "also alone"; each diverged output's full report is printed once, with the runs it came in."""
+    p_ok, ok = cases["ok0"]
+    p_c, good_c = cases["ok1"]
+    p_a, good_a = cases["timeout"]
+    bad_c = cases["wrong"][1]
+    k = cases["_k"]
+    bad_a = good_a[:k] + [(good_a[k] + 1) % 4096] + good_a[k + 1:]
+
+    def script(api, prompt, call):
+        out = {tuple(p_ok): ok, tuple(p_c): bad_c if call % 2 == 0 else good_c,
+               tuple(p_a): bad_a if call % 2 == 1 else good_a}[tuple(prompt)]
+        return (*answer(api, "ok0", prompt, out), 0.05)
+    with Replay("sglang", script) as server:
+        rc, out, err, res = run_check(capsys, server.url, "sglang", prompts_file(tmp_path, [p_ok, p_c, p_a]),
+                                      "--concurrency", "1,3", "--repeat", "2")
+    assert rc == 1 and [(s["n"], s["repeat"]) for s in res["concurrency"]] == [(1, 1), (3, 1), (1, 2), (3, 2)]
+    assert [s["diverged"] for s in res["concurrency"]] == [1, 1, 1, 1]
+    r_ok, r_c, r_a = res["requests"]
+    assert r_ok["verdict"] == "identical" and r_ok["distinct_outputs"] == 1 and r_ok["only_in_company"] is None
+    assert r_c["distinct_outputs"] == 2 and r_c["only_in_company"] is True
+    assert r_c["diverged_runs"] == [{"concurrency": 3, "repeat": 1}, {"concurrency": 3, "repeat": 2}]
+    assert r_a["only_in_company"] is False and r_a["diverged_runs"] == [{"concurrency": 1, "repeat": 1}, {"concurrency": 1, "repeat": 2}]
+    assert "only in company (never alone: a batching fault)" in out and "; also alone" in out
+    assert out.count("    request 1: ") == 1 and "  request 1, returned at concurrency/repeat 3/1, 3/2:" in out
+    assert all("report" in run for run in r_c["runs"] if run["verdict"] == "diverged")
+
+
+def test_llama_cpp_logprobs_measure_the_engine_and_decide(cases, tmp_path, capsys):
+    """llama.cpp's n_probs answered with each token's top-8 log-probabilities: the engine's own discrepancy from our
+    logits is the noise basis (reported with top-1 agreement and KL per request); a request whose logprobs are
+    ours but whose token is our worst is diverged; one whose logits are ours to within rounding is identical."""
+    import checkpoint as ckpt
+    target = embedded_pair()[0]
+
+    def probs(prompt, out):
+        z = check.teacher_forced_logits(target, prompt + out[:-1])[len(prompt) - 1:].float().log_softmax(-1)
+        top = z.topk(8, dim=-1)
+        return [{"id": t, "logprob": float(z[i, t]), "top_logprobs": [{"id": int(j), "logprob": float(v)}
+                 for j, v in zip(top.indices[i], top.values[i])]} for i, t in enumerate(out)]
+    answers = {}
+    for name in ("ok0", "ok1", "wrong"):
+        p, o = cases[name]
+        status, body = answer("llama.cpp", name, p, o)
+        answers[tuple(p)] = (status, body | {"completion_probabilities": probs(p, o)})
+
+    def script(api, prompt, call):
+        return (*answers[tuple(prompt)], 0.0)
+    with Replay("llama.cpp", script, {"/props": {"model_path": "/m/tiny-f32.gguf"}}) as server:
+        rc, out, err, res = run_check(capsys, server.url, "llama.cpp",
+                                      prompts_file(tmp_path, [cases[n][0] for n in ("ok0", "ok1", "wrong")]), "--concurrency", "1")
+    assert server.bodies[0][1]["n_probs"] == 8
+    assert rc == 1 and res["engine_dtype"] == "float32" and "with the engine's logprobs" in res["noise"]
+    assert [r["verdict"] for r in res["requests"]] == ["identical", "identical", "diverged"]
+    report = res["requests"][2]["runs"][0]["report"]
+    assert report["logprobs"]["positions"] == NEW and report["first_divergence"] == cases["_k"]
+    assert report["logprobs"]["top1_agreement"] == 1.0 and report["logprobs"]["beyond_noise"] == 0   # its logits: ours
+    assert "with the engine's logprobs (24 positions): top-1 agreement" in out
+
+
 @pytest.mark.parametrize("gets, dtype, source", [
     ({"/props": {"model_path": "/w/gguf/tiny-qwen35-f32.gguf", "total_slots": 4}}, "float32", "model file tiny-qwen35-f32.gguf"),
     ({"/v1/models": {"data": [{"id": "m", "meta": {"n_params": 1000, "size": 2000}}]}}, "bfloat16", "2.00 bytes per parameter"),
