@@ -696,7 +696,9 @@ def departure_text(j: Judge, d: dict, tok, seeded: bool = False) -> str:
             f"{d['margin']:.5f} logits = {d['steps']:.1f} steps = {d['margin'] / d['tolerance'] if d['tolerance'] else math.inf:.2g}x "
             f"the noise ({d['tolerance']:.5f})")
     if d["discrepancy"] is not None:
-        text += f"; the engine's own logits there depart from ours by {d['discrepancy']:.5f}"
+        past = d["discrepancy"] > d["tolerance"]
+        text += (f"; the engine's own logits there depart from ours by {d['discrepancy']:.5f}, "
+                 + ("past the noise: no tie-break" if past else "within the noise"))
     return text
 
 
@@ -1565,6 +1567,8 @@ def main(argv=None) -> int:
         if args.server:
             return server_main(args, target, tok)
         return check_main(args, target, tok)
+    except BrokenPipeError:
+        raise
     except OSError as e:                 # a write that failed after the folder was checked (a full disk, a file removed)
         raise CheckError(f"cannot write {e.filename or 'a file'} ({e.strerror or e})") from None
 
@@ -1575,6 +1579,9 @@ def cli(argv=None) -> int:
     except (CheckError, M.CheckpointError, dflash.GenerationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:              # the reader of stdout went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
