@@ -1,30 +1,33 @@
 """The oracle as a tool: check another engine's output against this implementation, token by token.
 
-    python check.py --target DIR_OR_REPO TRACE.json [--draft ...] [--dtype float32|float64] [--tolerance T]
+    python check.py --target DIR_OR_REPO TRACE.json [--dtype float32|float64] [--tolerance T] [--only I]
                     [--engine-dtype bfloat16|float16|float32|float64] [--device cpu|cuda] [--json]
     python check.py --dump-layers DIR --target DIR_OR_REPO --prompt-ids 1,2,3
     python check.py --export DIR [--target ... --draft ...]
-    python check.py --server URL --api llama.cpp|openai|sglang [--concurrency 1,8,32] [--prompts-file F.jsonl]
+    python check.py --server URL --api llama.cpp|openai|sglang [--concurrency 1,8,32] [--repeat R] [--logprobs N]
+                    [--prompts-file F.jsonl] [--save-traces DIR] [--json]
 
 A TRACE is a JSON object, a JSON list of objects, or JSON lines. Each object has `prompt_ids` and `output_ids`
 (the generated ids), optionally `draft_ids` (each verify step's proposals) with `acceptance_lengths` (tokens
-committed per verify step, bonus included), and `temperature`, `top_p`, `top_k` (absent: greedy), `seed` and
-`draft_rule` (sampled runs of this implementation) and `dtype` (the engine's, which sets the default tolerance).
-`generate.py --json` output is a trace as it is. vLLM's and
-SGLang's completion responses with token ids are read too (`read_cases`; the requests:
-docs/usage.md#traces-from-vllm-and-sglang).
+committed per verify step, bonus included), `temperature`, `top_p`, `top_k` (absent: greedy), `seed` and
+`draft_rule` (sampled runs of this implementation), `dtype` (the engine's: the noise basis) and `top_logprobs`
+(the engine's top log-probabilities per output token: its own noise). `generate.py --json` output is a trace as it
+is. vLLM's, SGLang's and llama.cpp's responses with token ids (and logprobs) are read too (`read_cases`; the
+requests: docs/usage.md#traces-from-vllm-and-sglang).
 
 What it does (docs/method.md#checking-another-engine): prompt + output go through our target in one teacher-forced
 forward, in the engine's own prefix, so every token is judged, also after a first difference. A greedy token is
-a `match` (our argmax), a `tie` (not our argmax, but within the tolerance of our top logit: a legitimate flip of
-a near-tie in the engine's precision) or a `divergence`. With drafts, each verify step's acceptance length must be
-the longest prefix of its drafts that the target accepts (ties allowed), plus the bonus; otherwise the step is a
+a `match` (our choice; an exact tie is a set), a `tie-break` (within the noise of our top logit: a legitimate flip
+of a near-tie in the engine's precision) or a `divergence`. The noise is measured (tolerance.py): our own target
+evaluated in the engine's dtype as engines evaluate it, or the engine's own logprobs. With drafts, each verify
+step must accept between the drafts every correct engine accepts and those the noise allows; otherwise it is a
 `wrong_acceptance`; a step whose accepted drafts are not the output tokens at their places is a `contradiction`
 (the trace disagrees with itself). A sampled trace with a `seed` (generate.py's noise keyed by position, noise.py)
 is judged token by token like a greedy one, over the noised scores `logit - T * ln E(seed, t, token)`: its tokens
 are exactly determined. Without a seed, a sampled token outside the support of the target's distribution under
-the trace's temperature / top-k / top-p is `impossible`. Exit code 0: every case clean; 1: something found; 2: bad
-input. --server sends greedy requests to a running engine, N in flight, and judges every reply so (servers.py).
+the trace's temperature / top-k / top-p is `impossible`, and nothing else can be checked. Each case's verdict is
+identical, tie-break, diverged or unchecked. Exit code 0: nothing diverged; 1: something did; 2: bad input.
+--server sends greedy requests to a running engine, N in flight, R times, and judges every reply so (servers.py).
 """
 from __future__ import annotations
 
@@ -291,6 +294,9 @@ def validate(case: Case, cfg: M.TargetConfig) -> None:
         raise CheckError(f"{case.name}: temperature must be >= 0, top_p in (0, 1], top_k >= 0")
     if case.draft_rule not in DRAFT_RULES:
         raise CheckError(f"{case.name}: draft_rule must be one of {', '.join(DRAFT_RULES)}, got {case.draft_rule!r}")
+    bad = [i for row in case.logprobs or [] for i, _ in row or [] if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise CheckError(f"{case.name}: top_logprobs name token ids {bad[:3]} outside the target's vocabulary")
 
 
 # ---- Judging ----------------------------------------------------------------------------------------------

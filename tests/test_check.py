@@ -310,6 +310,26 @@ def test_engine_response_shapes():
         check.to_cases({"choices": [{"text": "x"}]}, "t")
 
 
+def test_engines_logprobs_are_read_in_their_own_shapes():
+    """The engine's top logprobs, per output token [[id, logprob], ...] or None: a trace's top_logprobs, llama.cpp's
+    completion_probabilities (a drafted token with its own logprob alone: none), SGLang's meta_info triples, vLLM's
+    "token_id:N" keys; positions past the output dropped, missing ones None."""
+    plain = {"prompt_ids": [1], "output_ids": [5, 6], "top_logprobs": [[[5, -0.1], [7, -2.0]], None]}
+    llama = {"prompt_ids": [1], "output_ids": [5, 6], "completion_probabilities": [
+        {"id": 5, "logprob": -0.1, "top_logprobs": [{"id": 5, "logprob": -0.1}, {"id": 7, "logprob": -2.0}]},
+        {"id": 6, "logprob": 0.0, "top_logprobs": []}]}
+    sglang = {"prompt_token_ids": [1], "output_ids": [5, 6], "meta_info": {"output_top_logprobs": [
+        [[-0.1, 5, "a"], [-2.0, 7, "b"]], [[-0.3, 6, "c"], [-1.5, 8, "d"]]]}}
+    vllm = {"choices": [{"prompt_token_ids": [1], "token_ids": [5, 6], "logprobs": {"top_logprobs": [
+        {"token_id:5": -0.1, "token_id:7": -2.0}, {"x": -0.3, "y": -1.0}]}}]}
+    got = [check.to_cases(o, "t")[0].logprobs for o in (plain, llama, sglang, vllm)]
+    assert got[0] == got[1] == got[3] == [[[5, -0.1], [7, -2.0]], None]
+    assert got[2] == [[[5, -0.1], [7, -2.0]], [[6, -0.3], [8, -1.5]]]
+    assert check.to_cases({"prompt_ids": [1], "output_ids": [5]}, "t")[0].logprobs is None
+    with pytest.raises(check.CheckError, match="top_logprobs"):
+        check.to_cases({"prompt_ids": [1], "output_ids": [5], "top_logprobs": [[["a", "b"]]]}, "t")
+
+
 def test_jsonl_and_generate_output_with_text_before(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('some text the engine printed\n{"prompt_ids": [1], "output_ids": [2]}\n{"prompt_ids": [3], "output_ids": [4, 5]}\n')
@@ -324,6 +344,7 @@ def test_jsonl_and_generate_output_with_text_before(tmp_path):
     ('{"prompt_ids": [1], "output_ids": [2, 3], "draft_ids": [[3]], "acceptance_lengths": [2]}', "1 + sum(acceptance_lengths)"),
     ('{"prompt_ids": [1], "output_ids": "12"}', "list of integer token ids"),
     ('{"prompt_ids": [1], "output_ids": [2], "temperature": 1, "seed": 18446744073709551616}', "seed must be in 0 .. 2^63-1"),
+    ('{"prompt_ids": [1], "output_ids": [2], "top_logprobs": [[[2, -0.1], [99999, -3.0]]]}', "outside the target's vocabulary"),
 ])
 def test_bad_trace_is_one_error_line(tmp_path, capsys, content, says):
     path = tmp_path / "bad.json"
