@@ -582,7 +582,8 @@ class RunNoise:
 
 
 def case_dtype(case: Case, engine_dtype):
-    return DTYPES[case.dtype] if case.dtype in DTYPES else engine_dtype
+    """The dtype a case is judged in: the trace's, else engine_dtype, else bfloat16."""
+    return DTYPES[case.dtype] if case.dtype in DTYPES else engine_dtype or torch.bfloat16
 
 
 def run_noise(target: M.Qwen35, cases: list, zs: list, dtype, fixed: float | None, positions: int = TL.POSITIONS,
