@@ -138,7 +138,7 @@ def test_side_by_side_engines_keep_their_own_drafter_cache(monkeypatch, capsys):
 
 def test_heldout_prompts_extend_without_changing_the_first():
     """More prompts than held-out files: further windows of the same files; the first ones do not move."""
-    from tools import prompts
+    import prompts
     tok = ckpt.load_tokenizer(options.DEFAULT_TARGET)
     few, many = prompts.heldout_prompts(tok, 8), prompts.heldout_prompts(tok, 64)
     assert many[:8] == few and len(many) == 64 and len({tuple(p) for p in many}) == 64

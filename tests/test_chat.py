@@ -363,7 +363,7 @@ def test_set_turns_render_as_the_zlab_script_renders_them(chat_ckpt, thinking):
     """prompts.conversation (tools/bench.py --dataset) == the z-lab benchmark's prompt: apply_chat_template(messages,
     tokenize=False, add_generation_prompt=True, enable_thinking) encoded without added special tokens, for an
     MT-Bench-like sample's first turn and its second, the reply (reasoning included, as decoded) fed back."""
-    from tools import prompts
+    import prompts
     tpl, specials = chat.load_chat_template(chat_ckpt["path"])
     hf = chat_ckpt["hf_tok"]
     s = prompts.Sample(turns=["Compose a haiku about rain.", "Now rewrite it in French."])

@@ -9,7 +9,7 @@ import torch
 
 import engine
 import checkpoint as ckpt
-from tools import prompts
+import prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")

@@ -16,7 +16,7 @@ from tools import bench
 import check
 import checkpoint as ckpt
 import engine
-from tools import prompts as P
+import prompts as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "tiny-qwen35")

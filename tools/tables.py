@@ -30,7 +30,7 @@ import chat
 import checkpoint as ckpt
 import dflash
 import engine
-from tools import prompts as P
+import prompts as P
 from speed.packed import cpu_model
 import tree
 from policy import PerRun, Policy

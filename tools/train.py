@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import checkpoint as ckpt
 import model as M
-from tools.prompts import read_text, stdlib_files   # the held-out split is the benchmarks' prompts (tools/prompts.py)
+from prompts import read_text, stdlib_files   # the held-out split is the benchmarks' prompts (prompts.py)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
