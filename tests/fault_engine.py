@@ -139,12 +139,12 @@ class StandIn(engine.Engine):
 
 
 def traces(eng: StandIn, prompts: list, max_new: int, sampling=None, seed=None, claimed=None) -> list:
-    """Every prompt through `engine` (its slots in flight) -> one trace each (check.py's format: draft_ids,
+    """Every prompt through `eng` (its slots in flight) -> one trace each (check.py's format: draft_ids,
     acceptance_lengths, step_kinds, block_size, dtype, and top_logprobs where recorded). claimed: the sampling
     settings the trace says (a trace at the wrong temperature), default the run's."""
     reqs = [engine.Request(list(p), max_new, (), sampling or engine.Sampling(), None if seed is None else seed + i)
             for i, p in enumerate(prompts)]
-    results = engine.run(reqs)
+    results = eng.run(reqs)
     s = claimed or sampling
     out = []
     for i, r in enumerate(results):
