@@ -367,7 +367,7 @@ def test_help_shows_defaults(capsys, module):
     assert e.value.code == 0
     wanted = {"generate": ["(default: 128)", "(default: 0.0)", "(default: 1.0)", "(default: 0)", "(default: True)"],
               "tools.bench": ["(default: 128)", "(default: 64)", "(default: 5.6)"],
-              "check": ["(default: float32)", "(default: bfloat16)"]}[module]
+              "check": ["(default: float32)", "(default: 256)", "default: bfloat16, said in the report"]}[module]
     assert all(w in text for w in wanted), text
     assert "(default: None)" not in text and "(default: False)" not in text
 
