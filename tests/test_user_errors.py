@@ -441,3 +441,11 @@ def test_generate_refuses_packed_products_without_a_drafter(capsys):
     """--products mkl / onednn with --draft none and one request: no few-row products to pack, refused before loading."""
     rc, _, err = run_cli(capsys, "--draft", "none", "--products", "mkl", "--prompt-ids", "1,2", "--max-new-tokens", "2")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--products mkl" in err, err
+
+
+def test_prompts_file_says_the_requests_really_in_flight(pair, tmp_path, capsys):
+    """--prompts-file's summary line counts the requests in flight at once: never more than the file holds."""
+    path = requests_file(tmp_path, {"prompt_ids": [5, 17, 42, 8]}, {"prompt_ids": [9, 9, 3]})
+    rc, _, err = run_cli(capsys, "--target", pair / "target", "--draft", "none", "--max-new-tokens", "3",
+                         "--prompts-file", path, "--concurrency", "8")
+    assert rc == 0 and "[2 requests, 2 in flight:" in err, err
