@@ -41,7 +41,8 @@ import vision
 from policy import Policy
 from sampling import DRAFT_RULES
 from options import (ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, MAX_SEED, HelpFormatter, chat_template_of, compile_options,
-                     parallel_fields, parse_ids, pick_dtype, read_requests, request_of, shared_flags, use_products)
+                     parallel_fields, parse_ids, pick_dtype, read_requests, request_of, shared_flags,
+                     shared_values_check, use_products)
 
 
 def parse_args(argv=None):
@@ -139,8 +140,6 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
-    if args.draft_window is not None and args.draft_window < 0:
-        raise dflash.GenerationError(f"--draft-window must be >= 0 (0 = the whole context), got {args.draft_window}")
     if args.mtp_steps is not None and args.draft.lower() != "mtp":
         raise dflash.GenerationError(f"--mtp-steps applies to --draft mtp, not to --draft {args.draft}")
     if args.draft.lower() == "mtp":
@@ -240,14 +239,11 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.block_size is not None and args.block_size < 1:   # 0 must not fall back to the default
-        raise dflash.GenerationError(f"--block-size must be >= 1, got {args.block_size}")
+    shared_values_check(args)
     if args.num_samples < 1:
         raise dflash.GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
     sampling = engine.Sampling(args.temperature, args.top_p, args.top_k, args.draft_rule)   # checked before anything loads
     if args.threads is not None:
-        if args.threads < 1:
-            raise dflash.GenerationError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -423,8 +419,6 @@ def batch_flags_check(args) -> None:
 
 def value_flags_check(args, sampling) -> None:
     """Flag values that would be ignored, misread or overflow, each refused before loading with what to do."""
-    if args.max_new_tokens < 1:
-        raise dflash.GenerationError(f"max_new_tokens must be >= 1 (--max-new-tokens), got {args.max_new_tokens}")
     if args.cache_len is not None and args.cache_len < 1:
         raise dflash.GenerationError(f"--cache-len must be >= 1 (positions in the static caches), got {args.cache_len}; "
                                      "or drop it to size the caches to the request")
@@ -432,6 +426,10 @@ def value_flags_check(args, sampling) -> None:
         raise dflash.GenerationError("--block-size applies to a drafter's draft-verify rounds, and --draft none decodes one "
                                      "token per step (a --target other than the embedded one needs --draft DIR); drop "
                                      "--block-size or give a drafter")
+    if args.products in ("mkl", "onednn") and args.draft.lower() == "none" and (args.concurrency or 1) == 1:
+        raise dflash.GenerationError(f"--products {args.products} packs the products of a few rows (a drafter's rounds, or "
+                                     "--concurrency's batch), and --draft none with one request decodes one row per "
+                                     "step; drop --products or give a drafter")
     if args.num_samples > 1 and sampling.greedy:
         raise dflash.GenerationError(f"--num-samples {args.num_samples} applies to sampling only: greedy decoding "
                                      "(--temperature 0) gives the same text every time; set --temperature > 0 or drop --num-samples")
@@ -504,7 +502,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                   " ".join(map(str, res.output_ids)), flush=True)
             say(stats_line(res, block, proposer, load_seconds, f"request {i}: ", products))
     generated = sum(len(r.output_ids) for r in results)
-    say(f"[{len(reqs)} requests, {slots} in flight: {generated} tokens in {wall:.2f} s, {generated / wall:.1f} tok/s "
+    say(f"[{len(reqs)} requests, {min(slots, len(reqs))} in flight: {generated} tokens in {wall:.2f} s, {generated / wall:.1f} tok/s "
         "(prefills included)]")
     return 0
 

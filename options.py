@@ -6,6 +6,7 @@ compile options and the few-row products of a run, and the request files (--prom
     pick_dtype, DTYPES        --dtype, and each device's default
     ATTENTION                 --attention: the masks class of the cached steps (SDPA or FlexAttention)
     shared_flags              the flags generate.py and tools/bench.py share
+    shared_values_check       their values no run can take, refused before anything loads
     compile_options           inductor options added to --compile-mode's on a CPU
     use_products              --products: packed few-row products (speed/packed.py), chosen and swapped in
     read_requests, request_of --prompts-file lines, checked, and each line's engine.Request
@@ -108,6 +109,20 @@ def shared_flags(p) -> None:
                    help="mixture of experts: each rank holds whole experts (default: every expert's channels split)")
     g.add_argument("--tp-drafter", choices=["replicated", "sharded"], default="replicated",
                    help="the DFlash drafter whole on every rank (default) or cut by head like the target")
+
+
+def shared_values_check(args) -> None:
+    """The values of shared_flags that no run can take, refused by generate.py and tools/bench.py alike before
+    anything loads (dflash.GenerationError: one 'error:' line, exit code 2): --max-new-tokens, --block-size and
+    --threads below 1, --draft-window below 0."""
+    if args.max_new_tokens < 1:
+        raise dflash.GenerationError(f"max_new_tokens must be >= 1 (--max-new-tokens), got {args.max_new_tokens}")
+    if args.block_size is not None and args.block_size < 1:   # 0 must not fall back to the default
+        raise dflash.GenerationError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.threads is not None and args.threads < 1:
+        raise dflash.GenerationError(f"--threads must be >= 1, got {args.threads}")
+    if args.draft_window is not None and args.draft_window < 0:
+        raise dflash.GenerationError(f"--draft-window must be >= 0 (0 = the whole context), got {args.draft_window}")
 
 
 def compile_options(args, device) -> dict:

@@ -394,3 +394,58 @@ def test_bench_empty_prompts_file_is_refused(tmp_path, capsys):
     assert bench.cli(["--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "2", "--threads", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --prompts {tmp_path / 'p.txt'} holds no prompt (one per line)"], err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prompt-len", "-5"], "--prompt-len must be >= 1"),
+    (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--preset", "tiny-9b-shape", "--random-weights", "--tau", "-1"], "--tau must be >= 1"),
+    (["--preset", "tiny-9b-shape", "--random-weights", "--tau", "0"], "--tau must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--threads", "-2"], "--threads must be >= 1, got -2"),
+    (["--random-weights"], "--random-weights applies to --preset"),
+    (["--products", "mkl", "--draft", "none"], "--draft none names none"),
+    (["--draft", "mtp"], "--methods dflash,mtp3"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1 (--max-new-tokens), got 0"),
+    (["--max-new-tokens", "-3"], "max_new_tokens must be >= 1 (--max-new-tokens), got -3"),
+    (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["--draft-window", "-1"], "--draft-window must be >= 0"),
+    (["--heldout", "-4"], "--heldout must be >= 1"),
+    (["--concurrency", "0"], "--concurrency takes whole numbers >= 1"),
+    (["--concurrency", "junk"], "--concurrency takes whole numbers >= 1"),
+    (["--concurrency", "1.5"], "--concurrency takes whole numbers >= 1"),
+    (["--dataset", "humaneval", "--limit", "0"], "--limit must be at least 1"),
+    (["--draft-rules", "0.5", "--selector-top-k", "0"], "--selector-top-k must be >= 1"),
+    (["--draft-rules", "0.5", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--draft-rules", "-1"], "--draft-rules takes temperatures > 0"),
+    (["--threads", "two"], "argument --threads: invalid int value: 'two'"),
+])
+def test_bench_bad_values_are_one_error_line(capsys, monkeypatch, args, says):
+    """Every flag of tools/bench.py with a value no mode can run: one 'error:' line on stderr, exit code 2, before
+    any model loads (neither checkpoints nor a preset's random weights)."""
+    from tools import bench, presets
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "load_target", lambda *a, **kw: pytest.fail("loaded before the flags were checked"))
+    monkeypatch.setattr(presets, "random_models", lambda *a, **kw: pytest.fail("built before the flags were checked"))
+    capsys.readouterr()
+    try:
+        rc = bench.cli(args)
+    except SystemExit as e:             # the argument parser's own errors (OneLineParser)
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_generate_refuses_packed_products_without_a_drafter(capsys):
+    """--products mkl / onednn with --draft none and one request: no few-row products to pack, refused before loading."""
+    rc, _, err = run_cli(capsys, "--draft", "none", "--products", "mkl", "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--products mkl" in err, err
+
+
+def test_prompts_file_says_the_requests_really_in_flight(pair, tmp_path, capsys):
+    """--prompts-file's summary line counts the requests in flight at once: never more than the file holds."""
+    path = requests_file(tmp_path, {"prompt_ids": [5, 17, 42, 8]}, {"prompt_ids": [9, 9, 3]})
+    rc, _, err = run_cli(capsys, "--target", pair / "target", "--draft", "none", "--max-new-tokens", "3",
+                         "--prompts-file", path, "--concurrency", "8")
+    assert rc == 0 and "[2 requests, 2 in flight:" in err, err

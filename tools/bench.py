@@ -62,8 +62,17 @@ from policy import Policy
 
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """The benchmark's argument parser: a usage error is one 'error:' line on stderr and exit code 2, as the value
+    checks' dflash.GenerationError is in cli (no usage block before it)."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=options.HelpFormatter)
+    p = OneLineParser(description=__doc__.splitlines()[0], formatter_class=options.HelpFormatter)
     options.shared_flags(p)
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="the DFlash drafter: folder or Hugging Face repo id")
     p.add_argument("--prompt", action="append", default=[], help="a prompt text; repeat for several")
@@ -143,6 +152,7 @@ def parse_args(argv=None):
                         "batch, so the ratios say how far two identical arms part on this machine")
     args = p.parse_args(argv)
     prompt_flags_check(args)
+    value_flags_check(args)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     if args.limit is not None and args.limit < 1:
@@ -207,6 +217,30 @@ def prompt_flags_check(args) -> None:
             raise dflash.GenerationError(f"--prompts {args.prompts} is a directory; give a text file with one prompt per line")
         if not os.path.isfile(args.prompts):
             raise dflash.GenerationError(f"--prompts {args.prompts}: no such file (a text file with one prompt per line)")
+
+
+def value_flags_check(args) -> None:
+    """Flag values no mode can run, each refused in one 'error:' line (bench.cli) before anything loads: the shared
+    flags' (options.shared_values_check), a --prompt-len below 1, a --tau below 1 (a round commits at least one
+    token), --random-weights without --preset, --draft none or mtp (every mode but --preset and --profile-decode
+    loads a DFlash drafter), a --selector-top-k below 1, a --top-p outside (0, 1]."""
+    options.shared_values_check(args)
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise dflash.GenerationError(f"--prompt-len must be >= 1 (tokens per prompt), got {args.prompt_len}")
+    if not args.tau >= 1:
+        raise dflash.GenerationError(f"--tau must be >= 1 (the mean acceptance length of a round, which commits at least "
+                                     f"one token), got {args.tau}")
+    if args.random_weights and not args.preset:
+        raise dflash.GenerationError("--random-weights applies to --preset (random weights of its shapes); give "
+                                     f"--preset NAME ({', '.join(presets.PRESETS)}) or drop --random-weights")
+    if args.draft.lower() in ("none", "mtp"):
+        raise dflash.GenerationError(f"tools/bench.py times a DFlash drafter against AR, and --draft {args.draft} names none: "
+                                     "give a drafter folder (or drop --draft for the embedded one); for Qwen3.5's MTP "
+                                     "head use --methods dflash,mtp3")
+    if args.selector_top_k < 1:
+        raise dflash.GenerationError(f"--selector-top-k must be >= 1 (candidates per row), got {args.selector_top_k}")
+    if not 0 < args.top_p <= 1:
+        raise dflash.GenerationError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
 
 
 def other_mode(args) -> bool:
