@@ -5,6 +5,8 @@ the tensor-name layouts of Qwen3.5 and of z-lab drafters, tokenizer and stop ids
                                  `qwen3_5_moe` and `qwen3_5_moe_text` alike) -> model.Qwen35
     load_drafter(path, cfg)      z-lab DFlashDraftModel -> model.DFlashDrafter, checked against the target
     save_target / save_drafter   the same formats back (transformers and the z-lab package load them)
+    target_bytes, cache_bytes,   the memory a run needs, from the configs alone, against what the device has
+    check_memory
 
 Tensor names: docs/qwen35.md#checkpoint-tensor-names.
 """
@@ -18,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from kernels import state_dtype
-from model import CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig
+from model import CheckpointError, DFlashDrafter, DraftConfig, GenerationError, Qwen35, TargetConfig
 
 SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 MOE_TYPES = ("qwen3_next",)      # mixture-of-experts models of another architecture
@@ -360,12 +362,33 @@ def read_safetensors(path: str, keep=None) -> dict:
             raise CheckpointError(f"shard {name} named in the index is missing from {path}; re-download the checkpoint")
         try:
             with safe_open(f, framework="pt") as fh:
-                for key in fh.keys():
-                    if keep is None or keep(key):     # unread tensors (the vision tower, MTP) cost no memory
-                        tensors[key] = fh.get_tensor(key)
-        except Exception as e:
+                read = {key: fh.get_tensor(key) for key in fh.keys() if keep is None or keep(key)}   # unread tensors
+        except Exception as e:                                                       # cost no memory
             raise CheckpointError(f"{f} is truncated or corrupt ({type(e).__name__}); re-download it") from None
+        for key, t in read.items():
+            if not all_finite(t):
+                raise CheckpointError(not_finite(key, f))
+        tensors.update(read)
     return tensors
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of t is finite (integer tensors always are). A sum first (fast, no copy: a NaN or an
+    infinity makes it non-finite), then, only when the sum is not finite, the elements themselves in slices (a sum
+    of huge finite values can overflow)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    flat = t.reshape(-1)
+    if torch.isfinite(flat.sum()):
+        return True
+    step = 1 << 22
+    return all(bool(torch.isfinite(flat[i:i + step]).all()) for i in range(0, flat.numel(), step))
+
+
+def not_finite(name: str, f: str) -> str:
+    """The message for a weight that holds NaN or infinite values."""
+    return (f"tensor {name} in {f} holds NaN or infinite values, so the model would print garbage; the checkpoint is "
+            "damaged or was saved from a diverged model: re-download or re-export it")
 
 
 def _target_key(name: str) -> str | None:
@@ -483,6 +506,70 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
     model.path = path
     return model.to(device).eval()
 
+
+
+# ---- the memory a run needs, known from the configs before any weight is read ------------------------------------
+
+def weight_bytes(module: nn.Module, dtype, keep_fp32=()) -> int:
+    """Bytes of `module`'s parameters once loaded in `dtype` (those whose names end with one of keep_fp32 in
+    state_dtype(dtype), as load_into keeps them); a meta-device module will do, so nothing is allocated."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    wide = torch.tensor([], dtype=state_dtype(dtype)).element_size()
+    return sum(p.numel() * (wide if n.endswith(keep_fp32) else size) for n, p in module.named_parameters())
+
+
+def target_bytes(cfg: TargetConfig, dtype) -> int:
+    """Bytes of a target of config `cfg` loaded in `dtype` (load_target)."""
+    with torch.device("meta"):
+        return weight_bytes(Qwen35(cfg), dtype, TARGET_FP32)
+
+
+def drafter_bytes(cfg: DraftConfig, dtype) -> int:
+    """Bytes of a DFlash drafter of config `cfg` loaded in `dtype` (load_drafter)."""
+    with torch.device("meta"):
+        return weight_bytes(DFlashDrafter(cfg), dtype)
+
+
+def cache_bytes(cfg: TargetConfig, dtype, capacity: int, slots: int = 1, block: int = 1,
+                draft: DraftConfig | None = None) -> int:
+    """Bytes of the static caches of a run of `slots` sequences of `capacity` positions verifying `block` tokens at
+    a time: the target's TargetCache and, with a DFlash drafter of config `draft`, its DraftCache. Both are built on
+    the meta device, so the count follows what the engine allocates."""
+    from model import DraftCache, TargetCache
+    caches = [TargetCache(cfg, capacity, dtype, "meta", batch=slots, max_block=block)]
+    if draft is not None:
+        caches.append(DraftCache(draft, capacity, dtype, "meta", batch=slots))
+    return sum(t.numel() * t.element_size() for c in caches for layer in c.layers for t in vars(layer).values())
+
+
+def available_memory(device) -> int | None:
+    """Bytes a run may still take on `device`: on a CPU MemAvailable of /proc/meminfo (None where there is no such
+    file: the check is then skipped), on a GPU the free memory of the current CUDA device."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_memory(weights: int, caches: int, available: int | None, where: str, fixes: list) -> None:
+    """Refuse a run whose weights and caches (bytes) exceed `available` (bytes; None: unknown, no check) with one
+    line naming the need, what `where` has, and `fixes` (the flags that would make it fit)."""
+    need = weights + caches
+    if available is None or need <= available:
+        return
+    parts = [f"{gb(n)} of {what}" for n, what in ((weights, "weights"), (caches, "caches")) if n]
+    raise GenerationError(f"this run needs about {gb(need)} ({' and '.join(parts)}) but {where} has {gb(available)} "
+                          f"available; use {', or '.join(fixes)}")
 
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer.json via `tokenizers`, or None when the folder has none."""

@@ -168,6 +168,68 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     return target, tokenizer, proposer, products
 
 
+
+def preflight(args, device, dtype, parallel: tp.Parallel | None = None) -> None:
+    """What the configs alone decide, before any weight is read: --cache-len within what the target's
+    max_position_embeddings allows, --max-new-tokens (with --prompt-ids) within it, and the memory the run needs
+    (memory_check: the target and a DFlash drafter in `dtype`, the caches of the asked context and slots) within what
+    the device has. A text prompt's tokens are counted once tokenized (check_caches). Under torchrun each rank holds
+    a part of the weights, and only the caches are checked, once loaded."""
+    cfg = ckpt.target_config(ckpt.read_config(ckpt.resolve_dir(args.target)))
+    kind = args.draft.lower()
+    draft = None
+    if kind not in ("none", "mtp"):
+        raw = ckpt.read_config(ckpt.resolve_dir(args.draft))
+        draft = None if eagle3.is_eagle3(raw) else ckpt.draft_config(raw)
+        if draft is not None:
+            ckpt.check_fits(draft, cfg)
+    # the widest verify call, as load and main settle it: a tree's nodes + 1 (an EAGLE-3 drafter always grows trees),
+    # --block-size, or the proposer's own block
+    if args.tree_size is not None or (kind not in ("none", "mtp") and draft is None):
+        block = (16 if args.tree_size is None else args.tree_size) + 1
+    elif args.block_size is not None:
+        block = args.block_size
+    else:
+        if kind == "mtp" and args.mtp_steps is not None:
+            mtp.check_steps(args.mtp_steps)
+        block = {"none": 1, "mtp": (3 if args.mtp_steps is None else args.mtp_steps) + 1}.get(kind) or draft.block_size
+    positions = cfg.max_position_embeddings
+    most = positions + block - 1
+    if args.cache_len is not None and args.cache_len > most:
+        slack = f" ({positions} + {block - 1} for the last verify block)" if block > 1 else ""
+        raise dflash.GenerationError(f"--cache-len {args.cache_len} is more than the target can use: its max_position_embeddings "
+                                     f"is {positions}, so a cache holds at most {most} positions{slack}; use --cache-len "
+                                     f"{most} or less, or drop it")
+    prompt = len(parse_ids(args.prompt_ids)) if args.prompt_ids is not None else 0
+    if args.prompts_file is None and prompt + args.max_new_tokens > positions:
+        raise dflash.GenerationError(f"prompt + max_new_tokens = {prompt + args.max_new_tokens} exceeds the model's "
+                                     f"max_position_embeddings {positions}; shorten the request")
+    if parallel is not None:
+        return
+    need = prompt + args.max_new_tokens + block - 1
+    capacity = args.cache_len or (dflash.default_capacity(need, most) if args.compile else need)
+    slots = args.concurrency or 1
+    weights = ckpt.target_bytes(cfg, dtype) + (ckpt.drafter_bytes(draft, dtype) if draft is not None else 0)
+    memory_check(args, weights, ckpt.cache_bytes(cfg, dtype, capacity, slots, block, draft), device, dtype, slots)
+
+
+def memory_check(args, weights: int, caches: int, device, dtype, slots: int) -> None:
+    """checkpoint.check_memory with the flags that would shrink the run; on a GPU the host's memory too, which the
+    weights pass through while loading."""
+    fixes = (["--dtype bfloat16 (half the bytes)"] if dtype != torch.bfloat16 else []) + \
+            ["a shorter --cache-len" if args.cache_len is not None else "a smaller --max-new-tokens"] + \
+            (["fewer --concurrency slots"] if slots > 1 else [])
+    cuda = torch.device(device).type == "cuda"
+    ckpt.check_memory(weights, caches, ckpt.available_memory(device), "the GPU" if cuda else "this machine", fixes)
+    if cuda and weights:
+        ckpt.check_memory(weights, 0, ckpt.available_memory("cpu"), "this machine (the weights are read through it)", fixes)
+
+
+def check_caches(args, target, proposer, capacity: int, slots: int, block: int, device, dtype) -> None:
+    """Once loaded and the prompts tokenized: the caches of the run's real capacity within the memory left."""
+    draft = proposer.drafter.cfg if isinstance(proposer, engine.DrafterProposer) else None
+    memory_check(args, 0, ckpt.cache_bytes(target.cfg, dtype, capacity, slots, block, draft), device, dtype, slots)
+
 def chat_flags_check(args, as_chat: bool) -> None:
     """The chat-only flags without chat mode: say why chat mode is off."""
     used = [f for f, on in (("--system", args.system is not None), ("--messages", args.messages), ("--tools", args.tools),
@@ -259,6 +321,7 @@ def main(argv=None) -> int:
     if args.prompts_file is not None:    # every line checked before anything loads (run_requests reads them again)
         read_requests(args.prompts_file, args)
     parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
+    preflight(args, device, dtype, parallel)
 
     # on a terminal, what the next seconds go to (in a log or a pipe, stderr holds only errors and statistics)
     if getattr(sys.stderr, "isatty", lambda: False)():
@@ -290,6 +353,7 @@ def main(argv=None) -> int:
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size or proposer is None else proposer.max_block_size,
                                    round_up=args.compile)
+    check_caches(args, target, proposer, capacity, 1, block_size, device, dtype)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
     policy = None if (proposer is None or args.no_adaptive or args.tree_size) else Policy(block=block_size)
     policy = parallel.synced(policy) if parallel else policy     # rank 0 decides every step for every rank
@@ -473,6 +537,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                                                          most, round_up=args.compile))
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
+    check_caches(args, target, proposer, capacity, slots, block, device, dtype)
     policy = None if (proposer is None or args.no_adaptive) else Policy(block=block)
     if parallel is not None:          # rank 0 decides every step, and its seeds are every rank's (Parallel.synced, .same)
         policy = parallel.synced(policy)
