@@ -13,6 +13,8 @@ Tensor names: docs/qwen35.md#checkpoint-tensor-names.
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import re
 
@@ -340,11 +342,11 @@ def read_config(path: str) -> dict:
     return read_json(f)
 
 
-def read_safetensors(path: str, keep=None) -> dict:
+def read_safetensors(path: str, keep=None, lazy: bool = False) -> dict:
     """All tensors of a checkpoint folder (those whose name `keep(name)` accepts, when given): one
     model.safetensors, or the shards named by model.safetensors.index.json. Missing or truncated files
-    fail with the file's name."""
-    from safetensors import safe_open
+    fail with the file's name, a tensor holding NaN or infinity with its own. lazy: Stored handles instead of
+    tensors, nothing read but the files' headers (load_into reads each into its parameter)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = read_json(index).get("weight_map")
@@ -360,16 +362,127 @@ def read_safetensors(path: str, keep=None) -> dict:
         f = os.path.join(path, name)
         if not os.path.exists(f):
             raise CheckpointError(f"shard {name} named in the index is missing from {path}; re-download the checkpoint")
-        try:
-            with safe_open(f, framework="pt") as fh:
-                read = {key: fh.get_tensor(key) for key in fh.keys() if keep is None or keep(key)}   # unread tensors
-        except Exception as e:                                                       # cost no memory
-            raise CheckpointError(f"{f} is truncated or corrupt ({type(e).__name__}); re-download it") from None
-        for key, t in read.items():
-            if not all_finite(t):
-                raise CheckpointError(not_finite(key, f))
-        tensors.update(read)
+        for key, stored in safetensors_contents(f).items():
+            if keep is None or keep(key):            # unread tensors (the vision tower, MTP) cost no memory
+                tensors[key] = stored if lazy else stored.read()
     return tensors
+
+
+# safetensors' dtype names -> torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+CHUNK = 1 << 22          # bytes read at a time when a tensor is converted: what loading holds besides the model
+
+
+def safetensors_contents(f: str) -> dict:
+    """The header of safetensors file f -> {name: Stored}: 8 bytes (little-endian u64: the header's length), a JSON
+    object {name: {dtype, shape, data_offsets [begin, end] after the header}} (and "__metadata__"), then the data.
+    Every entry is checked against the file's size, so that a truncated file fails here, whole, with its name."""
+    def bad(why: str):
+        return CheckpointError(f"{f} is truncated or corrupt ({why}); re-download it")
+    size = os.path.getsize(f)
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, no header")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise bad(f"a header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+            fits = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)) and \
+                end - begin == math.prod(shape) * dtype.itemsize
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {key}'s entry {json.dumps(entry)[:80]}") from None
+        if not fits:
+            raise bad(f"tensor {key}'s shape {list(shape)} does not match its {end - begin} bytes")
+        if 8 + n + end > size:
+            raise bad(f"tensor {key} ends at byte {8 + n + end} of {size}")
+        out[key] = Stored(f, key, dtype, shape, 8 + n + begin)
+    return out
+
+
+class Stored:
+    """One tensor of a safetensors file, not read yet: its file and name, dtype, shape and first byte. read() -> the
+    tensor; fill(out) reads it straight into `out` (same number of elements, contiguous, any dtype): loading holds
+    the model and one CHUNK of the file, never a second copy. Both refuse a tensor that holds NaN or infinity (in
+    `out`'s dtype) with the tensor's and the file's names. shape, dim() and reshape() as a tensor's (reshape: the
+    same elements, another shape)."""
+
+    def __init__(self, file: str, name: str, dtype, shape: tuple, start: int):
+        self.file, self.name, self.dtype, self.shape, self.start = file, name, dtype, torch.Size(shape), start
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, *shape) -> "Stored":
+        return Stored(self.file, self.name, self.dtype, torch.empty(self.shape, device="meta").reshape(*shape).shape, self.start)
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.fill(out)
+        return out
+
+    def fill(self, out: torch.Tensor) -> None:
+        """`out` <- this tensor, converted to out's dtype. The file is mapped (mmap) and copied from a CHUNK at a time,
+        each chunk's pages unmapped from this process once copied (MADV_DONTNEED: they stay in the page cache), so the
+        process holds `out` and at most one chunk of the file."""
+        flat, size = out.view(-1), self.dtype.itemsize
+        if flat.numel() == 0:
+            return
+        step, page = max(1, CHUNK // size), mmap.PAGESIZE
+        with open(self.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+            for i in range(0, flat.numel(), step):
+                part, at = flat[i:i + step], self.start + i * size
+                src = torch.frombuffer(mapped, dtype=self.dtype, count=part.numel(), offset=at)
+                part.copy_(src)
+                problem = None if all_finite(part) else (
+                    not_finite(self.name, self.file) if not all_finite(src) else
+                    f"tensor {self.name} in {self.file} holds values beyond {out.dtype}'s range; load it in float32")
+                del src                              # (the map cannot close while a tensor views it)
+                if problem:
+                    raise CheckpointError(problem)
+                if hasattr(mmap, "MADV_DONTNEED"):
+                    mapped.madvise(mmap.MADV_DONTNEED, at - at % page, at % page + part.numel() * size)
+
+
+class Joined:
+    """Stored tensors (or tensors) read one after another into consecutive elements of one parameter of `shape`:
+    a mixture of experts' one-tensor-per-expert files into its fused parameters (fuse_experts). fill, read, shape
+    and dim() as Stored's."""
+
+    def __init__(self, parts: list, shape: tuple):
+        self.parts, self.shape = parts, torch.Size(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.parts[0].dtype)
+        self.fill(out)
+        return out
+
+    def fill(self, out: torch.Tensor) -> None:
+        flat, i = out.view(-1), 0
+        for part in self.parts:
+            n = part.shape.numel()
+            dst = flat[i:i + n].view(part.shape)
+            if isinstance(part, torch.Tensor):
+                dst.copy_(part)
+            else:
+                part.fill(dst)
+            i += n
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -408,7 +521,8 @@ EXPERT_NAME = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_pr
 def fuse_experts(tensors: dict, n_experts: int) -> dict:
     """The per-expert layout (`experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]: the
     published files, and what transformers' save_pretrained writes) -> our fused parameters `experts.gate_up_proj`
-    [E, 2I, H] (gate rows first) and `experts.down_proj` [E, H, I], in place. Fused files pass unchanged."""
+    [E, 2I, H] (gate rows first) and `experts.down_proj` [E, H, I], in place, as Joined tensors (read into the
+    parameter expert by expert by load_into). Fused files pass unchanged. Values: tensors or Stored ones."""
     layers = {}
     for name in [n for n in tensors if EXPERT_NAME.fullmatch(n)]:
         prefix, e, kind = EXPERT_NAME.fullmatch(name).groups()
@@ -419,16 +533,23 @@ def fuse_experts(tensors: dict, n_experts: int) -> dict:
             bad = sorted(want ^ set(parts))[:3]
             raise CheckpointError(f"target checkpoint's {prefix} do not match num_experts {n_experts}: {'missing' if bad[0] in want else 'unexpected'} "
                                   f"{', '.join(f'{prefix}.{e}.{k}_proj.weight' for e, k in bad)}")
-        try:
-            tensors[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n_experts)])
-            tensors[prefix + ".down_proj"] = torch.stack([parts[e, "down"] for e in range(n_experts)])
-        except RuntimeError:
-            raise CheckpointError(f"target checkpoint's {prefix}.*_proj.weight differ in shape from expert to expert") from None
+        # [gate; up] of each expert along rows, all alike (what torch.cat then torch.stack accept), and downs alike
+        gate_up = set()
+        for e in range(n_experts):
+            g, u = tuple(parts[e, "gate"].shape), tuple(parts[e, "up"].shape)
+            gate_up.add((g[0] + u[0], *g[1:]) if len(g) == len(u) >= 1 and g[1:] == u[1:] else None)
+        down = {tuple(parts[e, "down"].shape) for e in range(n_experts)}
+        if len(gate_up) != 1 or None in gate_up or len(down) != 1:
+            raise CheckpointError(f"target checkpoint's {prefix}.*_proj.weight differ in shape from expert to expert")
+        tensors[prefix + ".gate_up_proj"] = Joined([parts[e, k] for e in range(n_experts) for k in ("gate", "up")],
+                                                   (n_experts, *gate_up.pop()))
+        tensors[prefix + ".down_proj"] = Joined([parts[e, "down"] for e in range(n_experts)], (n_experts, *down.pop()))
     return tensors
 
 
 def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
-    """Copy checkpoint tensors into `module`, converting dtype; every parameter must be present with its shape."""
+    """Copy checkpoint tensors (tensors, or Stored / Joined ones: each read straight into its parameter) into
+    `module`, converting dtype; every parameter must be present with its shape."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(tensors))
     if missing:
@@ -440,11 +561,16 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
     with torch.no_grad():
         for name, p in params.items():
             t = tensors[name]
-            if name.endswith("conv_weight") and t.dim() == 3:
-                t = t[:, 0, :]
+            if name.endswith("conv_weight") and t.dim() == 3:         # conv1d's [C, 1, K] -> [C, K]
+                t = t.reshape(t.shape[0], t.shape[2]) if t.shape[1] == 1 else (t if isinstance(t, torch.Tensor) else t.read())[:, 0, :]
             if tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
-            p.data = t.to(state_dtype(dtype)) if name.endswith(keep_fp32) else t.to(dtype)
+            kept = state_dtype(dtype) if name.endswith(keep_fp32) else dtype
+            if isinstance(t, torch.Tensor):
+                p.data = t.to(kept)
+            else:
+                p.data = torch.empty(p.shape, dtype=kept, device=p.device)
+                t.fill(p.data)
 
 
 # Kept in float32 whatever the dtype: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
@@ -453,9 +579,9 @@ TARGET_FP32 = ("A_log", "dt_bias")
 
 def target_tensors(path: str, cfg: TargetConfig, keep=lambda name: True) -> dict:
     """The target's tensors of a checkpoint under our parameter names (those `keep(name)` accepts: tp.py reads one
-    layer at a time), experts fused, a tied lm_head left out."""
+    layer at a time), experts fused, a tied lm_head left out: Stored / Joined handles, read by load_into."""
     tensors = {_target_key(n): t for n, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None
-                                                               and keep(_target_key(n))).items()}
+                                                               and keep(_target_key(n)), lazy=True).items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     if cfg.num_experts:
@@ -500,7 +626,7 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model.to_empty(device="cpu")
-    tensors = {_draft_key(k): t for k, t in read_safetensors(path).items()}
+    tensors = {_draft_key(k): t for k, t in read_safetensors(path, lazy=True).items()}
     load_into(model, tensors, dtype, "drafter")
     model.init_buffers_()
     model.path = path

@@ -146,7 +146,7 @@ def load_mtp(path: str, target: Qwen35, dtype=None) -> MTPHead:
     raw = ckpt.read_config(path)
     tc = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     n = tc.get("mtp_num_hidden_layers")
-    tensors = ckpt.read_safetensors(path, keep=lambda k: k.startswith(MTP_PREFIXES))
+    tensors = ckpt.read_safetensors(path, keep=lambda k: k.startswith(MTP_PREFIXES), lazy=True)
     if not tensors:
         raise CheckpointError(f"{path} has no MTP head (no mtp.* tensors); --draft mtp needs a Qwen3.5 checkpoint that "
                               f"ships one (the published ones do), or train one: python tools/train.py mtp --target {path}")
