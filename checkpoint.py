@@ -449,7 +449,8 @@ class Stored:
                 part.copy_(src)
                 problem = None if all_finite(part) else (
                     not_finite(self.name, self.file) if not all_finite(src) else
-                    f"tensor {self.name} in {self.file} holds values beyond {out.dtype}'s range; load it in float32")
+                    f"tensor {self.name} in {self.file} holds values beyond {str(out.dtype).replace('torch.', '')}'s "
+                    "range; keep the weights in a wider dtype (--weight-dtype auto or float32)")
                 del src                              # (the map cannot close while a tensor views it)
                 if problem:
                     raise CheckpointError(problem)
@@ -483,6 +484,11 @@ class Joined:
             else:
                 part.fill(dst)
             i += n
+
+
+def stored_dtype(t) -> torch.dtype:
+    """The dtype a checkpoint tensor (a tensor, Stored or Joined) holds in its file."""
+    return t.parts[0].dtype if isinstance(t, Joined) else t.dtype
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -547,9 +553,26 @@ def fuse_experts(tensors: dict, n_experts: int) -> dict:
     return tensors
 
 
-def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
+# The narrower dtypes each arithmetic dtype holds exactly: weights stored in one of them are kept as stored under
+# weights="auto", and widened per product (model.Linear), which gives the widened model's results.
+HELD_EXACTLY = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def kept_dtype(stored, dtype, weights=None):
+    """The dtype a weight stored in `stored` is kept in, for arithmetic in `dtype`: `dtype` (weights None: every
+    weight widened or rounded to the arithmetic's dtype), the dtype `weights`, or with weights "auto" the stored one
+    when `dtype` holds it exactly (bfloat16 under float32), else `dtype`."""
+    if weights is None:
+        return dtype
+    if weights == "auto":
+        return stored if stored in HELD_EXACTLY.get(dtype, ()) else dtype
+    return weights
+
+
+def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=(), weights=None):
     """Copy checkpoint tensors (tensors, or Stored / Joined ones: each read straight into its parameter) into
-    `module`, converting dtype; every parameter must be present with its shape."""
+    `module`, every parameter must be present with its shape. dtype: the arithmetic's; each weight is kept in
+    kept_dtype(its stored dtype, dtype, weights), those named in keep_fp32 in state_dtype(dtype)."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(tensors))
     if missing:
@@ -565,7 +588,7 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
                 t = t.reshape(t.shape[0], t.shape[2]) if t.shape[1] == 1 else (t if isinstance(t, torch.Tensor) else t.read())[:, 0, :]
             if tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
-            kept = state_dtype(dtype) if name.endswith(keep_fp32) else dtype
+            kept = state_dtype(dtype) if name.endswith(keep_fp32) else kept_dtype(stored_dtype(t), dtype, weights)
             if isinstance(t, torch.Tensor):
                 p.data = t.to(kept)
             else:
@@ -589,7 +612,11 @@ def target_tensors(path: str, cfg: TargetConfig, keep=lambda name: True) -> dict
     return tensors
 
 
-def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
+def load_target(path: str, dtype=torch.float32, device="cpu", weights=None) -> Qwen35:
+    """The Qwen3.5 target of a checkpoint folder or Hub id, for arithmetic in `dtype`. weights: how its weights are
+    kept (kept_dtype): None, every weight in `dtype`; "auto", as stored where `dtype` holds them exactly (a bfloat16
+    file under float32 arithmetic: half the memory, the float32 model's results); or a dtype. Each tensor is read
+    from its file into its parameter (Stored.fill)."""
     path = resolve_dir(path)
     raw = read_config(path)
     cfg = target_config(raw)
@@ -599,7 +626,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     model.tie_weights_()             # to_empty gives every module a new Parameter of its own: tie them again
     tensors = target_tensors(path, cfg)
     try:
-        load_into(model, tensors, dtype, "target", keep_fp32=TARGET_FP32)
+        load_into(model, tensors, dtype, "target", keep_fp32=TARGET_FP32, weights=weights)
     except CheckpointError as e:
         if "layer_types" in raw.get("text_config", raw):
             raise
@@ -607,6 +634,8 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
         raise CheckpointError(f"config.json has no layer_types, and the layer kinds assumed without it ({cfg.layer_types.count('full_attention')} "
                               f"full attention layers of {cfg.num_hidden_layers}) do not match the weights: add the checkpoint's "
                               f"layer_types to config.json ({e})") from None
+    if model.embed_tokens.weight.dtype != dtype:      # weights kept narrower: the arithmetic starts at the embedding
+        model.embed_tokens.out_dtype = dtype
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()
@@ -619,7 +648,9 @@ def _draft_key(name: str) -> str:
     return name + ".weight" if name.endswith("_codebook") else name
 
 
-def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> DFlashDrafter:
+def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu", weights=None) -> DFlashDrafter:
+    """The z-lab drafter of a checkpoint folder or Hub id, checked against its target's config; dtype and weights as
+    load_target's."""
     path = resolve_dir(path)
     cfg = draft_config(read_config(path))
     check_fits(cfg, target_cfg)
@@ -627,7 +658,9 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
         model = DFlashDrafter(cfg)
     model.to_empty(device="cpu")
     tensors = {_draft_key(k): t for k, t in read_safetensors(path, lazy=True).items()}
-    load_into(model, tensors, dtype, "drafter")
+    load_into(model, tensors, dtype, "drafter", weights=weights)
+    if model.fc.weight.dtype != dtype:
+        model.compute_dtype = dtype
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()
@@ -636,24 +669,33 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
 
 # ---- the memory a run needs, known from the configs before any weight is read ------------------------------------
 
-def weight_bytes(module: nn.Module, dtype, keep_fp32=()) -> int:
-    """Bytes of `module`'s parameters once loaded in `dtype` (those whose names end with one of keep_fp32 in
-    state_dtype(dtype), as load_into keeps them); a meta-device module will do, so nothing is allocated."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    wide = torch.tensor([], dtype=state_dtype(dtype)).element_size()
+def weight_bytes(module: nn.Module, dtype, keep_fp32=(), kept=None) -> int:
+    """Bytes of `module`'s parameters once loaded for arithmetic in `dtype`, kept in `kept` (default: dtype), those
+    whose names end with one of keep_fp32 in state_dtype(dtype), as load_into keeps them; a meta-device module will
+    do, so nothing is allocated."""
+    size = (kept or dtype).itemsize
+    wide = state_dtype(dtype).itemsize
     return sum(p.numel() * (wide if n.endswith(keep_fp32) else size) for n, p in module.named_parameters())
 
 
-def target_bytes(cfg: TargetConfig, dtype) -> int:
-    """Bytes of a target of config `cfg` loaded in `dtype` (load_target)."""
+def target_bytes(cfg: TargetConfig, dtype, kept=None) -> int:
+    """Bytes of a target of config `cfg` loaded for `dtype`, its weights kept in `kept` (default: dtype; load_target)."""
     with torch.device("meta"):
-        return weight_bytes(Qwen35(cfg), dtype, TARGET_FP32)
+        return weight_bytes(Qwen35(cfg), dtype, TARGET_FP32, kept)
 
 
-def drafter_bytes(cfg: DraftConfig, dtype) -> int:
-    """Bytes of a DFlash drafter of config `cfg` loaded in `dtype` (load_drafter)."""
+def drafter_bytes(cfg: DraftConfig, dtype, kept=None) -> int:
+    """Bytes of a DFlash drafter of config `cfg` loaded for `dtype`, kept in `kept` (load_drafter)."""
     with torch.device("meta"):
-        return weight_bytes(DFlashDrafter(cfg), dtype)
+        return weight_bytes(DFlashDrafter(cfg), dtype, kept=kept)
+
+
+def file_dtype(path: str) -> torch.dtype:
+    """The dtype that holds most of a checkpoint folder's bytes (from its files' headers: no data is read)."""
+    held = {}
+    for t in read_safetensors(path, lazy=True).values():
+        held[t.dtype] = held.get(t.dtype, 0) + t.shape.numel() * t.dtype.itemsize
+    return max(held, key=held.get)
 
 
 def cache_bytes(cfg: TargetConfig, dtype, capacity: int, slots: int = 1, block: int = 1,

@@ -41,7 +41,8 @@ import vision
 from policy import Policy
 from sampling import DRAFT_RULES
 from options import (ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, MAX_SEED, HelpFormatter, chat_template_of, compile_options,
-                     parallel_fields, parse_ids, pick_dtype, read_requests, request_of, shared_flags, use_products)
+                     parallel_fields, parse_ids, pick_dtype, pick_weights, read_requests, request_of, shared_flags,
+                     use_products)
 
 
 def parse_args(argv=None):
@@ -134,9 +135,11 @@ class TextStream:
 
 def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     """The target, its tokenizer and the proposer (None: plain AR) named by the flags, with the products chosen
-    for them (use_products' record); under torchrun cut to this rank's part (parallel.shard)."""
+    for them (use_products' record); under torchrun cut to this rank's part (parallel.shard). Arithmetic in `dtype`,
+    the weights kept as --weight-dtype says (target, DFlash drafter, MTP head; an EAGLE-3 drafter in `dtype`)."""
+    weights = pick_weights(args.weight_dtype, dtype, parallel)
     # under torchrun each layer is cut as it is read: no process holds the whole checkpoint
-    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
+    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device, weights)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
     if args.draft_window is not None and args.draft_window < 0:
@@ -146,7 +149,8 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     if args.draft.lower() == "mtp":
         if args.draft_window:       # refused before the head is read
             raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
-        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
+        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype, weights), target,
+                                   3 if args.mtp_steps is None else args.mtp_steps)
     elif args.draft.lower() != "none":
         draft_dir = ckpt.resolve_dir(args.draft)       # once: a Hub id is fetched for the check and the load alike
         if eagle3.is_eagle3(ckpt.read_config(draft_dir)):
@@ -156,7 +160,7 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
                                          args.tree_top_k or 4)
             args.tree_size = 16 if args.tree_size is None else args.tree_size      # EAGLE-3 drafts trees (the seeds' 16)
         else:
-            drafter = ckpt.load_drafter(draft_dir, target.cfg, dtype, device)
+            drafter = ckpt.load_drafter(draft_dir, target.cfg, dtype, device, weights)
             proposer = engine.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
@@ -174,12 +178,16 @@ def preflight(args, device, dtype, parallel: tp.Parallel | None = None) -> None:
     max_position_embeddings allows, --max-new-tokens (with --prompt-ids) within it, and the memory the run needs
     (memory_check: the target and a DFlash drafter in `dtype`, the caches of the asked context and slots) within what
     the device has. A text prompt's tokens are counted once tokenized (check_caches). Under torchrun each rank holds
-    a part of the weights, and only the caches are checked, once loaded."""
-    cfg = ckpt.target_config(ckpt.read_config(ckpt.resolve_dir(args.target)))
+    a part of the weights, and only the caches are checked, once loaded. Weights are counted as --weight-dtype keeps
+    them (with auto: as the checkpoint's files store most of their bytes)."""
+    weights = pick_weights(args.weight_dtype, dtype, parallel)
+    target_dir = ckpt.resolve_dir(args.target)
+    cfg = ckpt.target_config(ckpt.read_config(target_dir))
     kind = args.draft.lower()
-    draft = None
+    draft = draft_dir = None
     if kind not in ("none", "mtp"):
-        raw = ckpt.read_config(ckpt.resolve_dir(args.draft))
+        draft_dir = ckpt.resolve_dir(args.draft)
+        raw = ckpt.read_config(draft_dir)
         draft = None if eagle3.is_eagle3(raw) else ckpt.draft_config(raw)
         if draft is not None:
             ckpt.check_fits(draft, cfg)
@@ -209,8 +217,13 @@ def preflight(args, device, dtype, parallel: tp.Parallel | None = None) -> None:
     need = prompt + args.max_new_tokens + block - 1
     capacity = args.cache_len or (dflash.default_capacity(need, most) if args.compile else need)
     slots = args.concurrency or 1
-    weights = ckpt.target_bytes(cfg, dtype) + (ckpt.drafter_bytes(draft, dtype) if draft is not None else 0)
-    memory_check(args, weights, ckpt.cache_bytes(cfg, dtype, capacity, slots, block, draft), device, dtype, slots)
+    def kept(path):
+        return None if weights is None else ckpt.kept_dtype(ckpt.file_dtype(path), dtype, weights)
+    held = ckpt.target_bytes(cfg, dtype, kept(target_dir))
+    if kept(target_dir) not in (None, dtype):      # each product widens its weight: the largest, the lm_head, for a moment
+        held += cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    held += ckpt.drafter_bytes(draft, dtype, kept(draft_dir)) if draft is not None else 0
+    memory_check(args, held, ckpt.cache_bytes(cfg, dtype, capacity, slots, block, draft), device, dtype, slots)
 
 
 def memory_check(args, weights: int, caches: int, device, dtype, slots: int) -> None:
@@ -391,7 +404,7 @@ def main(argv=None) -> int:
         res = samples[-1]
         run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block_size if proposer else 1,
                    cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
-                   parallel=parallel)
+                   weight_dtype=target.embed_tokens.weight.dtype, parallel=parallel)
         print(json.dumps({
             **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
             "draft_rule": draft_rule_of(args, proposer), **graphs,
@@ -406,7 +419,8 @@ def main(argv=None) -> int:
 
 def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> dict:
     """The --json fields of one generation (a single run's, or one request's of --prompts-file); `run` holds what
-    the run shares: load_seconds, compile_seconds, block_size, cache_len, adaptive, device, dtype, products."""
+    the run shares: load_seconds, compile_seconds, block_size, cache_len, adaptive, device, dtype (the arithmetic's),
+    weight_dtype (the target's weights'), products."""
     n_decode = len(res.output_ids) - 1
     return {
         "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
@@ -418,7 +432,8 @@ def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> 
         "load_seconds": run["load_seconds"], "compile_seconds": run["compile_seconds"], "block_size": run["block_size"],
         "cache_len": run["cache_len"], "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar",
         "adaptive": run["adaptive"], "draft_window": proposer.window if proposer else None, "device": run["device"],
-        "dtype": str(run["dtype"]).replace("torch.", ""), **run["products"],
+        "dtype": str(run["dtype"]).replace("torch.", ""), "weight_dtype": str(run["weight_dtype"]).replace("torch.", ""),
+        **run["products"],
         "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
         "seed": None if sampling.greedy else seed, "tree_size": getattr(args, "tree_size", None),
         **parallel_fields(run.get("parallel")),
@@ -554,7 +569,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     wall = time.perf_counter() - t0
     run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block if proposer else 1,
                cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
-               parallel=parallel)
+               weight_dtype=target.embed_tokens.weight.dtype, parallel=parallel)
     thinking = not args.no_think
     for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
         if args.json:
