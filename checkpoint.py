@@ -5,12 +5,16 @@ the tensor-name layouts of Qwen3.5 and of z-lab drafters, tokenizer and stop ids
                                  `qwen3_5_moe` and `qwen3_5_moe_text` alike) -> model.Qwen35
     load_drafter(path, cfg)      z-lab DFlashDraftModel -> model.DFlashDrafter, checked against the target
     save_target / save_drafter   the same formats back (transformers and the z-lab package load them)
+    target_bytes, cache_bytes,   the memory a run needs, from the configs alone, against what the device has
+    check_memory
 
 Tensor names: docs/qwen35.md#checkpoint-tensor-names.
 """
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import re
 
@@ -18,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from kernels import state_dtype
-from model import CheckpointError, DFlashDrafter, DraftConfig, Qwen35, TargetConfig
+from model import CheckpointError, DFlashDrafter, DraftConfig, GenerationError, Qwen35, TargetConfig
 
 SUPPORTED_TARGET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 MOE_TYPES = ("qwen3_next",)      # mixture-of-experts models of another architecture
@@ -338,11 +342,11 @@ def read_config(path: str) -> dict:
     return read_json(f)
 
 
-def read_safetensors(path: str, keep=None) -> dict:
+def read_safetensors(path: str, keep=None, lazy: bool = False) -> dict:
     """All tensors of a checkpoint folder (those whose name `keep(name)` accepts, when given): one
     model.safetensors, or the shards named by model.safetensors.index.json. Missing or truncated files
-    fail with the file's name."""
-    from safetensors import safe_open
+    fail with the file's name, a tensor holding NaN or infinity with its own. lazy: Stored handles instead of
+    tensors, nothing read but the files' headers (load_into reads each into its parameter)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = read_json(index).get("weight_map")
@@ -358,14 +362,153 @@ def read_safetensors(path: str, keep=None) -> dict:
         f = os.path.join(path, name)
         if not os.path.exists(f):
             raise CheckpointError(f"shard {name} named in the index is missing from {path}; re-download the checkpoint")
-        try:
-            with safe_open(f, framework="pt") as fh:
-                for key in fh.keys():
-                    if keep is None or keep(key):     # unread tensors (the vision tower, MTP) cost no memory
-                        tensors[key] = fh.get_tensor(key)
-        except Exception as e:
-            raise CheckpointError(f"{f} is truncated or corrupt ({type(e).__name__}); re-download it") from None
+        for key, stored in safetensors_contents(f).items():
+            if keep is None or keep(key):            # unread tensors (the vision tower, MTP) cost no memory
+                tensors[key] = stored if lazy else stored.read()
     return tensors
+
+
+# safetensors' dtype names -> torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+CHUNK = 1 << 22          # bytes read at a time when a tensor is converted: what loading holds besides the model
+
+
+def safetensors_contents(f: str) -> dict:
+    """The header of safetensors file f -> {name: Stored}: 8 bytes (little-endian u64: the header's length), a JSON
+    object {name: {dtype, shape, data_offsets [begin, end] after the header}} (and "__metadata__"), then the data.
+    Every entry is checked against the file's size, so that a truncated file fails here, whole, with its name."""
+    def bad(why: str):
+        return CheckpointError(f"{f} is truncated or corrupt ({why}); re-download it")
+    size = os.path.getsize(f)
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, no header")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise bad(f"a header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+            fits = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)) and \
+                end - begin == math.prod(shape) * dtype.itemsize
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {key}'s entry {json.dumps(entry)[:80]}") from None
+        if not fits:
+            raise bad(f"tensor {key}'s shape {list(shape)} does not match its {end - begin} bytes")
+        if 8 + n + end > size:
+            raise bad(f"tensor {key} ends at byte {8 + n + end} of {size}")
+        out[key] = Stored(f, key, dtype, shape, 8 + n + begin)
+    return out
+
+
+class Stored:
+    """One tensor of a safetensors file, not read yet: its file and name, dtype, shape and first byte. read() -> the
+    tensor; fill(out) reads it straight into `out` (same number of elements, contiguous, any dtype): loading holds
+    the model and one CHUNK of the file, never a second copy. Both refuse a tensor that holds NaN or infinity (in
+    `out`'s dtype) with the tensor's and the file's names. shape, dim() and reshape() as a tensor's (reshape: the
+    same elements, another shape)."""
+
+    def __init__(self, file: str, name: str, dtype, shape: tuple, start: int):
+        self.file, self.name, self.dtype, self.shape, self.start = file, name, dtype, torch.Size(shape), start
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, *shape) -> "Stored":
+        return Stored(self.file, self.name, self.dtype, torch.empty(self.shape, device="meta").reshape(*shape).shape, self.start)
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.fill(out)
+        return out
+
+    def fill(self, out: torch.Tensor) -> None:
+        """`out` <- this tensor, converted to out's dtype. The file is mapped (mmap) and copied from a CHUNK at a time,
+        each chunk's pages unmapped from this process once copied (MADV_DONTNEED: they stay in the page cache), so the
+        process holds `out` and at most one chunk of the file."""
+        flat, size = out.view(-1), self.dtype.itemsize
+        if flat.numel() == 0:
+            return
+        step, page = max(1, CHUNK // size), mmap.PAGESIZE
+        with open(self.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+            for i in range(0, flat.numel(), step):
+                part, at = flat[i:i + step], self.start + i * size
+                src = torch.frombuffer(mapped, dtype=self.dtype, count=part.numel(), offset=at)
+                part.copy_(src)
+                problem = None if all_finite(part) else (
+                    not_finite(self.name, self.file) if not all_finite(src) else
+                    f"tensor {self.name} in {self.file} holds values beyond {str(out.dtype).replace('torch.', '')}'s "
+                    "range; keep the weights in a wider dtype (--weight-dtype auto or float32)")
+                del src                              # (the map cannot close while a tensor views it)
+                if problem:
+                    raise CheckpointError(problem)
+                if hasattr(mmap, "MADV_DONTNEED"):
+                    mapped.madvise(mmap.MADV_DONTNEED, at - at % page, at % page + part.numel() * size)
+
+
+class Joined:
+    """Stored tensors (or tensors) read one after another into consecutive elements of one parameter of `shape`:
+    a mixture of experts' one-tensor-per-expert files into its fused parameters (fuse_experts). fill, read, shape
+    and dim() as Stored's."""
+
+    def __init__(self, parts: list, shape: tuple):
+        self.parts, self.shape = parts, torch.Size(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.parts[0].dtype)
+        self.fill(out)
+        return out
+
+    def fill(self, out: torch.Tensor) -> None:
+        flat, i = out.view(-1), 0
+        for part in self.parts:
+            n = part.shape.numel()
+            dst = flat[i:i + n].view(part.shape)
+            if isinstance(part, torch.Tensor):
+                dst.copy_(part)
+            else:
+                part.fill(dst)
+            i += n
+
+
+def stored_dtype(t) -> torch.dtype:
+    """The dtype a checkpoint tensor (a tensor, Stored or Joined) holds in its file."""
+    return t.parts[0].dtype if isinstance(t, Joined) else t.dtype
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of t is finite (integer tensors always are). A sum first (fast, no copy: a NaN or an
+    infinity makes it non-finite), then, only when the sum is not finite, the elements themselves in slices (a sum
+    of huge finite values can overflow)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    flat, step = t.reshape(-1), 1 << 22
+    if t.element_size() == 1:           # float8: no sum or isfinite of its own, checked widened a slice at a time
+        return all(all_finite(flat[i:i + step].float()) for i in range(0, flat.numel(), step))
+    if torch.isfinite(flat.sum()):
+        return True
+    return all(bool(torch.isfinite(flat[i:i + step]).all()) for i in range(0, flat.numel(), step))
+
+
+def not_finite(name: str, f: str) -> str:
+    """The message for a weight that holds NaN or infinite values."""
+    return (f"tensor {name} in {f} holds NaN or infinite values, so the model would print garbage; the checkpoint is "
+            "damaged or was saved from a diverged model: re-download or re-export it")
 
 
 def _target_key(name: str) -> str | None:
@@ -385,7 +528,8 @@ EXPERT_NAME = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_pr
 def fuse_experts(tensors: dict, n_experts: int) -> dict:
     """The per-expert layout (`experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]: the
     published files, and what transformers' save_pretrained writes) -> our fused parameters `experts.gate_up_proj`
-    [E, 2I, H] (gate rows first) and `experts.down_proj` [E, H, I], in place. Fused files pass unchanged."""
+    [E, 2I, H] (gate rows first) and `experts.down_proj` [E, H, I], in place, as Joined tensors (read into the
+    parameter expert by expert by load_into). Fused files pass unchanged. Values: tensors or Stored ones."""
     layers = {}
     for name in [n for n in tensors if EXPERT_NAME.fullmatch(n)]:
         prefix, e, kind = EXPERT_NAME.fullmatch(name).groups()
@@ -396,16 +540,40 @@ def fuse_experts(tensors: dict, n_experts: int) -> dict:
             bad = sorted(want ^ set(parts))[:3]
             raise CheckpointError(f"target checkpoint's {prefix} do not match num_experts {n_experts}: {'missing' if bad[0] in want else 'unexpected'} "
                                   f"{', '.join(f'{prefix}.{e}.{k}_proj.weight' for e, k in bad)}")
-        try:
-            tensors[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n_experts)])
-            tensors[prefix + ".down_proj"] = torch.stack([parts[e, "down"] for e in range(n_experts)])
-        except RuntimeError:
-            raise CheckpointError(f"target checkpoint's {prefix}.*_proj.weight differ in shape from expert to expert") from None
+        # [gate; up] of each expert along rows, all alike (what torch.cat then torch.stack accept), and downs alike
+        gate_up = set()
+        for e in range(n_experts):
+            g, u = tuple(parts[e, "gate"].shape), tuple(parts[e, "up"].shape)
+            gate_up.add((g[0] + u[0], *g[1:]) if len(g) == len(u) >= 1 and g[1:] == u[1:] else None)
+        down = {tuple(parts[e, "down"].shape) for e in range(n_experts)}
+        if len(gate_up) != 1 or None in gate_up or len(down) != 1:
+            raise CheckpointError(f"target checkpoint's {prefix}.*_proj.weight differ in shape from expert to expert")
+        tensors[prefix + ".gate_up_proj"] = Joined([parts[e, k] for e in range(n_experts) for k in ("gate", "up")],
+                                                   (n_experts, *gate_up.pop()))
+        tensors[prefix + ".down_proj"] = Joined([parts[e, "down"] for e in range(n_experts)], (n_experts, *down.pop()))
     return tensors
 
 
-def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
-    """Copy checkpoint tensors into `module`, converting dtype; every parameter must be present with its shape."""
+# The narrower dtypes each arithmetic dtype holds exactly: weights stored in one of them are kept as stored under
+# weights="auto", and widened per product (model.Linear), which gives the widened model's results.
+HELD_EXACTLY = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def kept_dtype(stored, dtype, weights=None):
+    """The dtype a weight stored in `stored` is kept in, for arithmetic in `dtype`: `dtype` (weights None: every
+    weight widened or rounded to the arithmetic's dtype), the dtype `weights`, or with weights "auto" the stored one
+    when `dtype` holds it exactly (bfloat16 under float32), else `dtype`."""
+    if weights is None:
+        return dtype
+    if weights == "auto":
+        return stored if stored in HELD_EXACTLY.get(dtype, ()) else dtype
+    return weights
+
+
+def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=(), weights=None):
+    """Copy checkpoint tensors (tensors, or Stored / Joined ones: each read straight into its parameter) into
+    `module`, every parameter must be present with its shape. dtype: the arithmetic's; each weight is kept in
+    kept_dtype(its stored dtype, dtype, weights), those named in keep_fp32 in state_dtype(dtype)."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(tensors))
     if missing:
@@ -417,11 +585,16 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=()):
     with torch.no_grad():
         for name, p in params.items():
             t = tensors[name]
-            if name.endswith("conv_weight") and t.dim() == 3:
-                t = t[:, 0, :]
+            if name.endswith("conv_weight") and t.dim() == 3:         # conv1d's [C, 1, K] -> [C, K]
+                t = t.reshape(t.shape[0], t.shape[2]) if t.shape[1] == 1 else (t if isinstance(t, torch.Tensor) else t.read())[:, 0, :]
             if tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
-            p.data = t.to(state_dtype(dtype)) if name.endswith(keep_fp32) else t.to(dtype)
+            kept = state_dtype(dtype) if name.endswith(keep_fp32) else kept_dtype(stored_dtype(t), dtype, weights)
+            if isinstance(t, torch.Tensor):
+                p.data = t.to(kept)
+            else:
+                p.data = torch.empty(p.shape, dtype=kept, device=p.device)
+                t.fill(p.data)
 
 
 # Kept in float32 whatever the dtype: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).
@@ -430,9 +603,9 @@ TARGET_FP32 = ("A_log", "dt_bias")
 
 def target_tensors(path: str, cfg: TargetConfig, keep=lambda name: True) -> dict:
     """The target's tensors of a checkpoint under our parameter names (those `keep(name)` accepts: tp.py reads one
-    layer at a time), experts fused, a tied lm_head left out."""
+    layer at a time), experts fused, a tied lm_head left out: Stored / Joined handles, read by load_into."""
     tensors = {_target_key(n): t for n, t in read_safetensors(path, keep=lambda n: _target_key(n) is not None
-                                                               and keep(_target_key(n))).items()}
+                                                               and keep(_target_key(n)), lazy=True).items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     if cfg.num_experts:
@@ -440,7 +613,11 @@ def target_tensors(path: str, cfg: TargetConfig, keep=lambda name: True) -> dict
     return tensors
 
 
-def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
+def load_target(path: str, dtype=torch.float32, device="cpu", weights=None) -> Qwen35:
+    """The Qwen3.5 target of a checkpoint folder or Hub id, for arithmetic in `dtype`. weights: how its weights are
+    kept (kept_dtype): None, every weight in `dtype`; "auto", as stored where `dtype` holds them exactly (a bfloat16
+    file under float32 arithmetic: half the memory, the float32 model's results); or a dtype. Each tensor is read
+    from its file into its parameter (Stored.fill)."""
     path = resolve_dir(path)
     raw = read_config(path)
     cfg = target_config(raw)
@@ -450,7 +627,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
     model.tie_weights_()             # to_empty gives every module a new Parameter of its own: tie them again
     tensors = target_tensors(path, cfg)
     try:
-        load_into(model, tensors, dtype, "target", keep_fp32=TARGET_FP32)
+        load_into(model, tensors, dtype, "target", keep_fp32=TARGET_FP32, weights=weights)
     except CheckpointError as e:
         if "layer_types" in raw.get("text_config", raw):
             raise
@@ -458,6 +635,8 @@ def load_target(path: str, dtype=torch.float32, device="cpu") -> Qwen35:
         raise CheckpointError(f"config.json has no layer_types, and the layer kinds assumed without it ({cfg.layer_types.count('full_attention')} "
                               f"full attention layers of {cfg.num_hidden_layers}) do not match the weights: add the checkpoint's "
                               f"layer_types to config.json ({e})") from None
+    if model.embed_tokens.weight.dtype != dtype:      # weights kept narrower: the arithmetic starts at the embedding
+        model.embed_tokens.out_dtype = dtype
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()
@@ -470,19 +649,96 @@ def _draft_key(name: str) -> str:
     return name + ".weight" if name.endswith("_codebook") else name
 
 
-def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> DFlashDrafter:
+def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, device="cpu", weights=None) -> DFlashDrafter:
+    """The z-lab drafter of a checkpoint folder or Hub id, checked against its target's config; dtype and weights as
+    load_target's."""
     path = resolve_dir(path)
     cfg = draft_config(read_config(path))
     check_fits(cfg, target_cfg)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model.to_empty(device="cpu")
-    tensors = {_draft_key(k): t for k, t in read_safetensors(path).items()}
-    load_into(model, tensors, dtype, "drafter")
+    tensors = {_draft_key(k): t for k, t in read_safetensors(path, lazy=True).items()}
+    load_into(model, tensors, dtype, "drafter", weights=weights)
+    if model.fc.weight.dtype != dtype:
+        model.compute_dtype = dtype
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()
 
+
+
+# ---- the memory a run needs, known from the configs before any weight is read ------------------------------------
+
+def weight_bytes(module: nn.Module, dtype, keep_fp32=(), kept=None) -> int:
+    """Bytes of `module`'s parameters once loaded for arithmetic in `dtype`, kept in `kept` (default: dtype), those
+    whose names end with one of keep_fp32 in state_dtype(dtype), as load_into keeps them; a meta-device module will
+    do, so nothing is allocated."""
+    size = (kept or dtype).itemsize
+    wide = state_dtype(dtype).itemsize
+    return sum(p.numel() * (wide if n.endswith(keep_fp32) else size) for n, p in module.named_parameters())
+
+
+def target_bytes(cfg: TargetConfig, dtype, kept=None) -> int:
+    """Bytes of a target of config `cfg` loaded for `dtype`, its weights kept in `kept` (default: dtype; load_target)."""
+    with torch.device("meta"):
+        return weight_bytes(Qwen35(cfg), dtype, TARGET_FP32, kept)
+
+
+def drafter_bytes(cfg: DraftConfig, dtype, kept=None) -> int:
+    """Bytes of a DFlash drafter of config `cfg` loaded for `dtype`, kept in `kept` (load_drafter)."""
+    with torch.device("meta"):
+        return weight_bytes(DFlashDrafter(cfg), dtype, kept=kept)
+
+
+def file_dtype(path: str) -> torch.dtype:
+    """The dtype that holds most of a checkpoint folder's bytes (from its files' headers: no data is read)."""
+    held = {}
+    for t in read_safetensors(path, lazy=True).values():
+        held[t.dtype] = held.get(t.dtype, 0) + t.shape.numel() * t.dtype.itemsize
+    return max(held, key=held.get)
+
+
+def cache_bytes(cfg: TargetConfig, dtype, capacity: int, slots: int = 1, block: int = 1,
+                draft: DraftConfig | None = None) -> int:
+    """Bytes of the static caches of a run of `slots` sequences of `capacity` positions verifying `block` tokens at
+    a time: the target's TargetCache and, with a DFlash drafter of config `draft`, its DraftCache. Both are built on
+    the meta device, so the count follows what the engine allocates."""
+    from model import DraftCache, TargetCache
+    caches = [TargetCache(cfg, capacity, dtype, "meta", batch=slots, max_block=block)]
+    if draft is not None:
+        caches.append(DraftCache(draft, capacity, dtype, "meta", batch=slots))
+    return sum(t.numel() * t.element_size() for c in caches for layer in c.layers for t in vars(layer).values())
+
+
+def available_memory(device) -> int | None:
+    """Bytes a run may still take on `device`: on a CPU MemAvailable of /proc/meminfo (None where there is no such
+    file: the check is then skipped), on a GPU the free memory of the current CUDA device."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_memory(weights: int, caches: int, available: int | None, where: str, fixes: list) -> None:
+    """Refuse a run whose weights and caches (bytes) exceed `available` (bytes; None: unknown, no check) with one
+    line naming the need, what `where` has, and `fixes` (the flags that would make it fit)."""
+    need = weights + caches
+    if available is None or need <= available:
+        return
+    parts = [f"{gb(n)} of {what}" for n, what in ((weights, "weights"), (caches, "caches")) if n]
+    raise GenerationError(f"this run needs about {gb(need)} ({' and '.join(parts)}) but {where} has {gb(available)} "
+                          f"available; use {', or '.join(fixes)}")
 
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer.json via `tokenizers`, or None when the folder has none."""

@@ -32,9 +32,9 @@ def generate(target: Qwen35, drafter: DFlashDrafter, prompt_ids: list, max_new_t
     None: the drafter's own."""
     B = block_size or drafter.cfg.block_size
     capacity = check_inputs(target, prompt_ids, max_new_tokens, B, None, drafter.cfg.block_size)
-    dev, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
+    dev, dtype = target.embed_tokens.weight.device, target.dtype
     cache = TargetCache(target.cfg, capacity, dtype, dev, max_block=B)       # the target's KV and GDN states
-    context = DraftCache(drafter.cfg, capacity, drafter.fc.weight.dtype, dev)   # the drafter's context K/V
+    context = DraftCache(drafter.cfg, capacity, drafter.dtype, dev)   # the drafter's context K/V
     masks, layers, stops = DenseMasks(capacity), tuple(drafter.cfg.target_layer_ids), set(stop_ids)
     with torch.inference_mode():
         # PREFILL (#one-round): the first token, and the drafter's context from the prompt's features

@@ -157,7 +157,7 @@ def load_eagle3(path: str, target: Qwen35, dtype=torch.float32, device="cpu") ->
     if cfg.vocab_size != target.cfg.vocab_size or cfg.target_hidden_size != target.cfg.hidden_size:
         raise CheckpointError(f"this EAGLE-3 drafter was built for a target with vocabulary {cfg.vocab_size} and width "
                               f"{cfg.target_hidden_size}, not {target.cfg.vocab_size} and {target.cfg.hidden_size}")
-    tensors = ckpt.read_safetensors(path)
+    tensors = ckpt.read_safetensors(path, lazy=True)      # Stored handles, each read into its parameter
     tensors.pop("t2d", None)                       # implied by d2t
     d2t = tensors.pop("d2t", None)
     own = "embed_tokens.weight" in tensors
@@ -169,7 +169,7 @@ def load_eagle3(path: str, target: Qwen35, dtype=torch.float32, device="cpu") ->
     if d2t is not None:
         if tuple(d2t.shape) != (cfg.draft_vocab_size,):
             raise CheckpointError(f"EAGLE-3 d2t has shape {tuple(d2t.shape)}, not ({cfg.draft_vocab_size},)")
-        model.d2t.copy_(d2t.long())
+        model.d2t.copy_(d2t.read().long())
     elif cfg.draft_vocab_size != cfg.vocab_size:
         raise CheckpointError("EAGLE-3 checkpoint has a reduced draft vocabulary but no d2t map")
     if int((model.d2t + torch.arange(cfg.draft_vocab_size)).max()) >= cfg.vocab_size:

@@ -171,7 +171,7 @@ class DrafterProposer:
 
     def reset(self, slots: int, capacity: int, masks) -> None:
         w = self.drafter.fc.weight
-        self.cache = DraftCache(self.drafter.cfg, capacity, w.dtype, w.device, batch=slots)
+        self.cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype, w.device, batch=slots)
         self.masks = masks
 
     def admit(self, row: int, feats, pos, prompt_ids: list, first: int) -> None:
@@ -358,7 +358,7 @@ class Slots:
         self.block = block_size if proposer is not None else 1
         check_block_size(self.block, None if proposer is None else proposer.max_block_size)
         self.device = dev = target.embed_tokens.weight.device
-        dtype = target.embed_tokens.weight.dtype
+        dtype = target.dtype
         self.masks = masks(capacity, self.block, None if proposer is None else proposer.window, dev)
         self.cache = TargetCache(target.cfg, capacity, dtype, dev, batch=slots, max_block=self.block, masks=self.masks)
         self.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()

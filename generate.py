@@ -41,7 +41,7 @@ import vision
 from policy import Policy
 from sampling import DRAFT_RULES
 from options import (ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, MAX_SEED, HelpFormatter, chat_template_of, compile_options,
-                     parallel_fields, parse_ids, pick_dtype, read_requests, request_of, shared_flags,
+                     parallel_fields, parse_ids, pick_dtype, pick_weights, read_requests, request_of, shared_flags,
                      shared_values_check, use_products)
 
 
@@ -135,9 +135,11 @@ class TextStream:
 
 def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     """The target, its tokenizer and the proposer (None: plain AR) named by the flags, with the products chosen
-    for them (use_products' record); under torchrun cut to this rank's part (parallel.shard)."""
+    for them (use_products' record); under torchrun cut to this rank's part (parallel.shard). Arithmetic in `dtype`,
+    the weights kept as --weight-dtype says (target, DFlash drafter, MTP head; an EAGLE-3 drafter in `dtype`)."""
+    weights = pick_weights(args.weight_dtype, dtype, parallel)
     # under torchrun each layer is cut as it is read: no process holds the whole checkpoint
-    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
+    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device, weights)
     tokenizer = ckpt.load_tokenizer(target.path)
     proposer = None
     if args.mtp_steps is not None and args.draft.lower() != "mtp":
@@ -145,7 +147,8 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     if args.draft.lower() == "mtp":
         if args.draft_window:       # refused before the head is read
             raise dflash.GenerationError("--draft-window applies to DFlash drafters; the MTP head reads the whole context")
-        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype), target, 3 if args.mtp_steps is None else args.mtp_steps)
+        proposer = mtp.MTPProposer(mtp.load_mtp(target.path, target, dtype, weights), target,
+                                   3 if args.mtp_steps is None else args.mtp_steps)
     elif args.draft.lower() != "none":
         draft_dir = ckpt.resolve_dir(args.draft)       # once: a Hub id is fetched for the check and the load alike
         if eagle3.is_eagle3(ckpt.read_config(draft_dir)):
@@ -155,7 +158,7 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
                                          args.tree_top_k or 4)
             args.tree_size = 16 if args.tree_size is None else args.tree_size      # EAGLE-3 drafts trees (the seeds' 16)
         else:
-            drafter = ckpt.load_drafter(draft_dir, target.cfg, dtype, device)
+            drafter = ckpt.load_drafter(draft_dir, target.cfg, dtype, device, weights)
             proposer = engine.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
     if args.tree_depth is not None and not isinstance(proposer, eagle3.Eagle3Tree):
         raise dflash.GenerationError("--tree-depth applies to EAGLE-3 drafters (a DFlash tree is as deep as the block)")
@@ -166,6 +169,77 @@ def load(args, device, dtype, parallel: tp.Parallel | None = None) -> tuple:
     products = use_products(args.products, rows * (args.concurrency or 1), target, dense)
     return target, tokenizer, proposer, products
 
+
+
+def preflight(args, device, dtype, parallel: tp.Parallel | None = None) -> None:
+    """What the configs alone decide, before any weight is read: --cache-len within what the target's
+    max_position_embeddings allows, --max-new-tokens (with --prompt-ids) within it, and the memory the run needs
+    (memory_check: the target and a DFlash drafter in `dtype`, the caches of the asked context and slots) within what
+    the device has. A text prompt's tokens are counted once tokenized (check_caches). Under torchrun each rank holds
+    a part of the weights, and only the caches are checked, once loaded. Weights are counted as --weight-dtype keeps
+    them (with auto: as the checkpoint's files store most of their bytes)."""
+    weights = pick_weights(args.weight_dtype, dtype, parallel)
+    target_dir = ckpt.resolve_dir(args.target)
+    cfg = ckpt.target_config(ckpt.read_config(target_dir))
+    kind = args.draft.lower()
+    draft = draft_dir = None
+    if kind not in ("none", "mtp"):
+        draft_dir = ckpt.resolve_dir(args.draft)
+        raw = ckpt.read_config(draft_dir)
+        draft = None if eagle3.is_eagle3(raw) else ckpt.draft_config(raw)
+        if draft is not None:
+            ckpt.check_fits(draft, cfg)
+    # the widest verify call, as load and main settle it: a tree's nodes + 1 (an EAGLE-3 drafter always grows trees),
+    # --block-size, or the proposer's own block
+    if args.tree_size is not None or (kind not in ("none", "mtp") and draft is None):
+        block = (16 if args.tree_size is None else args.tree_size) + 1
+    elif args.block_size is not None:
+        block = args.block_size
+    else:
+        if kind == "mtp" and args.mtp_steps is not None:
+            mtp.check_steps(args.mtp_steps)
+        block = {"none": 1, "mtp": (3 if args.mtp_steps is None else args.mtp_steps) + 1}.get(kind) or draft.block_size
+    positions = cfg.max_position_embeddings
+    most = positions + block - 1
+    if args.cache_len is not None and args.cache_len > most:
+        slack = f" ({positions} + {block - 1} for the last verify block)" if block > 1 else ""
+        raise dflash.GenerationError(f"--cache-len {args.cache_len} is more than the target can use: its max_position_embeddings "
+                                     f"is {positions}, so a cache holds at most {most} positions{slack}; use --cache-len "
+                                     f"{most} or less, or drop it")
+    prompt = len(parse_ids(args.prompt_ids)) if args.prompt_ids is not None else 0
+    if args.prompts_file is None and prompt + args.max_new_tokens > positions:
+        raise dflash.GenerationError(f"prompt + max_new_tokens = {prompt + args.max_new_tokens} exceeds the model's "
+                                     f"max_position_embeddings {positions}; shorten the request")
+    if parallel is not None:
+        return
+    need = prompt + args.max_new_tokens + block - 1
+    capacity = args.cache_len or (dflash.default_capacity(need, most) if args.compile else need)
+    slots = args.concurrency or 1
+    def kept(path):
+        return None if weights is None else ckpt.kept_dtype(ckpt.file_dtype(path), dtype, weights)
+    held = ckpt.target_bytes(cfg, dtype, kept(target_dir))
+    if kept(target_dir) not in (None, dtype):      # each product widens its weight: the largest, the lm_head, for a moment
+        held += cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    held += ckpt.drafter_bytes(draft, dtype, kept(draft_dir)) if draft is not None else 0
+    memory_check(args, held, ckpt.cache_bytes(cfg, dtype, capacity, slots, block, draft), device, dtype, slots)
+
+
+def memory_check(args, weights: int, caches: int, device, dtype, slots: int) -> None:
+    """checkpoint.check_memory with the flags that would shrink the run; on a GPU the host's memory too, which the
+    weights pass through while loading."""
+    fixes = (["--dtype bfloat16 (half the bytes)"] if dtype != torch.bfloat16 else []) + \
+            ["a shorter --cache-len" if args.cache_len is not None else "a smaller --max-new-tokens"] + \
+            (["fewer --concurrency slots"] if slots > 1 else [])
+    cuda = torch.device(device).type == "cuda"
+    ckpt.check_memory(weights, caches, ckpt.available_memory(device), "the GPU" if cuda else "this machine", fixes)
+    if cuda and weights:
+        ckpt.check_memory(weights, 0, ckpt.available_memory("cpu"), "this machine (the weights are read through it)", fixes)
+
+
+def check_caches(args, target, proposer, capacity: int, slots: int, block: int, device, dtype) -> None:
+    """Once loaded and the prompts tokenized: the caches of the run's real capacity within the memory left."""
+    draft = proposer.drafter.cfg if isinstance(proposer, engine.DrafterProposer) else None
+    memory_check(args, 0, ckpt.cache_bytes(target.cfg, dtype, capacity, slots, block, draft), device, dtype, slots)
 
 def chat_flags_check(args, as_chat: bool) -> None:
     """The chat-only flags without chat mode: say why chat mode is off."""
@@ -255,6 +329,7 @@ def main(argv=None) -> int:
     if args.prompts_file is not None:    # every line checked before anything loads (run_requests reads them again)
         read_requests(args.prompts_file, args)
     parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
+    preflight(args, device, dtype, parallel)
 
     # on a terminal, what the next seconds go to (in a log or a pipe, stderr holds only errors and statistics)
     if getattr(sys.stderr, "isatty", lambda: False)():
@@ -286,6 +361,7 @@ def main(argv=None) -> int:
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
                                    None if args.tree_size or proposer is None else proposer.max_block_size,
                                    round_up=args.compile)
+    check_caches(args, target, proposer, capacity, 1, block_size, device, dtype)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
     policy = None if (proposer is None or args.no_adaptive or args.tree_size) else Policy(block=block_size)
     policy = parallel.synced(policy) if parallel else policy     # rank 0 decides every step for every rank
@@ -323,7 +399,7 @@ def main(argv=None) -> int:
         res = samples[-1]
         run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block_size if proposer else 1,
                    cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
-                   parallel=parallel)
+                   weight_dtype=target.embed_tokens.weight.dtype, parallel=parallel)
         print(json.dumps({
             **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
             "draft_rule": draft_rule_of(args, proposer), **graphs,
@@ -338,7 +414,8 @@ def main(argv=None) -> int:
 
 def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> dict:
     """The --json fields of one generation (a single run's, or one request's of --prompts-file); `run` holds what
-    the run shares: load_seconds, compile_seconds, block_size, cache_len, adaptive, device, dtype, products."""
+    the run shares: load_seconds, compile_seconds, block_size, cache_len, adaptive, device, dtype (the arithmetic's),
+    weight_dtype (the target's weights'), products."""
     n_decode = len(res.output_ids) - 1
     return {
         "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
@@ -350,7 +427,8 @@ def result_fields(res, args, tokenizer, proposer, run: dict, sampling, seed) -> 
         "load_seconds": run["load_seconds"], "compile_seconds": run["compile_seconds"], "block_size": run["block_size"],
         "cache_len": run["cache_len"], "mode": ("mtp" if args.draft.lower() == "mtp" else "dflash") if proposer else "ar",
         "adaptive": run["adaptive"], "draft_window": proposer.window if proposer else None, "device": run["device"],
-        "dtype": str(run["dtype"]).replace("torch.", ""), **run["products"],
+        "dtype": str(run["dtype"]).replace("torch.", ""), "weight_dtype": str(run["weight_dtype"]).replace("torch.", ""),
+        **run["products"],
         "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
         "seed": None if sampling.greedy else seed, "tree_size": getattr(args, "tree_size", None),
         **parallel_fields(run.get("parallel")),
@@ -471,6 +549,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                                                          most, round_up=args.compile))
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
+    check_caches(args, target, proposer, capacity, slots, block, device, dtype)
     policy = None if (proposer is None or args.no_adaptive) else Policy(block=block)
     if parallel is not None:          # rank 0 decides every step, and its seeds are every rank's (Parallel.synced, .same)
         policy = parallel.synced(policy)
@@ -487,7 +566,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     wall = time.perf_counter() - t0
     run = dict(load_seconds=load_seconds, compile_seconds=compile_seconds, block_size=block if proposer else 1,
                cache_len=capacity, adaptive=policy is not None, device=device, dtype=dtype, products=products,
-               parallel=parallel)
+               weight_dtype=target.embed_tokens.weight.dtype, parallel=parallel)
     thinking = not args.no_think
     for i, (req, res, as_chat) in enumerate(zip(reqs, results, chats)):
         if args.json:

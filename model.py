@@ -165,6 +165,30 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be kept narrower than the arithmetic (a bfloat16 checkpoint's weights as stored,
+    under float32 arithmetic: checkpoint.load_target's `weights`): widened to the input's dtype at each call, which
+    is exact, so the product is the widened model's, by the same kernel. Weights in the input's dtype: nn.Linear's
+    call as is."""
+
+    def forward(self, x):
+        w, b = self.weight, self.bias
+        if w.dtype != x.dtype:
+            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
+        return F.linear(x, w, b)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose rows come out in `out_dtype` (None: the weight's): the arithmetic dtype of a model whose
+    weights are kept narrower (Linear). Widening a row is exact."""
+
+    out_dtype = None
+
+    def forward(self, ids):
+        x = super().forward(ids)
+        return x if self.out_dtype is None else x.to(self.out_dtype)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """Qwen3.5's norm: rms(x) * (1 + w) in float32, cast back at the end; the stored weight is an offset from 1."""
 
@@ -215,9 +239,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         gate, up = linears(x, self.gate_proj, self.up_proj)
@@ -239,8 +263,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(n, hidden, inter))
 
     def gathered(self, h, idx):
-        g, u = torch.einsum("nkih,nh->nki", self.gate_up_proj[idx], h).chunk(2, dim=-1)
-        return torch.einsum("nkhi,nki->nkh", self.down_proj[idx], F.silu(g) * u)
+        g, u = torch.einsum("nkih,nh->nki", self.gate_up_proj[idx].to(h.dtype), h).chunk(2, dim=-1)
+        return torch.einsum("nkhi,nki->nkh", self.down_proj[idx].to(h.dtype), F.silu(g) * u)
 
     def looped(self, h, idx):
         flat = idx.flatten()
@@ -250,8 +274,8 @@ class Experts(nn.Module):
         for e, n in enumerate(torch.bincount(flat, minlength=self.down_proj.shape[0]).tolist()):
             if n:
                 slots = order[start:start + n]
-                g, u = F.linear(h[slots // idx.shape[1]], self.gate_up_proj[e]).chunk(2, dim=-1)
-                y[slots] = F.linear(F.silu(g) * u, self.down_proj[e])
+                g, u = F.linear(h[slots // idx.shape[1]], self.gate_up_proj[e].to(h.dtype)).chunk(2, dim=-1)
+                y[slots] = F.linear(F.silu(g) * u, self.down_proj[e].to(h.dtype))
                 start += n
         return y.view(*idx.shape, -1)
 
@@ -270,10 +294,10 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])                                                   # [N, H]
@@ -506,10 +530,10 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd * 2, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd * 2, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
@@ -551,15 +575,15 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_qkv = Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, self.hv, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel))   # checkpoint: conv1d.weight [C,1,K]
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
 
     def project(self, x):
         """x [B,T,H] -> z [B,T,Hv,dv], beta and g [B,T,Hv] (state dtype), the pre-conv inputs [B,T,conv_dim]."""
@@ -704,14 +728,20 @@ class Qwen35(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, t) for t in cfg.layer_types])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(cfg.rotary_dim // 2), persistent=False)
         self.register_buffer("mrope_cols", torch.empty(cfg.rotary_dim // 2, dtype=torch.long), persistent=False)
         self.tie_weights_()
         self.init_buffers_()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The arithmetic dtype: activations, caches, logits. The weights' own, unless they are kept narrower
+        (embed_tokens.out_dtype: checkpoint.load_target's `weights`)."""
+        return self.embed_tokens.out_dtype or self.embed_tokens.weight.dtype
 
     def tie_weights_(self) -> None:
         """With tie_word_embeddings (the small sizes), lm_head shares the embedding's Parameter."""
@@ -776,10 +806,10 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
@@ -816,7 +846,7 @@ class DynamicConv(nn.Module):
         super().__init__()
         self.kernel, self.group = kernel, group
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel, hidden))
-        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+        self.kernel_projection = Linear(hidden, 2 * kernel * (hidden // group), bias=False)
 
     def mix(self, x, taps, base):
         """x [B,T,H]; taps [B,T,K,H/group]; base [K,H] -> [B,T,H]."""
@@ -883,7 +913,7 @@ class CandidateSelector(nn.Module):
         self.top_k = cfg.selector_top_k
         self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
         self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.hidden_projection = Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
     def select(self, hidden, logits, anchor, rows=None, temperature: float = 1.0):
         """hidden [n,H], logits [n,V] of block rows 1..n; anchor [1] the block's first token; rows None (greedy) or
@@ -891,10 +921,11 @@ class CandidateSelector(nn.Module):
         (sampling: each row's draft distribution) or None."""
         unary, cand = logits.topk(self.top_k, dim=-1)                                # [n,k]
         expo = None if rows is None else noise.exponentials(rows, cand)              # [n,k]: E at (row, candidate)
-        h, succ = self.hidden_projection(hidden), self.successor_codebook(cand)       # [n,r], [n,k,r]
+        h = self.hidden_projection(hidden)                                            # [n,r]
+        succ = self.successor_codebook(cand).to(h.dtype)                              # [n,k,r]
         prev, path, qs = anchor.view(1), [], []
         for i in range(cand.shape[0]):                 # sequential: each row depends on the previous choice
-            scores = unary[i] + succ[i] @ (self.predecessor_codebook(prev)[0] * h[i])           # [k]
+            scores = unary[i] + succ[i] @ (self.predecessor_codebook(prev)[0].to(h.dtype) * h[i])  # [k]
             if expo is None:
                 j = scores.argmax()
             else:
@@ -925,7 +956,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -933,6 +964,13 @@ class DFlashDrafter(nn.Module):
         self.kinds = [cfg.attention_kind(i) for i in range(cfg.num_hidden_layers)]      # (causal, window) per layer
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.init_buffers_()
+
+    compute_dtype = None      # the arithmetic dtype where the weights are kept narrower (checkpoint.load_drafter)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The arithmetic dtype (its context cache's): compute_dtype, else the weights'."""
+        return self.compute_dtype or self.fc.weight.dtype
 
     def init_buffers_(self) -> None:
         self.inv_freq = inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.inv_freq.device)

@@ -35,7 +35,7 @@ from torch import nn
 
 import checkpoint as ckpt
 from engine import Draft
-from model import AttnCache, CheckpointError, DecoderLayer, GenerationError, DenseMasks, Qwen35, TargetConfig, ZeroCenteredRMSNorm
+from model import AttnCache, CheckpointError, DecoderLayer, GenerationError, DenseMasks, Linear, Qwen35, TargetConfig, ZeroCenteredRMSNorm
 
 MTP_MAX_STEPS = 15      # a verify of K + 1 <= 16 tokens: the GDN caches keep at most 16 writes per call
 
@@ -48,7 +48,7 @@ class MTPHead(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         H = cfg.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
@@ -106,8 +106,7 @@ class MTPProposer:
 
     def reset(self, slots: int, capacity: int, masks=None) -> None:
         """(masks: the engine's; the head is one causal layer and keeps SDPA's dense mask whatever the target uses)"""
-        w = self.head.fc.weight
-        self.cache = _MTPCache(self.target.cfg, capacity, w.dtype, w.device, batch=slots)
+        self.cache = _MTPCache(self.target.cfg, capacity, self.target.dtype, self.head.fc.weight.device, batch=slots)
         self.masks = DenseMasks(capacity)
 
     def admit(self, row: int, feats, pos, prompt_ids: list, first: int) -> None:
@@ -140,13 +139,14 @@ class MTPProposer:
 MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
-def load_mtp(path: str, target: Qwen35, dtype=None) -> MTPHead:
+def load_mtp(path: str, target: Qwen35, dtype=None, weights=None) -> MTPHead:
     """The `mtp.*` tensors of the target checkpoint at `path` (the folder the target was loaded from) -> MTPHead
-    on the target's device, in `dtype` (default: the target's). One clear error when the checkpoint has none."""
+    on the target's device, in `dtype` (default: the target's arithmetic dtype), its weights kept as `weights` says
+    (checkpoint.load_into). One clear error when the checkpoint has none."""
     raw = ckpt.read_config(path)
     tc = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     n = tc.get("mtp_num_hidden_layers")
-    tensors = ckpt.read_safetensors(path, keep=lambda k: k.startswith(MTP_PREFIXES))
+    tensors = ckpt.read_safetensors(path, keep=lambda k: k.startswith(MTP_PREFIXES), lazy=True)
     if not tensors:
         raise CheckpointError(f"{path} has no MTP head (no mtp.* tensors); --draft mtp needs a Qwen3.5 checkpoint that "
                               f"ships one (the published ones do), or train one: python tools/train.py mtp --target {path}")
@@ -157,10 +157,11 @@ def load_mtp(path: str, target: Qwen35, dtype=None) -> MTPHead:
     cfg = target.cfg
     if cfg.num_experts:
         ckpt.fuse_experts(tensors, cfg.num_experts)
-    head = MTPHead(cfg)
-    w = target.embed_tokens.weight
-    ckpt.load_into(head, tensors, dtype or w.dtype, "MTP head")
-    return head.to(w.device).eval()
+    with torch.device("meta"):
+        head = MTPHead(cfg)
+    head.to_empty(device="cpu")
+    ckpt.load_into(head, tensors, dtype or target.dtype, "MTP head", weights=weights)
+    return head.to(target.embed_tokens.weight.device).eval()
 
 
 def save_mtp(head: MTPHead, path: str) -> None:

@@ -3,7 +3,8 @@ the embedded checkpoints, the dtype and attention choices, the flags generate.py
 compile options and the few-row products of a run, and the request files (--prompts-file) with their checks.
 
     DEFAULT_TARGET, DEFAULT_DRAFT, DEFAULT_EAGLE3   the embedded pair (checkpoints/) and its EAGLE-3 head
-    pick_dtype, DTYPES        --dtype, and each device's default
+    pick_dtype, DTYPES        --dtype (the arithmetic), and each device's default
+    pick_weights              --weight-dtype: how the weights are kept (checkpoint.load_target's `weights`)
     ATTENTION                 --attention: the masks class of the cached steps (SDPA or FlexAttention)
     shared_flags              the flags generate.py and tools/bench.py share
     shared_values_check       their values no run can take, refused before anything loads
@@ -21,6 +22,7 @@ import re
 import torch
 
 import chat
+import checkpoint as ckpt
 import dflash
 import engine
 from speed import flex
@@ -41,11 +43,29 @@ DEFAULT_EAGLE3 = os.path.join(HERE, "checkpoints", "tiny-qwen35-eagle3")     # t
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+WEIGHT_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_dtype(name: str | None, device) -> torch.dtype:
     """--dtype NAME, else the device's default: bfloat16 on a GPU, float32 on a CPU."""
     return DTYPES[name or ("bfloat16" if torch.device(device).type == "cuda" else "float32")]
+
+
+def pick_weights(name: str | None, dtype, parallel=None):
+    """--weight-dtype NAME for arithmetic in `dtype` -> checkpoint.load_target's `weights`: None (no flag, or the
+    arithmetic's own dtype: every weight kept in `dtype`), "auto", or a narrower dtype that `dtype` holds exactly
+    (checkpoint.HELD_EXACTLY). Weights the arithmetic would round at every product, and narrower weights under
+    torchrun (tp.py cuts weights kept in the arithmetic's dtype), are refused."""
+    if name is None or WEIGHT_DTYPES[name] == dtype:
+        return None
+    weights, arith = WEIGHT_DTYPES[name], str(dtype).replace("torch.", "")
+    if parallel is not None:
+        raise dflash.GenerationError(f"--weight-dtype {name} does not go with torchrun: tp.py cuts weights kept in --dtype "
+                                     f"({arith}); drop --weight-dtype")
+    if weights != "auto" and weights not in ckpt.HELD_EXACTLY.get(dtype, ()):
+        raise dflash.GenerationError(f"--weight-dtype {name} under {arith} arithmetic (--dtype) would round the weights at "
+                                     f"every product; use --weight-dtype auto, or {arith}")
+    return weights
 
 
 # The attention backend of the cached steps, chosen here only: the masks class the Engine builds once.
@@ -81,7 +101,12 @@ def shared_flags(p) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, one per core; on a busy machine 1 can be many times "
                         "faster, since threads that wait for each other stall when another process holds a core)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the arithmetic (activations, caches, states, "
+                   "logits); default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default=None,
+                   help="how the weights are kept (default: in --dtype). auto: a bfloat16 or float16 checkpoint's weights as "
+                        "stored under float32 (or float64) arithmetic, widened at each product: the float32 model's results "
+                        "at half its weight memory; or a dtype --dtype holds exactly")
     p.add_argument("--draft-window", type=int, default=None,
                    help="drafts see only the last W context positions (default: the context the drafter was trained on, "
                         "where its config says: train_context_length, or a sliding drafter's sliding_window; past it "

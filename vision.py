@@ -327,7 +327,7 @@ def load_vision(path: str, dtype=torch.float32, device="cpu") -> tuple:
         tower = VisionTower(cfg)
     tower.to_empty(device="cpu")
     prefix = "model.visual."
-    tensors = {k[len(prefix):]: t for k, t in ckpt.read_safetensors(path, keep=lambda k: k.startswith(prefix)).items()}
+    tensors = {k[len(prefix):]: t for k, t in ckpt.read_safetensors(path, keep=lambda k: k.startswith(prefix), lazy=True).items()}
     if not tensors:
         raise M.CheckpointError(f"{path} has a vision_config but no model.visual.* tensors; re-download the full checkpoint")
     w = tensors.get("patch_embed.proj.weight")

@@ -449,3 +449,75 @@ def test_prompts_file_says_the_requests_really_in_flight(pair, tmp_path, capsys)
     rc, _, err = run_cli(capsys, "--target", pair / "target", "--draft", "none", "--max-new-tokens", "3",
                          "--prompts-file", path, "--concurrency", "8")
     assert rc == 0 and "[2 requests, 2 in flight:" in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# weights that are not numbers, and runs larger than the model or the machine
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which, name, value", [
+    ("target", "model.layers.1.mlp.down_proj.weight", float("nan")),
+    ("target", "model.embed_tokens.weight", float("-inf")),
+    ("draft", "layers.0.self_attn.q_proj.weight", float("inf"))])
+def test_a_weight_that_is_not_finite_is_named_with_its_file(pair, tmp_path, capsys, which, name, value):
+    """One NaN or infinity in a checkpoint used to print garbage with exit code 0: it is found while loading, and
+    the line names the tensor and the file."""
+    from safetensors.torch import load_file, save_file
+    folder = shutil.copytree(pair / which, tmp_path / which)
+    f = str(folder / "model.safetensors")
+    tensors = load_file(f)
+    tensors[name].view(-1)[tensors[name].numel() // 2] = value
+    save_file(tensors, f, metadata={"format": "pt"})
+    target, draft = (folder, pair / "draft") if which == "target" else (pair / "target", folder)
+    line = one_error_line(*run_cli(capsys, "--target", target, "--draft", draft, *ARGS)[::2])
+    assert f"tensor {name} in {f} holds NaN or infinite values" in line and "re-download" in line, line
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--cache-len", "5000"], "--cache-len 5000 is more than the target can use: its max_position_embeddings is 4096, so a "
+                              "cache holds at most 4111 positions (4096 + 15 for the last verify block); use --cache-len 4111"),
+    (["--draft", "none", "--cache-len", "4097"], "a cache holds at most 4096 positions; use --cache-len 4096 or less"),
+    (["--max-new-tokens", "4094"], "prompt + max_new_tokens = 4097 exceeds the model's max_position_embeddings 4096")])
+def test_a_cache_past_max_position_embeddings_is_refused_before_loading(capsys, monkeypatch, args, says):
+    never_loads(monkeypatch)
+    line = one_error_line(*run_cli(capsys, "--prompt-ids", "1,2,3", *args)[::2])
+    assert says in line, line
+
+
+def test_the_longest_cache_the_model_allows_runs(capsys):
+    rc, out, _ = run_cli(capsys, "--draft", "none", "--cache-len", "4096", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json")
+    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["cache_len"] == 4096
+
+
+def test_a_run_larger_than_the_machine_is_refused_before_loading(pair, tmp_path, capsys, monkeypatch):
+    """--cache-len 10^12 on a target that allows it: one line with the need, the memory available and what to change,
+    instead of torch's failed allocation (or the kernel's OOM killer)."""
+    target = shutil.copytree(pair / "target", tmp_path / "t")
+    edit_json(target / "config.json", lambda c: c.update(max_position_embeddings=10 ** 13))
+    never_loads(monkeypatch)
+    line = one_error_line(*run_cli(capsys, "--target", target, "--draft", pair / "draft", "--prompt-ids", "1,2,3",
+                                   "--cache-len", str(10 ** 12))[::2])
+    assert line.startswith("error: this run needs about ") and " GB of caches) but this machine has " in line, line
+    assert line.endswith("available; use --dtype bfloat16 (half the bytes), or a shorter --cache-len"), line
+
+
+def test_the_memory_estimate_counts_what_loading_and_the_caches_take(pair, tmp_path, capsys, monkeypatch):
+    """target_bytes / drafter_bytes / cache_bytes equal the bytes of the loaded models and of the caches an engine
+    allocates; a run whose estimate exceeds what is available (made small here) is refused before loading, naming
+    --concurrency when it has several slots."""
+    import engine
+    import torch
+    target = ckpt_mod.load_target(str(pair / "target"), torch.bfloat16)
+    drafter = ckpt_mod.load_drafter(str(pair / "draft"), target.cfg, torch.bfloat16)
+    held = sum(p.numel() * p.element_size() for p in target.parameters())
+    assert ckpt_mod.target_bytes(target.cfg, torch.bfloat16) == held
+    assert ckpt_mod.drafter_bytes(drafter.cfg, torch.bfloat16) == sum(p.numel() * p.element_size() for p in drafter.parameters())
+    eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 4, 3, 40)
+    allocated = sum(t.numel() * t.element_size() for c in (eng.cache, eng.proposer.cache) for layer in c.layers
+                    for t in vars(layer).values())
+    assert ckpt_mod.cache_bytes(target.cfg, torch.bfloat16, 40, 3, 4, drafter.cfg) == allocated
+    monkeypatch.setattr(ckpt_mod, "available_memory", lambda device: held)
+    never_loads(monkeypatch)
+    line = one_error_line(*run_cli(capsys, "--target", pair / "target", "--draft", pair / "draft", "--dtype", "bfloat16",
+                                   "--prompts-file", requests_file(tmp_path, {"prompt_ids": [1, 2]}), "--concurrency", "4")[::2])
+    assert f"but this machine has {held / 1e6:.1f} MB available; use a smaller --max-new-tokens, or fewer --concurrency slots" in line, line

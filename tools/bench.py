@@ -57,7 +57,7 @@ from tools import presets
 import prompts as P
 from tools import tables
 import tp
-from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, use_products
+from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, pick_weights, use_products
 from policy import Policy
 
 
@@ -270,8 +270,9 @@ def load_pair(args, dtype, device) -> tuple:
     window, the proposer, the block size, the prompts as ids, the stop ids and the products' record (use_products).
     -> (target, drafter, window, proposer, block, prompts, stops, products)."""
     parallel = getattr(args, "parallel", None)
-    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device)
-    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    weights = pick_weights(args.weight_dtype, dtype, parallel)     # --weight-dtype: how the weights are kept
+    target = parallel.load_target(args.target, dtype, device) if parallel else ckpt.load_target(args.target, dtype, device, weights)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device, weights)
     block = args.block_size or drafter.cfg.block_size
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     proposer = engine.DrafterProposer(drafter, target, window)
@@ -300,6 +301,9 @@ def main(argv=None) -> dict:
     if args.dataset and not args.methods:
         args.methods = "dflash" if not other_mode(args) else None     # --dataset alone: the table of the drafter
     args.parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
+    if args.weight_dtype is not None and mode_of(args) not in (side_by_side_main, vs_pure_main, profile_round_main, concurrency_main):
+        raise dflash.GenerationError("--weight-dtype applies to the modes that time the pair (the default, --vs-pure, "
+                                     "--profile-round, --concurrency); drop it")
     if args.parallel is not None and mode_of(args) is not side_by_side_main:
         raise dflash.GenerationError("under torchrun tools/bench.py runs its default mode (AR and DFlash side by side); "
                                      "drop the other mode's flag")
@@ -400,7 +404,8 @@ def side_by_side_main(args, device) -> dict:
               f"bytes, per round (verify of {block}{' + draft' if parallel.shard_drafter else ''}) "
               f"{comm['allreduce_bytes_per_round']:,} bytes")
     out = {**ref, **compiled, **comm,
-        "device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+        "device": device, "dtype": str(dtype).replace("torch.", ""),
+        "weight_dtype": str(target.embed_tokens.weight.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
         "prompts": len(prompts), "repeat": args.repeat, "max_new_tokens": args.max_new_tokens, "block_size": block,
         "ar_tokens_per_s": ar_med, "dflash_tokens_per_s": sp_med, "speedup": statistics.median(speedups),
         "speedup_quartiles": [quart[0], quart[2]], "speedup_whole_run": agg,
@@ -892,7 +897,7 @@ def reference_loop(args, target, drafter, prompts, stops, rows) -> dict:
     and prompts. Its output is not compared: that loop is not lossless on Qwen3.5 (docs/method.md#rollback-on-a-hybrid-target)."""
     from transformers import AutoModelForCausalLM
     zm = check.zlab_module()           # the z-lab package's model.py
-    dtype = target.embed_tokens.weight.dtype
+    dtype = target.dtype
     hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).to(target.embed_tokens.weight.device).eval()
     zd = zm.DFlashDraftModel.from_pretrained(drafter.path, dtype=dtype).to(hf.device).eval()
     ids0 = torch.tensor([prompts[0]], device=hf.device)

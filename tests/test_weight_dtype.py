@@ -1,0 +1,134 @@
+"""Weights kept narrower than the arithmetic (checkpoint.load_target's `weights`, --weight-dtype): a bfloat16
+checkpoint kept as stored under float32 (or float64) arithmetic gives the widened model's results, bit for bit where
+the same kernels run (each product widens its weight, exactly: model.Linear), at the bfloat16 model's weight memory.
+Checked on the target (dense, tied, mixture of experts in both of its expert paths), DFlash and DFlash2 drafters, the
+MTP head, and through generate.py."""
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint as ckpt
+import engine
+import generate
+import model as M
+import mtp
+from helpers import kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest.py
+IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+
+TARGETS = {"dense": {}, "tied": dict(tie_word_embeddings=True),
+           "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                       intermediate_size=0)}
+
+
+def saved(tmp_path, kind: str, drafter: str = "dflash"):
+    """A random target of TARGETS[kind] (vocabulary 97) with an MTP head and a drafter of helpers.DRAFTER_KINDS, all
+    written in bfloat16 -> (target folder, drafter folder)."""
+    cfg = tiny_target_config(vocab_size=97, **TARGETS[kind])
+    target = random_target(cfg, 5, torch.float32)
+    os.makedirs(tmp_path / "t")
+    ckpt.save_target(target, str(tmp_path / "t"), torch.bfloat16)
+    mtp.save_mtp(randomize_(mtp.MTPHead(cfg), 6).eval(), str(tmp_path / "t"))
+    os.makedirs(tmp_path / "d")
+    ckpt.save_drafter(random_drafter(kind_draft_config(cfg, drafter), 7, torch.float32), str(tmp_path / "d"), torch.bfloat16)
+    return str(tmp_path / "t"), str(tmp_path / "d")
+
+
+def logits_of(target, ids=IDS):
+    with torch.no_grad():
+        return target(torch.tensor([ids]), torch.arange(len(ids)))[0][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", sorted(TARGETS))
+def test_kept_weights_give_the_widened_models_logits_bit_for_bit(tmp_path, kind, dtype):
+    """weights="auto" keeps the bfloat16 file's weights (A_log and dt_bias in the state dtype, as always), the
+    arithmetic in `dtype`: logits of a prefill (the MoE's looped expert path: 10 tokens x top-2 > 4 experts) equal
+    the widened model's exactly, and so do the greedy tokens of a DFlash run (decode and verify: the gathered path)
+    and every draft."""
+    tdir, ddir = saved(tmp_path, kind)
+    kept, wide = ckpt.load_target(tdir, dtype, weights="auto"), ckpt.load_target(tdir, dtype)
+    for name, p in kept.named_parameters():
+        assert p.dtype == (M.state_dtype(dtype) if name.endswith(ckpt.TARGET_FP32) else torch.bfloat16), name
+    assert kept.dtype == wide.dtype == dtype and (kept.lm_head.weight is kept.embed_tokens.weight) == (kind == "tied")
+    got, want = logits_of(kept), logits_of(wide)
+    assert got.dtype == dtype and torch.equal(got, want)
+    held = sum(p.numel() * p.element_size() for p in kept.parameters())
+    assert held == ckpt.target_bytes(kept.cfg, dtype, torch.bfloat16) < 0.6 * sum(p.numel() * p.element_size() for p in wide.parameters())
+    runs = []
+    for target, weights in ((kept, "auto"), (wide, None)):
+        drafter = ckpt.load_drafter(ddir, target.cfg, dtype, weights=weights)
+        assert drafter.dtype == dtype
+        runs.append(engine.run(target, IDS[:4], 24, proposer=engine.DrafterProposer(drafter, target), block_size=4))
+    assert runs[0].output_ids == runs[1].output_ids and runs[0].draft_ids == runs[1].draft_ids
+    assert runs[0].output_ids == engine.run(wide, IDS[:4], 24).output_ids
+
+
+@pytest.mark.parametrize("proposer", ["dflash2", "mtp"])
+def test_kept_weights_draft_as_the_widened_drafter(tmp_path, proposer):
+    """A DFlash2 drafter (the candidate selector's codebooks) and the MTP head kept in bfloat16 under float32
+    arithmetic draft what their widened forms draft, sampled (DFlash2) or greedy (MTP)."""
+    tdir, ddir = saved(tmp_path, "dense", "dflash2")
+    runs = []
+    for weights in ("auto", None):
+        target = ckpt.load_target(tdir, torch.float32, weights=weights)
+        if proposer == "mtp":
+            head = mtp.load_mtp(tdir, target, weights=weights)
+            assert head.fc.weight.dtype == (torch.bfloat16 if weights else torch.float32)
+            p = mtp.MTPProposer(head, target, 3)
+        else:
+            p = engine.DrafterProposer(ckpt.load_drafter(ddir, target.cfg, torch.float32, weights=weights), target)
+        sampling = engine.Sampling(0.9) if proposer == "dflash2" else None
+        runs.append(engine.Engine(target, p, 4, 1, 64).generate(IDS[:4], 20, sampling=sampling, seed=11))
+    assert runs[0].output_ids == runs[1].output_ids and runs[0].draft_ids == runs[1].draft_ids
+
+
+def test_a_weight_beyond_the_kept_dtypes_range_is_named(tmp_path):
+    """A float32 weight past float16's largest value, kept in float16: one line naming the tensor, its file and the
+    fix, not a model of infinities."""
+    cfg = tiny_target_config(vocab_size=97)
+    target = random_target(cfg, 5, torch.float32)
+    with torch.no_grad():
+        target.layers[0].mlp.up_proj.weight[0, 0] = 1e6
+    ckpt.save_target(target, str(tmp_path), torch.float32)
+    with pytest.raises(M.CheckpointError) as e:
+        ckpt.load_target(str(tmp_path), torch.float32, weights=torch.float16)
+    msg = str(e.value)
+    assert "\n" not in msg and "model.layers.0.mlp.up_proj.weight" in msg and "model.safetensors" in msg
+    assert "beyond float16's range" in msg and "--weight-dtype" in msg
+
+
+def test_the_command_line_keeps_the_checkpoints_weights_with_the_same_tokens(capsys):
+    """The embedded pair is stored in bfloat16: --weight-dtype auto keeps it so under float32 arithmetic, with the
+    default's tokens and drafts; --json names both dtypes."""
+    outs = []
+    for extra in ([], ["--weight-dtype", "auto"]):
+        capsys.readouterr()
+        assert generate.cli(["--prompt-ids", "5,17,42,8", "--max-new-tokens", "24", "--json", *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert [o["weight_dtype"] for o in outs] == ["float32", "bfloat16"] and all(o["dtype"] == "float32" for o in outs)
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] and outs[0]["draft_ids"] == outs[1]["draft_ids"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dtype", "bfloat16", "--weight-dtype", "float32"],
+     "--weight-dtype float32 under bfloat16 arithmetic (--dtype) would round the weights at every product; use "
+     "--weight-dtype auto, or bfloat16"),
+    (["--weight-dtype", "float16", "--dtype", "bfloat16"], "--weight-dtype float16 under bfloat16 arithmetic")])
+def test_weights_the_arithmetic_would_round_are_refused_before_loading(capsys, monkeypatch, args, says):
+    monkeypatch.setattr(generate, "load", lambda *a, **kw: pytest.fail("loaded before the flags were checked"))
+    capsys.readouterr()
+    assert generate.cli(["--prompt-ids", "1,2", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_narrower_weights_under_torchrun_are_refused():
+    from options import pick_weights
+    assert pick_weights(None, torch.float32) is None and pick_weights("float32", torch.float32) is None
+    assert pick_weights("auto", torch.float32) == "auto" and pick_weights("bfloat16", torch.float64) == torch.bfloat16
+    with pytest.raises(M.GenerationError, match="does not go with torchrun"):
+        pick_weights("auto", torch.float32, parallel=object())
