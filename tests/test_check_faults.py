@@ -16,8 +16,8 @@ from helpers import HAS_EMBEDDED_PAIR, embedded_pair
 import fault_engine as FE
 
 pytestmark = pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-NEW = 40                 # tokens per request: short, the suite runs on a loaded 2-core CPU
-PROMPTS = 6
+NEW = 32                 # tokens per request: short, the suite runs on a loaded 2-core CPU
+PROMPTS = 4
 POSITIONS = 128          # output positions our own evaluations' noise is measured on (check.py's default: 256)
 ROLLBACK = ("no_state_rollback", "no_conv_rollback", "block_rollback_undone")
 

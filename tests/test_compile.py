@@ -388,13 +388,12 @@ def tensors(obj, depth: int = 0) -> list:
     return []
 
 
-@pytest.mark.parametrize("slots", [1, 2])
-def test_no_compiled_step_reads_what_cuda_graphs_free(monkeypatch, slots):
+def test_no_compiled_step_reads_what_cuda_graphs_free(monkeypatch):
     """Each compiled step marks the start of a CUDA graph step, except the verify, which reads its draft's tokens
     and distributions (compiling.compile_step): under the lifetime rule of cudagraph trees (CudaGraphLifetimes),
     no compiled step reads a freed output and the tokens are the eager engine's. Every step kind runs: rounds of
     two verify blocks, fed and unfed plain steps (policy.Alternate), admissions into a busy batch, and a sampled
-    request whose DFlash2 draft hands its distributions q to the verify."""
+    request whose DFlash2 draft hands its distributions q to the verify. Two slots, three requests."""
     from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
     from policy import Alternate
     target = random_target(tiny_target_config(vocab_size=40), 21)
@@ -404,7 +403,7 @@ def test_no_compiled_step_reads_what_cuda_graphs_free(monkeypatch, slots):
     reqs[1] = dataclasses.replace(reqs[1], sampling=engine.Sampling(0.8, draft_rule="ratio"), seed=5)
 
     def make(compiled: bool):
-        return engine.Engine(target, engine.DrafterProposer(drafter, target), 4, slots, 64, policy=Alternate((4, 2)),
+        return engine.Engine(target, engine.DrafterProposer(drafter, target), 4, 2, 64, policy=Alternate((4, 2)),
                              compile_mode="default" if compiled else None)
 
     held = []

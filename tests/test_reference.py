@@ -45,7 +45,7 @@ def pairs(draw):
     return target, drafter
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pair=pairs(), data=st.data())
 def test_reference_loop_equals_greedy_decoding(pair, data):
     """dflash.generate == greedy decoding without a cache, for every block size up to the drafter's, with and
@@ -61,7 +61,7 @@ def test_reference_loop_equals_greedy_decoding(pair, data):
     assert dflash.generate(target, drafter, prompt, max_new, block, (stop,)) == want[:want.index(stop) + 1]
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pair=pairs(), data=st.data())
 def test_engine_equals_the_reference_loop(pair, data):
     """engine.Engine with the DFlash drafter: random requests (prompts, lengths, stop tokens) arriving in a random
