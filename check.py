@@ -100,7 +100,7 @@ def finite_or_fail(ref: M.Qwen35, logits: torch.Tensor) -> None:
     if bool(torch.isfinite(logits).all()):
         return
     row = int((~torch.isfinite(logits)).any(-1).nonzero()[0, 0])
-    bad = next((n for n, p in ref.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    bad = next((n for n, p in ref.named_parameters() if not ckpt.all_finite(p)), None)
     dtype = str(ref.embed_tokens.weight.dtype).replace("torch.", "")
     where = getattr(ref, "path", "the target")
     raise CheckError(f"our own logits are not finite (NaN or inf) from position {row} of the sequence: "

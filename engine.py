@@ -153,6 +153,11 @@ class Proposer(Protocol):
         proposer that samples_drafts when some request samples."""
 
 
+def max_block(proposer) -> int | None:
+    """The widest block a proposer drafts for (dflash.check_inputs' `most`); None without one (plain AR)."""
+    return None if proposer is None else proposer.max_block_size
+
+
 class DrafterProposer:
     """A DFlash or DFlash2 drafter for N rows, sharing the target's embedding and lm_head; its context cache has a
     row per slot. DFlash2's candidate selector drafts each row as its request asks: its best path for a greedy
@@ -356,7 +361,7 @@ class Slots:
             raise GenerationError(f"--concurrency must be >= 1, got {slots}")
         self.target, self.proposer, self.slots, self.capacity = target, proposer, slots, capacity
         self.block = block_size if proposer is not None else 1
-        check_block_size(self.block, None if proposer is None else proposer.max_block_size)
+        check_block_size(self.block, max_block(proposer))
         self.device = dev = target.embed_tokens.weight.device
         dtype = target.dtype
         self.masks = masks(capacity, self.block, None if proposer is None else proposer.window, dev)
@@ -557,7 +562,7 @@ class Engine(Slots):
                 if r.images is not None and list(r.images.ids) != list(r.prompt_ids):
                     raise GenerationError("prompt_ids must be the ImagePrompt's expanded ids (vision.encode_images)")
                 check_inputs(self.target, r.prompt_ids, r.max_new_tokens, self.block, self.capacity,
-                             None if self.proposer is None else self.proposer.max_block_size)
+                             max_block(self.proposer))
             except GenerationError as e:
                 raise GenerationError(f"request {i}: {e}" if len(requests) > 1 else str(e)) from None
         if self._guard is not None:
@@ -712,8 +717,7 @@ def run(target: Qwen35, prompt_ids: list, max_new_tokens: int, stop_ids=(), prop
         block_size: int = 16, *, capacity: int | None = None, masks=DenseMasks, policy=None, **generate_kw) -> Result:
     """One generation on an Engine of one slot with caches sized for it. proposer None = plain AR decoding."""
     block = block_size if proposer is not None else 1
-    capacity = check_inputs(target, prompt_ids, max_new_tokens, block, capacity,
-                            None if proposer is None else proposer.max_block_size)
+    capacity = check_inputs(target, prompt_ids, max_new_tokens, block, capacity, max_block(proposer))
     engine = Engine(target, proposer, block, 1, capacity, masks=masks, policy=policy)
     return engine.generate(prompt_ids, max_new_tokens, stop_ids, **generate_kw)
 

@@ -359,7 +359,7 @@ def main(argv=None) -> int:
         stops = chat.with_chat_stops(tokenizer, stops)
     thinking = as_chat and not args.no_think
     capacity = dflash.check_inputs(target, prompt_ids, args.max_new_tokens, block_size, args.cache_len,
-                                   None if args.tree_size or proposer is None else proposer.max_block_size,
+                                   None if args.tree_size else engine.max_block(proposer),
                                    round_up=args.compile)
     check_caches(args, target, proposer, capacity, 1, block_size, device, dtype)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
@@ -544,7 +544,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
     capacity = 0
     for i, r in enumerate(reqs):
         try:
-            most = None if proposer is None else proposer.max_block_size
+            most = engine.max_block(proposer)
             capacity = max(capacity, dflash.check_inputs(target, r.prompt_ids, r.max_new_tokens, block, args.cache_len,
                                                          most, round_up=args.compile))
         except dflash.GenerationError as e:
