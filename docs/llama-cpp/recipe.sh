@@ -325,9 +325,12 @@ set -e
 "$PYTHON" - "$WORK/check-server" <<'PY' | tee "$WORK/check-server/summary.md"
 import glob, json, os, sys
 print("| llama-server | dtype | -np | in flight | replies | identical | tie-break | diverged | failed | requests diverged "
-      "(only in company) | distinct outputs > 1 | first divergence: margin / noise |")
+      "(only in company) | requests with 2+ distinct outputs | first divergence: margin / noise |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "report.json"))):
+def key(f):                                  # f32, bf16, f16; -np 8 before 32; plain before DFlash
+    mode, dtype, np_ = os.path.basename(os.path.dirname(f)).split("-")
+    return (["f32", "bf16", "f16"].index(dtype) if dtype in ("f32", "bf16", "f16") else 9, int(np_[2:]), mode)
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "report.json")), key=key):
     mode, dtype, np_ = os.path.basename(os.path.dirname(f)).split("-")
     try:
         res = json.load(open(f))
