@@ -277,6 +277,9 @@ echo "check.py exit code: $rc (0: every case clean; 1: something found; 2: bad i
 # it diverged alone or only in company. Per run, in WORKDIR/check-server/MODE-DTYPE-npN/: report.out (check.py's
 # report), report.json (its --json line: every request's prompt, outputs and diverged reports), traces/ (every
 # reply as a trace check.py replays, --save-traces), server.log. Then one table of them all (summary.md).
+# Time: f32's four servers took 4, 7, 11.5 and 8 min (plain and DFlash, -np 8 then 32) on 2 cores of an Intel
+# Xeon shared with other jobs, so about 1.5 h for the three dtypes; DTYPES=f32, SERVER_SLOTS=8 or SERVER_REPEAT=2
+# shorten it.
 step "8. check.py --server: llama-server -np $SERVER_SLOTS, $SERVER_PROMPTS prompts, $SERVER_REPEAT repeats"
 serve_and_check() {     # DTYPE MODE SLOTS -> check.py's exit code
     local t=$1 mode=$2 np=$3 port pid code dir=$WORK/check-server/$2-$1-np$3
