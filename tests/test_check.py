@@ -59,6 +59,26 @@ def test_generate_json_is_a_trace(pair, tmp_path, capsys):
     assert res["ok"] and res["cases"][0]["tokens"] == 40 and res["cases"][0]["divergences"] == []
 
 
+def test_generate_bfloat16_dflash_traces_judged_with_their_drafts(pair, tmp_path, capsys):
+    """`generate.py --dtype bfloat16 --prompts-file --concurrency 2 --json` (DFlash, two rows batched): its lines,
+    saved as they are, are judged in bfloat16 with their drafts (every verify step checked) and none diverged."""
+    import checkpoint as ckpt
+    t = ckpt.load_tokenizer(pair[0].path)
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps({"prompt_ids": t.encode(p).ids, "max_new_tokens": 40}) + "\n"
+                            for p in ("class Stack:", "import os\nimport sys\n")))
+    assert generate.main(["--prompts-file", str(reqs), "--concurrency", "2", "--dtype", "bfloat16", "--json"]) == 0
+    path = tmp_path / "traces.jsonl"
+    path.write_text(capsys.readouterr().out)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["dtype"] for x in lines] == ["bfloat16"] * 2 and all(any(x["draft_ids"]) for x in lines)
+    assert check.cli([str(path), "--json"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["verdicts"]["diverged"] == 0 and [c["noise"]["dtype"] for c in res["cases"]] == ["bfloat16"] * 2
+    assert out.count("verify steps ->") == 2 and "0 wrong acceptance" in out
+
+
 def worst_token(target, prompt, prefix) -> int:
     return int(check.teacher_forced_logits(target, prompt + prefix)[-1].argmin())
 

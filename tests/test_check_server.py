@@ -109,8 +109,10 @@ class Replay:
                     counted = delay < TIMEOUT            # (one the client gives up on stays here past its level)
                     replay.now += counted
                     replay.most = max(replay.most, replay.now)
+                time.sleep(delay)
+                with replay.lock:               # before the answer goes: its client's next request may come at once
+                    replay.now -= counted
                 try:
-                    time.sleep(delay)
                     data = json.dumps(obj).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -119,9 +121,6 @@ class Replay:
                     self.wfile.write(data)
                 except OSError:                 # the client gave up (a timeout) and closed the socket
                     pass
-                finally:
-                    with replay.lock:
-                        replay.now -= counted
 
             def do_GET(self):                   # /v1/models, as vLLM and SGLang list their models; llama.cpp's /props
                 if self.path not in replay.gets:

