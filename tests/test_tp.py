@@ -266,12 +266,8 @@ class Recording:
 
     def __init__(self, block: int):
         import policy
-        self.inner, self.own = policy.Policy(block=block, first_wait=1, min_samples=4, explore=4), []
+        self.inner, self.own = policy.Policy(block=block), []
         self.blocks = self.inner.blocks
-
-    @property
-    def feeds(self):
-        return self.inner.feeds
 
     def reset(self):
         self.inner.reset()
@@ -286,8 +282,14 @@ class Recording:
     def observe_plain(self, seconds):
         self.inner.observe_plain(seconds)
 
-    def observe_upkeep(self, seconds):
-        self.inner.observe_upkeep(seconds)
+    def admit(self, b):
+        self.inner.admit(b)
+
+    def leave(self, b):
+        self.inner.leave(b)
+
+    def calibrate(self, calibration):
+        self.inner.calibrate(calibration)
 
 
 class Skewed:

@@ -58,7 +58,7 @@ import prompts as P
 from tools import tables
 import tp
 from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, pick_weights, use_products
-from policy import Policy
+from policy import Policy, counts_of, describe
 
 
 
@@ -346,11 +346,13 @@ def side_by_side_main(args, device) -> dict:
 
     ar_res, sp_res, rows, eager_tps = [], [], [], []     # per prompt (the last repeat: greedy runs repeat exactly)
     ar_all, sp_all = [], []                              # every run, for step times and the whole-run ratio
+    switches = collections.Counter()                     # the policy's counts, summed over every DFlash run
     for i, p in enumerate(prompts):
         a_t, s_t, e_t, same = [], [], [], True
         for _ in range(args.repeat):
             ar = ar_engine.generate(p, args.max_new_tokens, stops, profile=True)
             sp = sp_engine.generate(p, args.max_new_tokens, stops, profile=True)
+            switches.update(counts_of(sp_engine.policy) or {})
             a_t.append(tps(ar)), s_t.append(tps(sp)), ar_all.append(ar), sp_all.append(sp)
             same = same and ar.output_ids == sp.output_ids
             if eager_engine is not None:
@@ -390,6 +392,8 @@ def side_by_side_main(args, device) -> dict:
     wbytes, achieved, bw_line, fraction = presets.bandwidth(target, decode_ms, peak)
     print(bw_line)
     print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
+    if switches:
+        print(f"{describe(switches)} (every DFlash run)")
     compiled = {}
     if eager_tps:
         ratios = [r[1] / e for r, e in zip(rows, eager_tps)]
@@ -416,6 +420,7 @@ def side_by_side_main(args, device) -> dict:
         "compile_mode": mode, "attention": args.attention, **products, "cpp_wrapper": bool(mode and args.cpp_wrapper),
         "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "prompt_len": args.prompt_len,
         "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
+        "policy": dict(switches) if switches else None,
     }
     print(json.dumps(out))
     return out
@@ -440,7 +445,7 @@ def vs_pure_main(args, device) -> dict:
     print(options.products_words(products), flush=True)
     eng = tables.single_engine(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), True)
     tables.warm_up(eng, prompts[0], stops, args.max_new_tokens)         # (every step kind of the policy)
-    ratios, plain = [], 0
+    ratios, plain, switches = [], 0, collections.Counter()
     for i, p in enumerate(prompts):
         tps = {"adaptive": [], "pure": []}
         for _ in range(args.repeat):
@@ -449,12 +454,13 @@ def vs_pure_main(args, device) -> dict:
                 res = eng.generate(p, args.max_new_tokens, stops, profile=True)
                 tps[name].append((len(res.output_ids) - 1) / res.decode_seconds)
                 plain += res.step_kinds.count("plain") if name == "adaptive" else 0
+                switches.update(counts_of(eng.policy) or {})
         ratios.append(statistics.median(tps["adaptive"]) / statistics.median(tps["pure"]))
         print(f"prompt {i}: {len(p)} tokens  adaptive {statistics.median(tps['adaptive']):7.1f} tok/s  pure rounds "
               f"{statistics.median(tps['pure']):7.1f} tok/s  ratio {ratios[-1]:.3f}", flush=True)
     result = {"mode": "vs_pure", "prompts": len(prompts), "repeat": args.repeat, "compile": args.compile,
               "adaptive_over_pure_geomean": statistics.geometric_mean(ratios), "adaptive_over_pure_median": statistics.median(ratios),
-              "adaptive_over_pure_min": min(ratios), "adaptive_plain_steps": plain, "device": device,
+              "adaptive_over_pure_min": min(ratios), "adaptive_plain_steps": plain, "policy": dict(switches), "device": device,
               "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, **products}
     print(f"adaptive / pure rounds per prompt: geometric mean {result['adaptive_over_pure_geomean']:.3f}, median "
           f"{result['adaptive_over_pure_median']:.3f}, min {result['adaptive_over_pure_min']:.2f}")
@@ -607,15 +613,15 @@ def concurrency_main(args, device) -> dict:
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
         warm = time.perf_counter() - t0
-        runs, given_up = {"ar": [], "dflash": []}, []
+        runs, switches = {"ar": [], "dflash": []}, collections.Counter()
         for r in range(args.repeat):        # AR first in even repeats, DFlash first in odd ones: neither arm always
             order = list(engines.items())[::1 if r % 2 == 0 else -1]     # runs on the machine the other left
             for name, run in (whole_runs(order, reqs) if args.whole_runs else in_turns(order, reqs)).items():
                 runs[name].append(run)
-            if policy is not None and not policy.feeds:       # (a later run probes again: Policy.reset)
-                given_up.append(len(runs["dflash"]))
+            if policy is not None:
+                switches.update(counts_of(policy))
         row = concurrency_row(n, runs, warm)
-        row["rounds_given_up_in_repeats"] = given_up      # the repeats whose run ended with rounds given up
+        row["policy"] = dict(switches) if policy is not None else None      # summed over the repeats
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  {'AR again' if args.aa else 'DFlash'} "
               f"{row['dflash_tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x, "
@@ -625,7 +631,8 @@ def concurrency_main(args, device) -> dict:
               f"{row['queue_paired_speedup']:.2f}x, N in flight {row['dflash_held_share']:.0%} of DFlash's time)  per request: AR "
               f"{row['ar_request_tokens_per_s']:.1f}, DFlash {row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance "
               f"{row['mean_acceptance']:.2f}  rounds {row['round_share']:.0%} of DFlash steps (verify blocks "
-              f"{row['verify_blocks']})  identical {row['identical']}  rounds given up in repeats {given_up or 'none'}  "
+              f"{row['verify_blocks']})  identical {row['identical']}"
+              f"{'  ' + describe(switches) if policy is not None else ''}  "
               f"({len(reqs)} requests; warm-up {warm:.1f} s)", flush=True)
     out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
            "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not (args.no_adaptive or args.aa),
