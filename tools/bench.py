@@ -80,6 +80,10 @@ def parse_args(argv=None):
     p.add_argument("--heldout", type=int, default=64,
                    help="without prompts: this many held-out stdlib prompts of 30-60 tokens (prompts.heldout_prompts); "
                         "acceptance varies a lot from prompt to prompt, so a handful is too few to measure it")
+    p.add_argument("--prompt-set", choices=P.OUTSIDE, default=None,
+                   help="prompts from text outside the embedded pair's training and held-out files (prompts.outside_prompts), "
+                        "--heldout of them: library (function openings from the project's dependencies), prose (their "
+                        "package descriptions and licenses), humaneval16 (HumanEval's first 16, as text)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every prompt this many times (each engine in turn) and take its median tok/s: steadier "
                         "ratios on a noisy machine")
