@@ -15,6 +15,7 @@ import engine
 import generate
 import prompts
 from helpers import embedded_pair, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target, tiny_target_config
+import policy
 from policy import Policy, verify_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one thread (conftest.py)
@@ -140,6 +141,45 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
         assert {"plain", "verify"} <= set(got.step_kinds)
 
 
+def test_warm_up_calibrates_the_policy_once_per_machine_and_shape(tmp_path, monkeypatch):
+    """Engine.warm_up times every step kind (policy.Alternate) and hands the seconds to the policy; they are cached
+    (policy.costs_path), so a second Engine of the same shape reads them instead of timing; another N times again."""
+    import policy
+    monkeypatch.setattr(policy, "costs_path", lambda: str(tmp_path / "costs.json"))
+    stored = []
+    monkeypatch.setattr(engine, "store_costs", lambda key, costs: (stored.append(key), policy.store_costs(key, costs)))
+    cfg = tiny_target_config(vocab_size=40)
+    target = random_target(cfg, 12)
+    d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
+    reqs = [engine.Request(list(range(3, 15)), 20)]
+
+    def warmed(slots):
+        p = Policy(block=8)
+        engine.Engine(target, engine.DrafterProposer(d, target), 8, slots, 100, policy=p).warm_up(reqs)
+        return p
+    first = warmed(1)
+    assert set(first.calibration) == {0, 8, 4, 2} and all(s > 0 for s in first.calibration.values())
+    assert warmed(1).calibration == first.calibration and len(stored) == 1
+    warmed(2)
+    assert len(stored) == 2 and len(json.loads((tmp_path / "costs.json").read_text())) == 2
+
+
+def test_outside_prompt_sets_are_outside_the_training_and_held_out_files():
+    """Each of prompts.OUTSIDE gives 16 prompts, the same every time, none of them a piece of a standard-library
+    file (what tools/train.py trained on and --heldout draws from)."""
+    if not HAS_EMBEDDED_PAIR:
+        pytest.skip("embedded pair not present")
+    tok = ckpt.load_tokenizer(embedded_pair()[0].path)
+    stdlib = "".join(prompts.read_text(f) for f in prompts.stdlib_files("train") + prompts.stdlib_files("heldout"))
+    for name in prompts.OUTSIDE:
+        if name == "humaneval16" and prompts.humaneval_rows() is None:
+            continue
+        got = prompts.outside_prompts(name, tok, 16)
+        assert len(got) == 16 and got == prompts.outside_prompts(name, tok, 16)
+        assert all(tok.decode(p)[:80] not in stdlib for p in got), name
+    assert prompts.UNTUNED in prompts.OUTSIDE
+
+
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
     """The embedded pair on a prompt longer than its training context, default settings (the Policy): the output is
@@ -155,6 +195,14 @@ def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
     assert sp["output_ids"] == ar["output_ids"] and len(sp["prompt_ids"]) == 600 and sp["adaptive"] is True
     assert 1 + sum(sp["acceptance_lengths"]) == 48 and len(sp["step_kinds"]) == len(sp["draft_ids"]) == len(sp["acceptance_lengths"])
     assert all((a, d) == (1, []) for a, d, k in zip(sp["acceptance_lengths"], sp["draft_ids"], sp["step_kinds"]) if k == "plain")
+    counts = sp["policy"]                   # what the policy did, and why it switched (one counter per reason)
+    assert counts["rounds"] == sp["step_kinds"].count("verify") and counts["plain_steps"] == sp["step_kinds"].count("plain")
+    assert set(counts) == {"rounds", "plain_steps", *policy.REASONS}
+    switches = sum(a != b for a, b in zip(sp["step_kinds"], sp["step_kinds"][1:]))
+    assert sum(counts[r] for r in policy.REASONS if r.startswith("to_")) == switches
+    assert generate.main(["--prompt-ids", ids, "--max-new-tokens", "48"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "switched to plain steps" in line and ", to rounds" in line
 
 
 # ---- The default draft window ------------------------------------------------------------------------------
