@@ -512,6 +512,7 @@ class Engine(Slots):
         super().__init__(target, proposer, block_size, slots, capacity, compile_mode, compile_options, masks)
         self.policy = policy
         self.profile = False              # synchronise the device after each draft, so Step's timings are its own
+        self.calibration = None           # each step kind's seconds as warm_up measured them (policy.Policy.calibrate)
 
     # ---- running requests ----------------------------------------------------------------------
 
@@ -595,6 +596,7 @@ class Engine(Slots):
                     costs = timer.medians()
                     store_costs(key, costs)
                 policy.calibrate(costs)
+                self.calibration = costs
         finally:
             self.policy = policy
 

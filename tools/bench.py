@@ -134,6 +134,10 @@ def parse_args(argv=None):
                    help="instead of AR vs DFlash: adaptive speculation against pure rounds on one engine, each prompt in turn "
                         "(--repeat times each, medians): their ratio per prompt, side by side (separate runs drift apart "
                         "with the machine's speed)")
+    p.add_argument("--policy-table", action="store_true",
+                   help="AR, pure rounds (--no-adaptive's) and the default policy on every prompt set (the held-out prompts "
+                        "and each --prompt-set; --heldout prompts each), each prompt by the three in turn, --repeat times: "
+                        "per set the median per-prompt ratios default / pure rounds and default / AR")
     p.add_argument("--profile-decode", action="store_true",
                    help="instead of AR vs DFlash: where a plain AR decode step's time goes (compiled with --compile): step "
                         "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
@@ -249,7 +253,7 @@ def value_flags_check(args) -> None:
 
 def other_mode(args) -> bool:
     """A mode other than the table was asked for (--dataset then only chooses its prompts)."""
-    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.profile_decode, args.profile_round,
+    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.policy_table, args.profile_decode, args.profile_round,
                 args.concurrency))
 
 
@@ -317,7 +321,7 @@ def main(argv=None) -> dict:
 def mode_of(args):
     """The mode's function, each (args, device) -> dict: the first mode flag given, else AR vs DFlash side by side."""
     modes = ((args.preset, presets.preset_main), (args.parting, check.parting_main), (args.methods, tables.table_main),
-             (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
+             (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main), (args.policy_table, policy_table_main),
              (args.profile_decode, profile_decode_main), (args.profile_round, profile_round_main),
              (args.concurrency, concurrency_main))
     return next((mode_main for chosen, mode_main in modes if chosen), side_by_side_main)
@@ -470,6 +474,77 @@ def vs_pure_main(args, device) -> dict:
           f"{result['adaptive_over_pure_median']:.3f}, min {result['adaptive_over_pure_min']:.2f}")
     print(json.dumps(result))
     return result
+
+
+def policy_table_main(args, device) -> dict:
+    """--policy-table: on each prompt set (the held-out prompts and prompts.OUTSIDE, --heldout prompts each; a set
+    that cannot be built is said and skipped) AR, pure rounds and the default policy run each prompt in turn (who
+    goes first rotating), --repeat times, on one AR and one DFlash engine (compiled with --compile; the policy
+    toggled on the DFlash engine, calibrated by its warm-up). Per set: the median over prompts of each prompt's
+    default / pure rounds and default / AR (each the ratio of medians of tok/s), the whole set's (all tokens / all
+    decode seconds) ratios, and the policy's counts."""
+    dtype = pick_dtype(args.dtype, device)
+    target, _, _, proposer, block, _, stops, products = load_pair(args, dtype, device)
+    tok = ckpt.load_tokenizer(target.path)
+    sets = {"heldout": P.heldout_prompts(tok, args.heldout)}
+    for name in P.OUTSIDE:
+        try:
+            sets[name] = P.outside_prompts(name, tok, args.heldout)
+        except (dflash.GenerationError, ValueError) as e:
+            print(f"prompt set {name} skipped: {e}", flush=True)
+    capacity = bench_capacity([p for ps in sets.values() for p in ps], args.max_new_tokens, block)
+    ar = tables.single_engine(args, target, None, 1, capacity, False)
+    sp = tables.single_engine(args, target, proposer, block, capacity, True)
+    first = sets["heldout"][0]
+    tables.warm_up(ar, first, stops, args.max_new_tokens)
+    tables.warm_up(sp, first, stops, args.max_new_tokens)          # (compiles every step kind; calibrates)
+    print(f"{options.products_words(products)}; {torch.get_num_threads()} threads; calibration (ms) "
+          + ", ".join(f"{'plain' if k == 0 else 'round of ' + str(k)} {1e3 * s:.2f}" for k, s in sorted((sp.calibration or {}).items())),
+          flush=True)
+    arms, table = ("ar", "pure", "default"), {}
+    for name, ps in sets.items():
+        per = {a: [] for a in arms}                 # per prompt: median tok/s
+        tokens, seconds = {a: 0 for a in arms}, {a: 0.0 for a in arms}
+        counts, identical = collections.Counter(), 0
+        for i, p in enumerate(ps):
+            tps, outs = {a: [] for a in arms}, {}
+            for r in range(args.repeat):
+                for arm in arms[(i + r) % 3:] + arms[:(i + r) % 3]:
+                    if arm != "ar":
+                        tables.adapt_(sp, arm == "default")
+                    res = (ar if arm == "ar" else sp).generate(p, args.max_new_tokens, stops, profile=True)
+                    tps[arm].append((len(res.output_ids) - 1) / res.decode_seconds)
+                    tokens[arm], seconds[arm] = tokens[arm] + len(res.output_ids) - 1, seconds[arm] + res.decode_seconds
+                    outs[arm] = res.output_ids
+                    if arm == "default":
+                        counts.update(counts_of(sp.policy))
+            identical += outs["ar"] == outs["pure"] == outs["default"]
+            for a in arms:
+                per[a].append(statistics.median(tps[a]))
+        row = {"prompts": len(ps),
+               "default_over_pure": statistics.median(d / q for d, q in zip(per["default"], per["pure"])),
+               "default_over_ar": statistics.median(d / a for d, a in zip(per["default"], per["ar"])),
+               "pure_over_ar": statistics.median(q / a for q, a in zip(per["pure"], per["ar"])),
+               "whole_default_over_pure": (tokens["default"] / seconds["default"]) / (tokens["pure"] / seconds["pure"]),
+               "whole_default_over_ar": (tokens["default"] / seconds["default"]) / (tokens["ar"] / seconds["ar"]),
+               **{f"{a}_tokens_per_s": statistics.median(per[a]) for a in arms},
+               "identical": identical, "policy": dict(counts), "untuned": name == P.UNTUNED}
+        table[name] = row
+        print(f"{name:12s}{' (untuned)' if row['untuned'] else '':10s} default / pure rounds {row['default_over_pure']:.3f}x "
+              f"(whole set {row['whole_default_over_pure']:.3f}x)  default / AR {row['default_over_ar']:.3f}x (whole set "
+              f"{row['whole_default_over_ar']:.3f}x)  pure rounds / AR {row['pure_over_ar']:.3f}x  tok/s AR "
+              f"{row['ar_tokens_per_s']:.1f}, pure {row['pure_tokens_per_s']:.1f}, default {row['default_tokens_per_s']:.1f}  "
+              f"identical {identical}/{len(ps)}; {describe(counts)}", flush=True)
+    out = {"mode": "policy_table", "repeat": args.repeat, "compile": args.compile, "max_new_tokens": args.max_new_tokens,
+           "device": device, "cpu": presets_cpu(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+           "calibration": {str(k): s for k, s in (sp.calibration or {}).items()}, **products, "sets": table}
+    print(json.dumps(out))
+    return out
+
+
+def presets_cpu() -> str:
+    from speed import packed
+    return packed.cpu_model()
 
 
 def profile_decode_main(args, device, top: int = 8) -> dict:
