@@ -410,8 +410,7 @@ def test_ranks_equal_one_process(ranks, name):
 
 
 def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
-    """tp.Synced: rank 0's policy decides every step (a round of k or a plain step, and whether plain steps feed the
-    drafter) for every rank, so a rank whose clock disagrees (rank 1's skewed at random) still takes the same steps
+    """tp.Synced: rank 0's policy decides every step (a round of k or a plain step) for every rank, so a rank whose clock disagrees (rank 1's skewed at random) still takes the same steps
     and the run completes with the outputs of one process; Parallel.same: rank 0's value everywhere."""
     world, results = ranks
     assert [r["same"] for r in results] == [10] * world

@@ -501,7 +501,7 @@ def policy_table_main(args, device) -> dict:
     print(f"{options.products_words(products)}; {torch.get_num_threads()} threads; calibration (ms) "
           + ", ".join(f"{'plain' if k == 0 else 'round of ' + str(k)} {1e3 * s:.2f}" for k, s in sorted((sp.calibration or {}).items())),
           flush=True)
-    arms, table = ("ar", "pure", "default"), {}
+    arms, table, done = ("ar", "pure", "default"), {}, {"ar": [], "default": []}
     for name, ps in sets.items():
         per = {a: [] for a in arms}                 # per prompt: median tok/s
         tokens, seconds = {a: 0 for a in arms}, {a: 0.0 for a in arms}
@@ -516,6 +516,8 @@ def policy_table_main(args, device) -> dict:
                     tps[arm].append((len(res.output_ids) - 1) / res.decode_seconds)
                     tokens[arm], seconds[arm] = tokens[arm] + len(res.output_ids) - 1, seconds[arm] + res.decode_seconds
                     outs[arm] = res.output_ids
+                    if arm in done:
+                        done[arm].append(res)
                     if arm == "default":
                         counts.update(counts_of(sp.policy))
             identical += outs["ar"] == outs["pure"] == outs["default"]
@@ -535,7 +537,11 @@ def policy_table_main(args, device) -> dict:
               f"{row['whole_default_over_ar']:.3f}x)  pure rounds / AR {row['pure_over_ar']:.3f}x  tok/s AR "
               f"{row['ar_tokens_per_s']:.1f}, pure {row['pure_tokens_per_s']:.1f}, default {row['default_tokens_per_s']:.1f}  "
               f"identical {identical}/{len(ps)}; {describe(counts)}", flush=True)
-    out = {"mode": "policy_table", "repeat": args.repeat, "compile": args.compile, "max_new_tokens": args.max_new_tokens,
+    decode_ms, plain_ms = tables.step_ms(done["ar"], "decode", "verify_seconds"), tables.step_ms(done["default"], "plain", "verify_seconds")
+    if decode_ms and plain_ms:           # what keeping the drafter's context fed costs a plain step
+        print(f"ms per step (median): AR decode {decode_ms:.3f}, the policy's plain step (decode + the drafter's context) "
+              f"{plain_ms:.3f} ({plain_ms / decode_ms:.3f}x)")
+    out = {"mode": "policy_table", "decode_ms": decode_ms, "plain_ms": plain_ms, "repeat": args.repeat, "compile": args.compile, "max_new_tokens": args.max_new_tokens,
            "device": device, "cpu": presets_cpu(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
            "calibration": {str(k): s for k, s in (sp.calibration or {}).items()}, **products, "sets": table}
     print(json.dumps(out))
