@@ -5,15 +5,17 @@ commits one token per live row in `plain` seconds; a round of k commits the sum 
 `round(k)` seconds; the best k's round is taken when its rate is higher, else a plain step. E_r(k) is row r's
 expected tokens from a round of k: a decayed average (weight `keep` per round) of what its rounds committed,
 min(committed, k) (a round of K also tells what a round of any k <= K would have committed, and of any longer k
-when it stopped short of K; one that committed all K counts K - 1 and the prior's tokens of a round of k - K + 1),
-mixed with a prior worth `prior_weight` rounds (`prior_p`: the tokens of a round of k
-if each proposal were accepted with that probability). Every plain step ages a row's evidence by `age`, so an
-estimate that made rounds lose drifts back to the prior until a round measures the row again, and an admitted
-request starts from the prior. The seconds are the median of each step kind's last `window` timings, starting from
-a calibration measured once per machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected by
-every step timed; a block not timed yet is estimated by interpolating linearly in k between the timed kinds (a
-plain step standing for k = 0: optimistic, so it is tried and timed), and with no plain step timed the policy takes
-one. Nothing else is kept: every decision is made afresh from the estimates of that moment.
+when it stopped short of K; one that committed all K counts k, optimistically, until a round of k measures it),
+mixed with a prior worth `prior_weight` rounds (`prior_p`: the tokens of a round of k if each proposal were
+accepted with that probability). Every plain step ages the live rows' evidence by exp(-budget / loss), loss being
+what the best round would lose on the evidence alone (its seconds in plain steps less its tokens per row), so an
+estimate that made rounds lose drifts back to the prior, and a round measures the rows again, after a number of
+plain steps that keeps such probes near `budget` of the time; an admitted request starts from the prior. The
+seconds are the median of each step kind's last `window` timings, starting from a calibration measured once per
+machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected by every step timed; a block not
+timed yet is estimated by interpolating linearly in k between the timed kinds (a plain step standing for k = 0:
+optimistic, so it is tried and timed), and with no plain step timed the policy takes one. Nothing else is kept:
+every decision is made afresh from the estimates of that moment.
 
 The output never depends on any of this: every kind of step commits the target's own tokens, and plain steps keep
 the drafter's context fed (engine.Pending), so a round can follow any step. Why: docs/method.md#adaptive-speculation.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import statistics
 
@@ -77,8 +80,8 @@ class Costs:
 class Rows:
     """Each slot's acceptance evidence per verify block: decayed sums of min(committed, k) and of their weights."""
 
-    def __init__(self, blocks: tuple, keep: float, age: float, prior_p: float, prior_weight: float):
-        self.blocks, self.keep, self.age, self.prior_weight, self.p = blocks, keep, age, prior_weight, prior_p
+    def __init__(self, blocks: tuple, keep: float, prior_p: float, prior_weight: float):
+        self.blocks, self.keep, self.prior_weight, self.p = blocks, keep, prior_weight, prior_p
         self.prior = {k: self.geometric(k) for k in blocks}
         self.sums, self.weights = {}, {}
 
@@ -86,30 +89,39 @@ class Rows:
         """The tokens of a round of k if each proposal were accepted with probability prior_p: 1 + p + .. + p^(k-1)."""
         return sum(self.p ** i for i in range(k))
 
+    def censored(self, K: int, k: int) -> float:
+        """What a round of k > K is counted for a round of K that committed all K: k, the optimistic reading (a
+        round's acceptance is heavy-tailed: one that accepted its whole block often would have accepted more), which
+        a round of k then corrects."""
+        return k
+
     def admit(self, b: int) -> None:
         self.sums[b], self.weights[b] = dict.fromkeys(self.blocks, 0.0), dict.fromkeys(self.blocks, 0.0)
 
-    def expected(self, b: int, k: int) -> float:
-        if b not in self.sums:
+    def expected(self, b: int, k: int, prior_weight: float | None = None) -> float:
+        """Row b's expected tokens from a round of k: its evidence mixed with the prior (prior_weight 0: the evidence
+        alone, the prior where there is none)."""
+        w0 = self.prior_weight if prior_weight is None else prior_weight
+        if b not in self.sums or self.weights[b][k] + w0 <= 0:
             return self.prior[k]
-        w = self.weights[b][k]
-        return (self.sums[b][k] + self.prior_weight * self.prior[k]) / (w + self.prior_weight)
+        return (self.sums[b][k] + w0 * self.prior[k]) / (self.weights[b][k] + w0)
 
     def add_round(self, b: int, K: int, committed: int) -> None:
         if b not in self.sums:
             self.admit(b)
         sums, weights = self.sums[b], self.weights[b]
         for k in self.blocks:           # what a round of k would have committed: known, unless k > K = committed
-            tokens = min(committed, k) if k <= K or committed < K else K - 1 + self.geometric(k - K + 1)
+            tokens = min(committed, k) if k <= K or committed < K else self.censored(K, k)
             sums[k] = self.keep * sums[k] + tokens
             weights[k] = self.keep * weights[k] + 1
 
-    def add_plain(self, live: list) -> None:
+    def add_plain(self, live: list, age: float) -> None:
+        """A plain step: the live rows' evidence weighs `age` times as much."""
         for b in live:
             if b in self.sums:
                 for k in self.blocks:
-                    self.sums[b][k] *= self.age
-                    self.weights[b][k] *= self.age
+                    self.sums[b][k] *= age
+                    self.weights[b][k] *= age
 
 
 class Policy:
@@ -119,12 +131,12 @@ class Policy:
     the step timings are kept (they depend on N, which an Engine fixes)."""
 
     def __init__(self, block: int = 16, blocks: tuple | None = None, calibration: dict | None = None,
-                 keep: float = 0.85, age: float = 0.98, prior_p: float = 0.8, prior_weight: float = 0.5,
+                 keep: float = 0.9, budget: float = 0.02, prior_p: float = 0.9, prior_weight: float = 0.5,
                  window: int = 8):
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
-        self.params = (keep, age, prior_p, prior_weight)
+        self.params, self.budget = (keep, prior_p, prior_weight), budget
         self.window = window
         self.calibrate(calibration)
         self.reset()
@@ -194,8 +206,16 @@ class Policy:
         if not self.after_round:
             self.costs.add(0, seconds)
         self.counts["plain_steps"] += 1
-        self.rows.add_plain(sorted(self.live))
+        self.rows.add_plain(sorted(self.live), math.exp(-self.budget / max(self.budget, self.probe_loss())))
         self.after_round = False
+
+    def probe_loss(self) -> float:
+        """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (aging
+        leaves it as it is): the best block's seconds in plain steps, less the tokens per row it would commit."""
+        live = sorted(self.live) or [None]
+        tokens = {k: sum(self.rows.expected(b, k, 0) for b in live) / len(live) for k in self.blocks}
+        k = max(self.blocks, key=lambda j: tokens[j] / self.costs.seconds(j))
+        return self.costs.seconds(k) / self.costs.seconds(0) - tokens[k]
 
     def leave(self, b: int) -> None:
         """Slot b's request finished."""

