@@ -137,7 +137,8 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
     rng = random.Random(4)
     reqs = [engine.Request([rng.randrange(40) for _ in range(20)], 60) for _ in range(3)]
-    res = engine.Engine(target, engine.DrafterProposer(d, target), 8, slots, 100, policy=Policy(block=8)).run(reqs)
+    res = engine.Engine(target, engine.DrafterProposer(d, target), 8, slots, 100,
+                        policy=Policy(block=8, prior_p=0.5)).run(reqs)      # (a prior of 2 tokens for 8)
     for i, (r, got) in enumerate(zip(reqs, res)):
         assert got.output_ids == engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids
         assert {"plain", "verify"} <= set(got.step_kinds)
