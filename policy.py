@@ -54,11 +54,13 @@ class Costs:
 
     def __init__(self, window: int = 8, calibration: dict | None = None):
         self.samples = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self.medians = {}                                   # each timed kind's median, until its next timing
         for k, s in (calibration or {}).items():
             self.samples[int(k)].append(float(s))
 
     def add(self, k: int, seconds: float) -> None:
         self.samples[k].append(seconds)
+        self.medians.pop(k, None)
 
     def timed(self, k: int) -> bool:
         return bool(self.samples.get(k))
@@ -67,7 +69,9 @@ class Costs:
         """The kind's median, or (a block not timed yet, with a plain step timed) interpolated linearly in k between
         the nearest timed kinds, a plain step at k = 0; past the longest timed block, its seconds."""
         if self.timed(k):
-            return statistics.median(self.samples[k])
+            if k not in self.medians:
+                self.medians[k] = statistics.median(self.samples[k])
+            return self.medians[k]
         timed = sorted(j for j in self.samples if self.samples[j])
         below = max(j for j in timed if j < k)
         above = [j for j in timed if j > k]
@@ -186,13 +190,13 @@ class Policy:
                 reason = "to_rounds_admission" if self.admitted else "to_rounds_aging"
         if reason:
             self.counts[reason] += 1
-        self.basis = {j: self.costs.seconds(j) for j in (0, *self.blocks)} if self.costs.timed(0) else None
+        if k:           # (only a switch from rounds reads it)
+            self.basis = {j: self.costs.seconds(j) for j in (0, *self.blocks)}
         self.last, self.admitted = k, False
         return k
 
     def observe_round(self, committed: list, k: int, seconds: float) -> None:
-        """A round of k took `seconds`; committed[b]: the tokens slot b committed (None: a free slot). A row that
-        finished leaves the batch."""
+        """A round of k took `seconds`; committed[b]: the tokens slot b committed (None: a free slot)."""
         self.costs.add(k, seconds)
         self.counts["rounds"] += 1
         for b, c in enumerate(committed):
