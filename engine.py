@@ -588,7 +588,7 @@ class Engine(Slots):
         try:
             self.run(warm)
             if policy is not None and hasattr(policy, "calibrate"):
-                key = self.cost_key(blocks, sampled)
+                key = cost_key(self, blocks, sampled)
                 costs = load_costs(key)
                 if costs is None:
                     self.policy = timer = Alternate(blocks)
@@ -599,20 +599,6 @@ class Engine(Slots):
                 self.calibration = costs
         finally:
             self.policy = policy
-
-    def cost_key(self, blocks: tuple, sampled: bool) -> str:
-        """What step seconds depend on: the machine, torch, threads, the models' shapes, N, the blocks, the compile
-        options, whether rows sample."""
-        from speed import packed
-        t, dev = self.target.cfg, self.device
-        where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else packed.cpu_model()
-        proposer = None if self.proposer is None else (type(self.proposer).__name__, sum(
-            p.numel() for m in vars(self.proposer).values() if isinstance(m, torch.nn.Module) and m is not self.target
-            for p in m.parameters()))
-        return json.dumps(["costs", where, torch.__version__, torch.get_num_threads(), t.hidden_size,
-                           t.num_hidden_layers, t.vocab_size, str(self.target.embed_tokens.weight.dtype), proposer,
-                           self.slots, self.capacity, list(blocks), sampled, type(self.masks).__name__,
-                           sorted((k, str(v)) for k, v in (self._options or {}).items())])
 
     # ---- one step of every slot ----------------------------------------------------------------
 
@@ -706,6 +692,20 @@ class Engine(Slots):
         for b, row in enumerate(rows):
             if row is not None:
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
+
+
+def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
+    """What an Engine's step seconds depend on (policy.load_costs' key): the machine, torch, threads, the models'
+    shapes, N, the capacity, the blocks, whether rows sample, the masks, the compile options."""
+    t, dev = eng.target.cfg, eng.device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else compiling.cpu_model()
+    proposer = None if eng.proposer is None else (type(eng.proposer).__name__, sum(
+        p.numel() for m in vars(eng.proposer).values() if isinstance(m, torch.nn.Module) and m is not eng.target
+        for p in m.parameters()))
+    return json.dumps(["costs", where, torch.__version__, torch.get_num_threads(), t.hidden_size, t.num_hidden_layers,
+                       t.vocab_size, str(eng.target.embed_tokens.weight.dtype), proposer, eng.slots, eng.capacity,
+                       list(blocks), sampled, type(eng.masks).__name__,
+                       sorted((k, str(v)) for k, v in (eng._options or {}).items())])
 
 
 def draws(requests: list) -> tuple:

@@ -292,9 +292,9 @@ class PerRun:
 
 
 def costs_path() -> str:
-    """The file of measured step seconds, beside the product choices' (speed/packed.py's cache_path)."""
-    from speed import packed
-    return os.path.join(os.path.dirname(packed.cache_path()), "dflash_fast_step_costs.json")
+    """The file of measured step seconds, in inductor's cache folder (compiling.cache_folder)."""
+    import compiling
+    return os.path.join(compiling.cache_folder(), "dflash_fast_step_costs.json")
 
 
 def load_costs(key: str) -> dict | None:

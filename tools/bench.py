@@ -47,6 +47,7 @@ if __package__ in (None, ""):       # run as a script (python tools/bench.py): t
 import torch
 
 import chat
+import compiling
 import check
 import checkpoint as ckpt
 import dflash
@@ -542,15 +543,10 @@ def policy_table_main(args, device) -> dict:
         print(f"ms per step (median): AR decode {decode_ms:.3f}, the policy's plain step (decode + the drafter's context) "
               f"{plain_ms:.3f} ({plain_ms / decode_ms:.3f}x)")
     out = {"mode": "policy_table", "decode_ms": decode_ms, "plain_ms": plain_ms, "repeat": args.repeat, "compile": args.compile, "max_new_tokens": args.max_new_tokens,
-           "device": device, "cpu": presets_cpu(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+           "device": device, "cpu": compiling.cpu_model(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
            "calibration": {str(k): s for k, s in (sp.calibration or {}).items()}, **products, "sets": table}
     print(json.dumps(out))
     return out
-
-
-def presets_cpu() -> str:
-    from speed import packed
-    return packed.cpu_model()
 
 
 def profile_decode_main(args, device, top: int = 8) -> dict:
