@@ -29,7 +29,10 @@ are inputs of every call, so weights edited in place are used by the next one.
 """
 from __future__ import annotations
 
+import getpass
 import os
+import platform
+import tempfile
 import types
 from dataclasses import is_dataclass
 
@@ -146,3 +149,22 @@ def graph_counts() -> dict:
     from torch._dynamo.utils import counters
     c = counters["inductor"]
     return {"graphs_compiled": c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"], "graphs_cached": c["fxgraph_cache_hit"]}
+
+
+def cache_folder() -> str:
+    """Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, else its default), where the measurements that compiled
+    steps depend on are kept beside them (speed/packed.py's product choices, policy.py's step costs)."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + getpass.getuser().replace("/", "_"))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), for the record beside every number."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import json
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,7 @@ import compiling
 import noise
 from dflash import check_block_size, check_inputs, cut
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
-from policy import Alternate
+from policy import Alternate, load_costs, store_costs
 from sampling import Sampling, choose, speculative_accept
 
 
@@ -511,7 +512,7 @@ class Engine(Slots):
         super().__init__(target, proposer, block_size, slots, capacity, compile_mode, compile_options, masks)
         self.policy = policy
         self.profile = False              # synchronise the device after each draft, so Step's timings are its own
-        self.feeding = proposer is not None    # the drafter's context is kept (False: the policy gave rounds up)
+        self.calibration = None           # each step kind's seconds as warm_up measured them (policy.Policy.calibrate)
 
     # ---- running requests ----------------------------------------------------------------------
 
@@ -532,14 +533,16 @@ class Engine(Slots):
         self.cuts = tuple(cuts)
         if self.policy is not None:
             self.policy.reset()
-        self.feeding = self.proposer is not None and (self.policy is None or self.policy.feeds)   # (admissions read it)
         waiting, rows, results = collections.deque(enumerate(requests)), [None] * self.slots, [None] * len(requests)
 
         def emit(row):
             if on_step is not None:
                 on_step(row.index, row.result.steps[-1])
             if row.done:
-                results[row.index], rows[rows.index(row)] = row.result, None
+                b = rows.index(row)
+                results[row.index], rows[b] = row.result, None
+                if self.policy is not None:
+                    self.policy.leave(b)
 
         with torch.inference_mode(), gc_paused():
             while True:
@@ -572,7 +575,9 @@ class Engine(Slots):
         """A throw-away run that compiles every step kind before timed runs: the first N requests, without stops, long
         enough for 3 blocks plus one round of each verify block the policy may choose (the first one sampled, with
         top-k and top-p cuts, where the requests' draws need it: draws), under policy.Alternate when the Engine
-        has a policy (every kind a policy may take); the policy is kept as it was."""
+        has a policy (every kind a policy may take). The policy is kept, calibrated with each step kind's seconds:
+        cached for this machine and shape (policy.load_costs: cost_key), else timed by a second such run and
+        cached."""
         blocks = self.policy.blocks if self.policy is not None else (self.block,)
         warm = [replace(r, max_new_tokens=max(1, min(3 * self.block + sum(blocks), self.capacity - len(r.prompt_ids) - self.block + 1)),
                         stop_ids=(), seed=0) for r in requests[:self.slots]]
@@ -582,6 +587,16 @@ class Engine(Slots):
         policy, self.policy = self.policy, (Alternate(blocks) if self.policy is not None else None)
         try:
             self.run(warm)
+            if policy is not None and hasattr(policy, "calibrate"):
+                key = cost_key(self, blocks, sampled)
+                costs = load_costs(key)
+                if costs is None:
+                    self.policy = timer = Alternate(blocks)
+                    self.run(warm)
+                    costs = timer.medians()
+                    store_costs(key, costs)
+                policy.calibrate(costs)
+                self.calibration = costs
         finally:
             self.policy = policy
 
@@ -602,34 +617,26 @@ class Engine(Slots):
         view.reset()
         # The prompt goes through SDPA with a dense mask whatever the cached steps use: prefill runs eager.
         logits, feats = self.target(torch.tensor([req.prompt_ids], device=dev), pos, view, last_logits_only=True,
-                                    feature_layers=self.feature_layers if self.feeding else (),
+                                    feature_layers=self.feature_layers if self.proposer is not None else (),
                                     mask=DenseMasks(self.capacity).target(pos),
                                     rope_pos=None if img is None else img.rope_pos,
                                     image_embeds=None if img is None else img.embeds)
         row = slice(b, b + 1)
         first = int(choose(logits[:, -1:], pos[-1:][None] + 1, self.keys[row], self.vocab_keys, self.temperature[row],
                            self.top_p[row], self.top_k[row], (s.top_k > 0, s.top_p < 1))[0, 0])
-        if self.feeding:
-            t1 = time.perf_counter()
+        if self.proposer is not None:
             self.proposer.admit(b, feats, pos, req.prompt_ids, first)
             self.pending.join(b, feats, req.prompt_ids + [first], self.append_step, self.start, self.last)
-            self._charge(t1)
+        if self.policy is not None:
+            self.policy.admit(b)
         self.last[b], self.start[b] = first, T0
         _sync(dev)
         return _Row(index, req, seed, first, T0, time.perf_counter() - t0, clock)
-
-    def _charge(self, since: float) -> None:
-        """The drafter's upkeep since `since` (perf_counter) to the policy: what keeping its context costs outside
-        rounds (Policy.observe_upkeep)."""
-        if self.policy is not None:
-            _sync(self.device)
-            self.policy.observe_upkeep(time.perf_counter() - since)
 
     def step(self, rows: list) -> None:
         """One step of every live row: a round of the policy's k (the whole block without a policy), or a plain step;
         then every row's last token and position to the device (a free or finished row: token 0 at position 0)."""
         k = 0 if self.proposer is None else self.block if self.policy is None else self.policy.speculate()
-        self.feeding = self.proposer is not None and (self.policy is None or self.policy.feeds)
         t0 = time.perf_counter()
         if k:
             committed = self.round(rows, k)
@@ -644,8 +651,8 @@ class Engine(Slots):
         self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 1))
 
     def round(self, rows: list, k: int) -> list:
-        """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each live
-        row committed (docs/method.md#one-round)."""
+        """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each slot
+        committed (None: a free slot) (docs/method.md#one-round)."""
         draft_step, verify_step = self.round_steps(k)
         pending, start = self.pending, self.start
         t0 = time.perf_counter()
@@ -660,26 +667,21 @@ class Engine(Slots):
         t1 = time.perf_counter()
         pos = start[:, None] + self.offsets[:k]          # (an input: CPU FlexAttention takes no computed positions)
         host = verify_step(self.last, draft.tokens, pos, draft.q).tolist()           # VERIFY, COMMIT; one host sync
-        committed, t2 = [], time.perf_counter()
+        committed, t2 = [None] * len(rows), time.perf_counter()
         for b, row in enumerate(rows):                                                # ACCEPT
             if row is not None:
                 a, post, props = host[b][0], host[b][1:k + 1], host[b][k + 1:]
-                committed.append(len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1))))
+                committed[b] = len(row.take("verify", props[:a] + [post[a]], props, a, (t1 - t0, t2 - t1)))
         pending.after_round(start)
         return committed
 
     def plain(self, rows: list) -> None:
         """One AR step for every row ("decode" without a proposer). With a proposer ("plain") the same target call
-        also keeps the tokens' features for the drafter's context (Pending), unless the policy has given rounds up
-        (feeding False)."""
+        also keeps the tokens' features for the drafter's context (Pending), so that a round can follow."""
         t0 = time.perf_counter()
         tok, pos = self.last[:, None], self.start[:, None]
-        if self.proposer is not None and self.feeding:
-            full = self.pending.plain_run == self.block       # a full run of plain steps' columns: the drafter's upkeep
-            t1 = time.perf_counter()
+        if self.proposer is not None:
             column = self.pending.plain_column(self.append_step, self.start, self.last)
-            if full:
-                self._charge(t1)
             out = self.plain_step(tok, pos, self.pending.plain_buf, column)
             if self.pending.back:                           # the token after the row just kept
                 self.pending.plain_next.index_copy_(1, column, out[:, None])
@@ -690,6 +692,20 @@ class Engine(Slots):
         for b, row in enumerate(rows):
             if row is not None:
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
+
+
+def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
+    """What an Engine's step seconds depend on (policy.load_costs' key): the machine, torch, threads, the models'
+    shapes, N, the capacity, the blocks, whether rows sample, the masks, the compile options."""
+    t, dev = eng.target.cfg, eng.device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else compiling.cpu_model()
+    proposer = None if eng.proposer is None else (type(eng.proposer).__name__, sum(
+        p.numel() for m in vars(eng.proposer).values() if isinstance(m, torch.nn.Module) and m is not eng.target
+        for p in m.parameters()))
+    return json.dumps(["costs", where, torch.__version__, torch.get_num_threads(), t.hidden_size, t.num_hidden_layers,
+                       t.vocab_size, str(eng.target.embed_tokens.weight.dtype), proposer, eng.slots, eng.capacity,
+                       list(blocks), sampled, type(eng.masks).__name__,
+                       sorted((k, str(v)) for k, v in (eng._options or {}).items())])
 
 
 def draws(requests: list) -> tuple:

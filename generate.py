@@ -38,7 +38,7 @@ import model as M
 import mtp
 import tp
 import vision
-from policy import Policy
+from policy import Policy, counts_of, describe
 from sampling import DRAFT_RULES
 from options import (ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, MAX_SEED, HelpFormatter, chat_template_of, compile_options,
                      parallel_fields, parse_ids, pick_dtype, pick_weights, read_requests, request_of, shared_flags,
@@ -285,11 +285,12 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "", products: dict | None = None) -> str:
+def stats_line(res, block_size: int, proposer, load_seconds: float, label: str = "", products: dict | None = None,
+               counts: dict | None = None) -> str:
     """The statistics of one generation as one short bracketed stderr line: tokens, load, first-token latency, decode
     tok/s; with a drafter its draft-verify rounds and their mean acceptance length, and the plain steps adaptive
-    speculation took (why: --no-adaptive's help); the kind of packed few-row products (use_products'
-    record `products`); the seed. Per-round detail is --json's (acceptance_lengths, step_kinds)."""
+    speculation took (why: --no-adaptive's help), and with the policy's `counts` (policy.counts_of) its switches by
+    reason; the kind of packed few-row products (use_products' record `products`); the seed. Per-round detail is --json's (acceptance_lengths, step_kinds)."""
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
     line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token {res.prefill_seconds * 1e3:.0f} ms, "
@@ -304,6 +305,8 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
             line += "; no draft-verify round"
         if plain:
             line += f"; {plain} plain step{'s' * (plain != 1)}"
+        if counts is not None:
+            line += "; " + describe(counts).split("; ", 1)[1]
     if products and products["products"] != "plain":
         line += f"; {products['products']} packed products"
     if res.seed is not None:
@@ -380,15 +383,16 @@ def main(argv=None) -> int:
             f"compiling the step functions for a {capacity}-position cache (mode {args.compile_mode}; a minute or more "
             "on a CPU the first time, seconds when inductor's on-disk cache already holds this cache size)...")
     out = Output(args, tokenizer, stops if as_chat else (), thinking, echo=None if as_chat else args.prompt)
-    samples, label = [], ""
+    samples, counts, label = [], [], ""
     try:
         for i in range(args.num_samples):
             label = f"sample {i + 1}/{args.num_samples}: " if args.num_samples > 1 else ""
             out.begin(label)
             samples.append(run(args.max_new_tokens, seed + i, out.push))
+            counts.append(counts_of(policy))
             out.end()
             if not args.json:
-                say(stats_line(samples[-1], block_size, proposer, load_seconds, label, products))
+                say(stats_line(samples[-1], block_size, proposer, load_seconds, label, products, counts[-1]))
     except KeyboardInterrupt:    # Ctrl-C: keep what was generated, say so, exit 130 (the shell's code for SIGINT)
         out.end()
         say(f"interrupted after {len(out.ids)} generated tokens{' of ' + label.rstrip(': ') if label else ''}")
@@ -402,7 +406,7 @@ def main(argv=None) -> int:
                    weight_dtype=target.embed_tokens.weight.dtype, parallel=parallel)
         print(json.dumps({
             **result_fields(res, args, tokenizer, proposer, run, sampling, seed),
-            "draft_rule": draft_rule_of(args, proposer), **graphs,
+            "draft_rule": draft_rule_of(args, proposer), **graphs, "policy": counts[-1],
             **(chat.chat_fields(tokenizer, res.output_ids, stops, thinking, tools)
                if as_chat else {"chat": False}),
             **({"samples": [{"output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths, "seed": r.seed}
@@ -572,7 +576,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         if args.json:
             print(json.dumps({"index": i, **result_fields(res, args, tokenizer, proposer, run, req.sampling, res.seed),
                               "draft_rule": draft_rule_of(args, proposer), **graphs,
-                              "concurrency": slots,
+                              "concurrency": slots, "policy": counts_of(policy),
                               **(chat.chat_fields(tokenizer, res.output_ids, list(req.stop_ids), thinking, tools)
                                  if as_chat else {"chat": False})}))
         else:
@@ -581,8 +585,9 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
                   " ".join(map(str, res.output_ids)), flush=True)
             say(stats_line(res, block, proposer, load_seconds, f"request {i}: ", products))
     generated = sum(len(r.output_ids) for r in results)
+    counts = counts_of(policy)
     say(f"[{len(reqs)} requests, {min(slots, len(reqs))} in flight: {generated} tokens in {wall:.2f} s, {generated / wall:.1f} tok/s "
-        "(prefills included)]")
+        f"(prefills included){'; ' + describe(counts) if counts else ''}]")
     return 0
 
 

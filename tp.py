@@ -359,40 +359,40 @@ class Synced:
     """An adaptive policy that decides once, on rank 0, for every rank. Every rank runs the same steps or the
     collectives of different steps meet and the run aborts; a policy decides from measured times, which differ
     between processes (a rank descheduled on a busy machine). So rank 0's policy decides each step (a round of k or
-    a plain step, and whether plain steps keep feeding the drafter) and the decision is broadcast, one small
-    broadcast per step; every rank's own policy still observes its own times, but only rank 0's decides. Tokens
-    need no broadcast: every rank computes the same."""
+    a plain step) and the decision is broadcast, one small broadcast per step; every rank's own policy still
+    observes its own times, but only rank 0's decides. Tokens need no broadcast: every rank computes the same."""
 
     def __init__(self, policy, parallel: Parallel):
         self.policy, self.parallel = policy, parallel
-        self.blocks, self.feeds = policy.blocks, True
+        self.blocks = policy.blocks
+
+    @property
+    def counts(self):
+        return self.policy.counts
+
+    def calibrate(self, calibration) -> None:
+        self.policy.calibrate(calibration)
 
     def reset(self) -> None:
-        """A new run: every rank's policy reset, and rank 0's word on whether the run's admissions feed the drafter
-        (a policy that gave rounds up feeds again in a run whose revival is due: Policy.reset)."""
         self.policy.reset()
-        self.feeds = bool(self._from_rank0([int(self.policy.feeds)])[0])
 
     def speculate(self) -> int:
         """Rank 0's decision on every rank: 0 (a plain step) or the block k of a round."""
-        k, feeds = self._from_rank0([self.policy.speculate(), int(self.policy.feeds)])
-        self.feeds = bool(feeds)
-        return k
-
-    def _from_rank0(self, mine: list) -> list:
-        """Rank 0's list of ints on every rank (one broadcast)."""
-        t = torch.tensor(mine, dtype=torch.long, device=self.parallel.device)
+        t = torch.tensor([self.policy.speculate()], dtype=torch.long, device=self.parallel.device)
         dist.broadcast(t, src=0, group=self.parallel.group)
-        return t.tolist()
+        return int(t.item())
+
+    def admit(self, b: int) -> None:
+        self.policy.admit(b)
+
+    def leave(self, b: int) -> None:
+        self.policy.leave(b)
 
     def observe_round(self, committed: list, k: int, seconds: float) -> None:
         self.policy.observe_round(committed, k, seconds)
 
     def observe_plain(self, seconds: float) -> None:
         self.policy.observe_plain(seconds)
-
-    def observe_upkeep(self, seconds: float) -> None:
-        self.policy.observe_upkeep(seconds)
 
 
 def launch(device: str | None, backend: str | None = None, expert_parallel: bool = False,

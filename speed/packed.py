@@ -32,12 +32,9 @@ code will read.
 """
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import platform
 import statistics
-import tempfile
 import time
 import weakref
 from collections import Counter
@@ -45,6 +42,8 @@ from collections import Counter
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from compiling import cache_folder, cpu_model   # noqa: F401 (cpu_model: the benchmarks' record)
 
 AVAILABLE = {
     "mkl": torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
@@ -476,23 +475,9 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
 
 
 def cache_path() -> str:
-    """The file of `choose`'s verdicts: in TORCHINDUCTOR_CACHE_DIR (inductor's default folder when unset), beside
-    the compiled graphs that depend on it."""
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), "torchinductor_" + getpass.getuser().replace("/", "_"))
-    return os.path.join(folder, "dflash_fast_products.json")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), for the record beside every number."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The file of `choose`'s verdicts: in inductor's cache folder (compiling.cache_folder), beside the compiled
+    graphs that depend on it."""
+    return os.path.join(cache_folder(), "dflash_fast_products.json")
 
 
 def _key(modules, rows: int) -> str:

@@ -24,8 +24,6 @@ class Pattern:
     """A stand-in policy (the protocol: policy.Policy's) that cycles through a fixed pattern of rounds (True: the
     whole block; k: a round that verifies min(k, block) tokens) and plain steps (False)."""
 
-    feeds = True
-
     def __init__(self, pattern, block):
         self.pattern, self.block, self.i = pattern, block, 0
         self.blocks = tuple(sorted({self.k(x) for x in pattern if x}, reverse=True)) or (block,)
@@ -46,21 +44,22 @@ class Pattern:
     def observe_plain(self, seconds):
         pass
 
-    def observe_upkeep(self, seconds):
+    def admit(self, b):
+        pass
+
+    def leave(self, b):
         pass
 
 
 class RandomPattern(Pattern):
     """A stand-in policy: a round or a plain step by a seeded coin, a round's verify block drawn from 1..block
-    (the whole block half the time), and plain steps that feed the drafter's context or not (`feeds`, as
-    policy.Policy when it gives rounds up): the output must not depend on any of these."""
+    (the whole block half the time): the output must not depend on either."""
 
     def __init__(self, seed, block=16):
         self.rng, self.block = random.Random(seed), block
-        self.blocks, self.feeds = tuple(range(block, 0, -1)), True
+        self.blocks = tuple(range(block, 0, -1))
 
     def speculate(self):
-        self.feeds = self.rng.random() < 0.8
         if self.rng.random() >= 0.6:
             return 0
         return self.block if self.rng.random() < 0.5 else self.rng.randint(1, self.block)
@@ -388,32 +387,3 @@ def test_concurrency_needs_a_prompts_file(capsys):
     assert "--concurrency applies to --prompts-file" in capsys.readouterr().err
     assert generate.cli(["--prompts-file", "/no/such/file.jsonl"]) == 2
     assert "no such file" in capsys.readouterr().err
-
-
-def test_admissions_feed_the_drafter_after_a_run_that_ended_without_feeding():
-    """A run that ends on a plain step that does not feed the drafter (rounds given up, or policy.Alternate's last
-    kind, as warm_up can leave an Engine) must not leave the next run's admissions out of the drafter's context
-    under a policy that feeds it: every admitted prompt reaches Proposer.admit, and the drafts equal a fresh
-    engine's under the same pattern."""
-    import policy
-    target = random_target(tiny_target_config(vocab_size=40), 11)
-    drafter = random_drafter(kind_draft_config(target.cfg, "dflash", block_size=4, target_layer_ids=[0, 2],
-                                               num_target_layers=None), 12)
-    admitted = []
-
-    class Recorded(engine.DrafterProposer):
-        def admit(self, row, feats, pos, prompt_ids, first):
-            admitted.append(list(prompt_ids))
-            super().admit(row, feats, pos, prompt_ids, first)
-    req = [engine.Request(list(range(3, 9)), 12)]
-    given_up = Pattern([False], 4)
-    given_up.feeds = False                                   # plain steps only, the drafter's context not kept
-    used = engine.Engine(target, Recorded(drafter, target), 4, 1, 64, policy=given_up)
-    used.run([engine.Request(list(range(20, 26)), 5)])
-    assert admitted == []
-    used.policy = policy.Alternate((4,))
-    got = used.run(req)[0]
-    assert admitted == [list(range(3, 9))]
-    fresh = engine.Engine(target, engine.DrafterProposer(drafter, target), 4, 1, 64, policy=policy.Alternate((4,)))
-    want = fresh.run(req)[0]
-    assert got.output_ids == want.output_ids and got.draft_ids == want.draft_ids

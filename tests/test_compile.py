@@ -66,7 +66,6 @@ def test_each_distinct_layer_compiles_once():
 class Cycle:
     """A policy stand-in: the steps of `kinds` in turn (0: a plain step, k: a round verifying k), every plain step feeding
     the drafter's context."""
-    feeds = True
 
     def __init__(self, kinds: list):
         self.kinds, self.blocks, self.i = list(kinds), tuple(sorted({k for k in kinds if k}, reverse=True)), 0
@@ -84,7 +83,10 @@ class Cycle:
     def observe_plain(self, seconds):
         pass
 
-    def observe_upkeep(self, seconds):
+    def admit(self, b):
+        pass
+
+    def leave(self, b):
         pass
 
 
@@ -242,7 +244,7 @@ def test_compiled_batch_with_a_dflash2_drafter():
     """The batch's steps as the command lines compile them (inductor, fullgraph: DFlash2's row-by-row candidate
     choice, its sort and gathers, stays on the device), 2 slots, pure rounds of the whole block: after a warm-up,
     no recompiles, and the eager batch's tokens and proposals. Run for DFlash2's rounds only: its plain steps and
-    appends are a DFlash drafter's (compiled in test_flex.py, fed and not), and the sliding-window drafter and the
+    appends are a DFlash drafter's (compiled in test_flex.py), and the sliding-window drafter and the
     MTP head are made of the ops of the graphs compiled in the other tests (attention under a mask, decoder
     layers); their batches' recompiles are tested traced (test_batching.py). Each request's tokens are also the
     reference loop's (dflash.generate), the compiled twin of tests/test_reference.py's property."""
@@ -444,7 +446,7 @@ def test_no_compiled_step_reads_what_cuda_graphs_free(monkeypatch):
     """Each compiled step marks the start of a CUDA graph step, except the verify, which reads its draft's tokens
     and distributions (compiling.compile_step): under the lifetime rule of cudagraph trees (CudaGraphLifetimes),
     no compiled step reads a freed output and the tokens are the eager engine's. Every step kind runs: rounds of
-    two verify blocks, fed and unfed plain steps (policy.Alternate), admissions into a busy batch, and a sampled
+    two verify blocks, plain steps (policy.Alternate), admissions into a busy batch, and a sampled
     request whose DFlash2 draft hands its distributions q to the verify. Two slots, three requests."""
     from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
     from policy import Alternate

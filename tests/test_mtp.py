@@ -74,7 +74,6 @@ class OracleMTP(OracleProposer):
 class Coin:
     """A policy stand-in: a round of a random verify block (1 .. block) or a plain step by a seeded coin, every plain
     step feeding the head's context."""
-    feeds = True
 
     def __init__(self, seed: int, block: int):
         self.rng, self.block, self.blocks = random.Random(seed), block, tuple(range(block, 0, -1))
@@ -91,7 +90,10 @@ class Coin:
     def observe_plain(self, seconds):
         pass
 
-    def observe_upkeep(self, seconds):
+    def admit(self, b):
+        pass
+
+    def leave(self, b):
         pass
 
 

@@ -84,7 +84,7 @@ def test_engine_equals_the_reference_loop(pair, data):
     slots = data.draw(st.integers(1, 3))
     policy = data.draw(st.sampled_from(["none", "alternate", "policy"]))
     policy = {"none": None, "alternate": Alternate(tuple(sorted({block, max(1, block // 2)}))),
-              "policy": Policy(block=block, first_plain=1)}[policy]
+              "policy": Policy(block=block)}[policy]
     capacity = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + block
     eng = engine.Engine(target, engine.DrafterProposer(drafter, target), block, slots, capacity, policy=policy)
     got = eng.run([reqs[i] for i in order])

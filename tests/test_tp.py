@@ -266,12 +266,8 @@ class Recording:
 
     def __init__(self, block: int):
         import policy
-        self.inner, self.own = policy.Policy(block=block, first_wait=1, min_samples=4, explore=4), []
+        self.inner, self.own = policy.Policy(block=block), []
         self.blocks = self.inner.blocks
-
-    @property
-    def feeds(self):
-        return self.inner.feeds
 
     def reset(self):
         self.inner.reset()
@@ -286,8 +282,14 @@ class Recording:
     def observe_plain(self, seconds):
         self.inner.observe_plain(seconds)
 
-    def observe_upkeep(self, seconds):
-        self.inner.observe_upkeep(seconds)
+    def admit(self, b):
+        self.inner.admit(b)
+
+    def leave(self, b):
+        self.inner.leave(b)
+
+    def calibrate(self, calibration):
+        self.inner.calibrate(calibration)
 
 
 class Skewed:
@@ -408,8 +410,7 @@ def test_ranks_equal_one_process(ranks, name):
 
 
 def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
-    """tp.Synced: rank 0's policy decides every step (a round of k or a plain step, and whether plain steps feed the
-    drafter) for every rank, so a rank whose clock disagrees (rank 1's skewed at random) still takes the same steps
+    """tp.Synced: rank 0's policy decides every step (a round of k or a plain step) for every rank, so a rank whose clock disagrees (rank 1's skewed at random) still takes the same steps
     and the run completes with the outputs of one process; Parallel.same: rank 0's value everywhere."""
     world, results = ranks
     assert [r["same"] for r in results] == [10] * world

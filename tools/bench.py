@@ -47,6 +47,7 @@ if __package__ in (None, ""):       # run as a script (python tools/bench.py): t
 import torch
 
 import chat
+import compiling
 import check
 import checkpoint as ckpt
 import dflash
@@ -58,7 +59,7 @@ import prompts as P
 from tools import tables
 import tp
 from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, pick_weights, use_products
-from policy import Policy
+from policy import Policy, counts_of, describe
 
 
 
@@ -80,6 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--heldout", type=int, default=64,
                    help="without prompts: this many held-out stdlib prompts of 30-60 tokens (prompts.heldout_prompts); "
                         "acceptance varies a lot from prompt to prompt, so a handful is too few to measure it")
+    p.add_argument("--prompt-set", choices=P.OUTSIDE, default=None,
+                   help="prompts from text outside the embedded pair's training and held-out files (prompts.outside_prompts), "
+                        "--heldout of them: library (function openings from the project's dependencies), prose (their "
+                        "package descriptions and licenses), humaneval16 (HumanEval's first 16, as text)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every prompt this many times (each engine in turn) and take its median tok/s: steadier "
                         "ratios on a noisy machine")
@@ -130,6 +135,10 @@ def parse_args(argv=None):
                    help="instead of AR vs DFlash: adaptive speculation against pure rounds on one engine, each prompt in turn "
                         "(--repeat times each, medians): their ratio per prompt, side by side (separate runs drift apart "
                         "with the machine's speed)")
+    p.add_argument("--policy-table", action="store_true",
+                   help="AR, pure rounds (--no-adaptive's) and the default policy on every prompt set (the held-out prompts "
+                        "and each --prompt-set; --heldout prompts each), each prompt by the three in turn, --repeat times: "
+                        "per set the median per-prompt ratios default / pure rounds and default / AR")
     p.add_argument("--profile-decode", action="store_true",
                    help="instead of AR vs DFlash: where a plain AR decode step's time goes (compiled with --compile): step "
                         "times, then torch.profiler over the decode steps of the first prompt, self time per step of the top "
@@ -245,7 +254,7 @@ def value_flags_check(args) -> None:
 
 def other_mode(args) -> bool:
     """A mode other than the table was asked for (--dataset then only chooses its prompts)."""
-    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.profile_decode, args.profile_round,
+    return any((args.preset, args.parting, args.draft_rules, args.vs_pure, args.policy_table, args.profile_decode, args.profile_round,
                 args.concurrency))
 
 
@@ -313,7 +322,7 @@ def main(argv=None) -> dict:
 def mode_of(args):
     """The mode's function, each (args, device) -> dict: the first mode flag given, else AR vs DFlash side by side."""
     modes = ((args.preset, presets.preset_main), (args.parting, check.parting_main), (args.methods, tables.table_main),
-             (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main),
+             (args.draft_rules, draft_rules_main), (args.vs_pure, vs_pure_main), (args.policy_table, policy_table_main),
              (args.profile_decode, profile_decode_main), (args.profile_round, profile_round_main),
              (args.concurrency, concurrency_main))
     return next((mode_main for chosen, mode_main in modes if chosen), side_by_side_main)
@@ -346,11 +355,13 @@ def side_by_side_main(args, device) -> dict:
 
     ar_res, sp_res, rows, eager_tps = [], [], [], []     # per prompt (the last repeat: greedy runs repeat exactly)
     ar_all, sp_all = [], []                              # every run, for step times and the whole-run ratio
+    switches = collections.Counter()                     # the policy's counts, summed over every DFlash run
     for i, p in enumerate(prompts):
         a_t, s_t, e_t, same = [], [], [], True
         for _ in range(args.repeat):
             ar = ar_engine.generate(p, args.max_new_tokens, stops, profile=True)
             sp = sp_engine.generate(p, args.max_new_tokens, stops, profile=True)
+            switches.update(counts_of(sp_engine.policy) or {})
             a_t.append(tps(ar)), s_t.append(tps(sp)), ar_all.append(ar), sp_all.append(sp)
             same = same and ar.output_ids == sp.output_ids
             if eager_engine is not None:
@@ -390,6 +401,8 @@ def side_by_side_main(args, device) -> dict:
     wbytes, achieved, bw_line, fraction = presets.bandwidth(target, decode_ms, peak)
     print(bw_line)
     print(f"outputs identical to AR{' (and to eager DFlash)' if eager_tps else ''}: {sum(r[3] for r in rows)}/{len(rows)}")
+    if switches:
+        print(f"{describe(switches)} (every DFlash run)")
     compiled = {}
     if eager_tps:
         ratios = [r[1] / e for r, e in zip(rows, eager_tps)]
@@ -416,6 +429,7 @@ def side_by_side_main(args, device) -> dict:
         "compile_mode": mode, "attention": args.attention, **products, "cpp_wrapper": bool(mode and args.cpp_wrapper),
         "adaptive": not args.no_adaptive, "draft_window": window, "plain_ms": plain_ms, "prompt_len": args.prompt_len,
         "plain_steps": sum(r.step_kinds.count("plain") for r in sp_res), "rounds": sum(r.step_kinds.count("verify") for r in sp_res),
+        "policy": dict(switches) if switches else None,
     }
     print(json.dumps(out))
     return out
@@ -440,7 +454,7 @@ def vs_pure_main(args, device) -> dict:
     print(options.products_words(products), flush=True)
     eng = tables.single_engine(args, target, proposer, block, bench_capacity(prompts, args.max_new_tokens, block), True)
     tables.warm_up(eng, prompts[0], stops, args.max_new_tokens)         # (every step kind of the policy)
-    ratios, plain = [], 0
+    ratios, plain, switches = [], 0, collections.Counter()
     for i, p in enumerate(prompts):
         tps = {"adaptive": [], "pure": []}
         for _ in range(args.repeat):
@@ -449,17 +463,90 @@ def vs_pure_main(args, device) -> dict:
                 res = eng.generate(p, args.max_new_tokens, stops, profile=True)
                 tps[name].append((len(res.output_ids) - 1) / res.decode_seconds)
                 plain += res.step_kinds.count("plain") if name == "adaptive" else 0
+                switches.update(counts_of(eng.policy) or {})
         ratios.append(statistics.median(tps["adaptive"]) / statistics.median(tps["pure"]))
         print(f"prompt {i}: {len(p)} tokens  adaptive {statistics.median(tps['adaptive']):7.1f} tok/s  pure rounds "
               f"{statistics.median(tps['pure']):7.1f} tok/s  ratio {ratios[-1]:.3f}", flush=True)
     result = {"mode": "vs_pure", "prompts": len(prompts), "repeat": args.repeat, "compile": args.compile,
               "adaptive_over_pure_geomean": statistics.geometric_mean(ratios), "adaptive_over_pure_median": statistics.median(ratios),
-              "adaptive_over_pure_min": min(ratios), "adaptive_plain_steps": plain, "device": device,
+              "adaptive_over_pure_min": min(ratios), "adaptive_plain_steps": plain, "policy": dict(switches), "device": device,
               "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, **products}
     print(f"adaptive / pure rounds per prompt: geometric mean {result['adaptive_over_pure_geomean']:.3f}, median "
           f"{result['adaptive_over_pure_median']:.3f}, min {result['adaptive_over_pure_min']:.2f}")
     print(json.dumps(result))
     return result
+
+
+def policy_table_main(args, device) -> dict:
+    """--policy-table: on each prompt set (the held-out prompts and prompts.OUTSIDE, --heldout prompts each; a set
+    that cannot be built is said and skipped) AR, pure rounds and the default policy run each prompt in turn (who
+    goes first rotating), --repeat times, on one AR and one DFlash engine (compiled with --compile; the policy
+    toggled on the DFlash engine, calibrated by its warm-up). Per set: the median over prompts of each prompt's
+    default / pure rounds and default / AR (each the ratio of medians of tok/s), the whole set's (all tokens / all
+    decode seconds) ratios, and the policy's counts."""
+    dtype = pick_dtype(args.dtype, device)
+    target, _, _, proposer, block, _, stops, products = load_pair(args, dtype, device)
+    tok = ckpt.load_tokenizer(target.path)
+    sets = {"heldout": P.heldout_prompts(tok, args.heldout)}
+    for name in P.OUTSIDE:
+        try:
+            sets[name] = P.outside_prompts(name, tok, args.heldout)
+        except (dflash.GenerationError, ValueError) as e:
+            print(f"prompt set {name} skipped: {e}", flush=True)
+    capacity = bench_capacity([p for ps in sets.values() for p in ps], args.max_new_tokens, block)
+    ar = tables.single_engine(args, target, None, 1, capacity, False)
+    sp = tables.single_engine(args, target, proposer, block, capacity, True)
+    first = sets["heldout"][0]
+    tables.warm_up(ar, first, stops, args.max_new_tokens)
+    tables.warm_up(sp, first, stops, args.max_new_tokens)          # (compiles every step kind; calibrates)
+    print(f"{options.products_words(products)}; {torch.get_num_threads()} threads; calibration (ms) "
+          + ", ".join(f"{'plain' if k == 0 else 'round of ' + str(k)} {1e3 * s:.2f}" for k, s in sorted((sp.calibration or {}).items())),
+          flush=True)
+    arms, table, done = ("ar", "pure", "default"), {}, {"ar": [], "default": []}
+    for name, ps in sets.items():
+        per = {a: [] for a in arms}                 # per prompt: median tok/s
+        tokens, seconds = {a: 0 for a in arms}, {a: 0.0 for a in arms}
+        counts, identical = collections.Counter(), 0
+        for i, p in enumerate(ps):
+            tps, outs = {a: [] for a in arms}, {}
+            for r in range(args.repeat):
+                for arm in arms[(i + r) % 3:] + arms[:(i + r) % 3]:
+                    if arm != "ar":
+                        tables.adapt_(sp, arm == "default")
+                    res = (ar if arm == "ar" else sp).generate(p, args.max_new_tokens, stops, profile=True)
+                    tps[arm].append((len(res.output_ids) - 1) / res.decode_seconds)
+                    tokens[arm], seconds[arm] = tokens[arm] + len(res.output_ids) - 1, seconds[arm] + res.decode_seconds
+                    outs[arm] = res.output_ids
+                    if arm in done:
+                        done[arm].append(res)
+                    if arm == "default":
+                        counts.update(counts_of(sp.policy))
+            identical += outs["ar"] == outs["pure"] == outs["default"]
+            for a in arms:
+                per[a].append(statistics.median(tps[a]))
+        row = {"prompts": len(ps),
+               "default_over_pure": statistics.median(d / q for d, q in zip(per["default"], per["pure"])),
+               "default_over_ar": statistics.median(d / a for d, a in zip(per["default"], per["ar"])),
+               "pure_over_ar": statistics.median(q / a for q, a in zip(per["pure"], per["ar"])),
+               "whole_default_over_pure": (tokens["default"] / seconds["default"]) / (tokens["pure"] / seconds["pure"]),
+               "whole_default_over_ar": (tokens["default"] / seconds["default"]) / (tokens["ar"] / seconds["ar"]),
+               **{f"{a}_tokens_per_s": statistics.median(per[a]) for a in arms},
+               "identical": identical, "policy": dict(counts), "untuned": name == P.UNTUNED}
+        table[name] = row
+        print(f"{name:12s}{' (untuned)' if row['untuned'] else '':10s} default / pure rounds {row['default_over_pure']:.3f}x "
+              f"(whole set {row['whole_default_over_pure']:.3f}x)  default / AR {row['default_over_ar']:.3f}x (whole set "
+              f"{row['whole_default_over_ar']:.3f}x)  pure rounds / AR {row['pure_over_ar']:.3f}x  tok/s AR "
+              f"{row['ar_tokens_per_s']:.1f}, pure {row['pure_tokens_per_s']:.1f}, default {row['default_tokens_per_s']:.1f}  "
+              f"identical {identical}/{len(ps)}; {describe(counts)}", flush=True)
+    decode_ms, plain_ms = tables.step_ms(done["ar"], "decode", "verify_seconds"), tables.step_ms(done["default"], "plain", "verify_seconds")
+    if decode_ms and plain_ms:           # what keeping the drafter's context fed costs a plain step
+        print(f"ms per step (median): AR decode {decode_ms:.3f}, the policy's plain step (decode + the drafter's context) "
+              f"{plain_ms:.3f} ({plain_ms / decode_ms:.3f}x)")
+    out = {"mode": "policy_table", "decode_ms": decode_ms, "plain_ms": plain_ms, "repeat": args.repeat, "compile": args.compile, "max_new_tokens": args.max_new_tokens,
+           "device": device, "cpu": compiling.cpu_model(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+           "calibration": {str(k): s for k, s in (sp.calibration or {}).items()}, **products, "sets": table}
+    print(json.dumps(out))
+    return out
 
 
 def profile_decode_main(args, device, top: int = 8) -> dict:
@@ -607,15 +694,15 @@ def concurrency_main(args, device) -> dict:
         for eng in engines.values():               # warm-up: compiles every step kind the policy may take
             eng.warm_up(reqs)
         warm = time.perf_counter() - t0
-        runs, given_up = {"ar": [], "dflash": []}, []
+        runs, switches = {"ar": [], "dflash": []}, collections.Counter()
         for r in range(args.repeat):        # AR first in even repeats, DFlash first in odd ones: neither arm always
             order = list(engines.items())[::1 if r % 2 == 0 else -1]     # runs on the machine the other left
             for name, run in (whole_runs(order, reqs) if args.whole_runs else in_turns(order, reqs)).items():
                 runs[name].append(run)
-            if policy is not None and not policy.feeds:       # (a later run probes again: Policy.reset)
-                given_up.append(len(runs["dflash"]))
+            if policy is not None:
+                switches.update(counts_of(policy))
         row = concurrency_row(n, runs, warm)
-        row["rounds_given_up_in_repeats"] = given_up      # the repeats whose run ended with rounds given up
+        row["policy"] = dict(switches) if policy is not None else None      # summed over the repeats
         table.append(row)
         print(f"N={n:3d}  AR {row['ar_tokens_per_s']:8.1f} tok/s  {'AR again' if args.aa else 'DFlash'} "
               f"{row['dflash_tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x (paired {row['paired_speedup']:.2f}x, "
@@ -625,7 +712,8 @@ def concurrency_main(args, device) -> dict:
               f"{row['queue_paired_speedup']:.2f}x, N in flight {row['dflash_held_share']:.0%} of DFlash's time)  per request: AR "
               f"{row['ar_request_tokens_per_s']:.1f}, DFlash {row['dflash_request_tokens_per_s']:.1f} tok/s  mean acceptance "
               f"{row['mean_acceptance']:.2f}  rounds {row['round_share']:.0%} of DFlash steps (verify blocks "
-              f"{row['verify_blocks']})  identical {row['identical']}  rounds given up in repeats {given_up or 'none'}  "
+              f"{row['verify_blocks']})  identical {row['identical']}"
+              f"{'  ' + describe(switches) if policy is not None else ''}  "
               f"({len(reqs)} requests; warm-up {warm:.1f} s)", flush=True)
     out = {"mode": "concurrency", "device": device, "dtype": str(dtype).replace("torch.", ""), "block_size": block,
            "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "adaptive": not (args.no_adaptive or args.aa),

@@ -82,10 +82,10 @@ def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool
 
 
 def adapt_(eng, on: bool, parallel=None) -> None:
-    """An engine's next runs with a fresh adaptive policy each (on; under torchrun rank 0's decides: tp.Synced) or
-    pure rounds (off)."""
+    """An engine's next runs with a fresh adaptive policy each (on; under torchrun rank 0's decides: tp.Synced),
+    calibrated by the engine's warm-up when it had one, or pure rounds (off)."""
     def make():
-        policy = Policy(block=eng.block)
+        policy = Policy(block=eng.block, calibration=getattr(eng, "calibration", None))
         return parallel.synced(policy) if parallel else policy
     eng.policy = PerRun(make) if on else None
 
