@@ -11,7 +11,7 @@ import dflash
 import engine
 from engine import Sampling
 import mtp
-from helpers import OracleProposer, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
+from helpers import Early, OracleProposer, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
 from policy import Alternate
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
@@ -241,42 +241,62 @@ def test_bad_requests_name_the_request():
         engine.Engine(target, engine.DrafterProposer(d, target), 0, 2, 30)
 
 
-def test_no_recompiles_across_admissions_and_finishes(monkeypatch):
-    """Compiled with N = 3, DFlash, sliding-window and DFlash2 drafters and the MTP head: requests of other lengths
-    arriving and finishing at other times, greedy, never recompile; the tokens are the eager batch's. Dynamo's
-    guards decide recompiles, so the steps run traced but without inductor's code (helpers.dynamo_only); the
-    inductor-compiled batch is tested against eager in test_compile.py and test_flex.py."""
+def batches_without_recompiles() -> list:
+    """The work of the test below, in a process of its own (helpers.Early): per proposer kind, a traced batch
+    (helpers.dynamo_only) warmed up on 4 requests, then 7 later ones under error_on_recompile -> (kind, dynamo's
+    unique graphs after the warm-up and after the later requests, whether any later request verified, per later
+    request whether its tokens are the eager batch's or part from them only at a near-tie)."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
     from helpers import dynamo_only
-    dynamo_only(monkeypatch)
-    torch._dynamo.reset()
-    cfg = tiny_target_config(vocab_size=40)
-    target = random_target(cfg, 2, torch.float32)
-    rng = random.Random(5)
+    out = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        dynamo_only(monkeypatch)
+        cfg = tiny_target_config(vocab_size=40)
+        target = random_target(cfg, 2, torch.float32)
+        rng = random.Random(5)
 
-    def requests(k):
-        return [engine.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20)) for _ in range(k)]
+        def requests(k):
+            return [engine.Request([rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20))
+                    for _ in range(k)]
 
-    def drafter(kind, seed):
-        return engine.DrafterProposer(random_drafter(kind_draft_config(cfg, kind, block_size=4), seed, torch.float32), target)
-    head = randomize_(mtp.MTPHead(cfg), 4).float().eval()
-    # the DFlash drafter through rounds of every verify block and plain steps fed or not; the other drafters and
-    # the MTP head (its pending rows one column wider, its next ids kept) through whole-block rounds and plain steps
-    for make, policy in ((lambda: drafter("dflash", 3), Alternate((2, 4))),
-                         (lambda: drafter("sliding", 6), Alternate((4,))),
-                         (lambda: drafter("dflash2", 7), Alternate((4,))),
-                         (lambda: mtp.MTPProposer(head, target, 3), Alternate((4,)))):
-        eng = engine.Engine(target, make(), 4, 3, 64, compile_mode="default", policy=policy)
-        eng.run(requests(4))                                    # warm-up: every step kind compiles once
-        graphs = counters["stats"]["unique_graphs"]
-        later = requests(7)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            got = eng.run(later)
-        assert counters["stats"]["unique_graphs"] == graphs
-        eager = engine.Engine(target, make(), 4, 3, 64).run(later)
-        assert any(len(r.verify_lengths) for r in got)
-        for a, b in zip(got, eager):
-            assert a.output_ids == b.output_ids or first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
+        def drafter(kind, seed):
+            return engine.DrafterProposer(random_drafter(kind_draft_config(cfg, kind, block_size=4), seed, torch.float32),
+                                          target)
+        head = randomize_(mtp.MTPHead(cfg), 4).float().eval()
+        # the DFlash drafter through rounds of every verify block and plain steps; the other drafters and the MTP
+        # head (its pending rows one column wider, its next ids kept) through whole-block rounds and plain steps
+        for kind, make, policy in (("dflash", lambda: drafter("dflash", 3), Alternate((2, 4))),
+                                   ("sliding", lambda: drafter("sliding", 6), Alternate((4,))),
+                                   ("dflash2", lambda: drafter("dflash2", 7), Alternate((4,))),
+                                   ("mtp", lambda: mtp.MTPProposer(head, target, 3), Alternate((4,)))):
+            eng = engine.Engine(target, make(), 4, 3, 64, compile_mode="default", policy=policy)
+            eng.run(requests(4))                                    # warm-up: every step kind compiles once
+            graphs = counters["stats"]["unique_graphs"]
+            later = requests(7)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = eng.run(later)
+            eager = engine.Engine(target, make(), 4, 3, 64).run(later)
+            same = [a.output_ids == b.output_ids or
+                    first_divergence_is_near_tie(target, a.prompt_ids, b.output_ids, a.output_ids, 1e-4)
+                    for a, b in zip(got, eager)]
+            out.append((kind, graphs, counters["stats"]["unique_graphs"], any(len(r.verify_lengths) for r in got), same))
+    return out
+
+
+# started with the suite, in a process of its own
+NO_RECOMPILES = Early(batches_without_recompiles, process=True, used_by=["test_no_recompiles_across_admissions_and_finishes"])
+
+
+def test_no_recompiles_across_admissions_and_finishes():
+    """Compiled with N = 3, DFlash, sliding-window and DFlash2 drafters and the MTP head: requests of other lengths
+    arriving and finishing at other times, greedy, never recompile (a recompile raises); the tokens are the eager
+    batch's. Dynamo's guards decide recompiles, so the steps run traced but without inductor's code
+    (helpers.dynamo_only); the inductor-compiled batch is tested against eager in test_compile.py and test_flex.py."""
+    for kind, before, after, verified, same in NO_RECOMPILES.result():
+        assert after == before, kind
+        assert verified, kind
+        assert all(same), (kind, same)
 
 
 @pytest.mark.parametrize("kind,block,pattern,slots,shortest", [("dflash", 8, [False] * 5 + [True], 2, 3),
