@@ -102,14 +102,14 @@ def test_a_weight_beyond_the_kept_dtypes_range_is_named(tmp_path):
 
 
 def test_the_command_line_keeps_the_checkpoints_weights_with_the_same_tokens(capsys):
-    """The embedded pair is stored in bfloat16: --weight-dtype auto keeps it so under float32 arithmetic, with the
-    default's tokens and drafts; --json names both dtypes."""
+    """The embedded pair is stored in bfloat16: by default (--weight-dtype auto) it is kept so under float32
+    arithmetic, with --weight-dtype float32's tokens and drafts; --json names both dtypes."""
     outs = []
-    for extra in ([], ["--weight-dtype", "auto"]):
+    for extra in ([], ["--weight-dtype", "float32"]):
         capsys.readouterr()
         assert generate.cli(["--prompt-ids", "5,17,42,8", "--max-new-tokens", "24", "--json", *extra]) == 0
         outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert [o["weight_dtype"] for o in outs] == ["float32", "bfloat16"] and all(o["dtype"] == "float32" for o in outs)
+    assert [o["weight_dtype"] for o in outs] == ["bfloat16", "float32"] and all(o["dtype"] == "float32" for o in outs)
     assert outs[0]["output_ids"] == outs[1]["output_ids"] and outs[0]["draft_ids"] == outs[1]["draft_ids"]
 
 
@@ -128,7 +128,8 @@ def test_weights_the_arithmetic_would_round_are_refused_before_loading(capsys, m
 
 def test_narrower_weights_under_torchrun_are_refused():
     from options import pick_weights
-    assert pick_weights(None, torch.float32) is None and pick_weights("float32", torch.float32) is None
+    assert pick_weights(None, torch.float32) == "auto" and pick_weights("float32", torch.float32) is None
     assert pick_weights("auto", torch.float32) == "auto" and pick_weights("bfloat16", torch.float64) == torch.bfloat16
+    assert pick_weights("auto", torch.float32, parallel=object()) is None      # the default: widened, as tp.py cuts them
     with pytest.raises(M.GenerationError, match="does not go with torchrun"):
-        pick_weights("auto", torch.float32, parallel=object())
+        pick_weights("bfloat16", torch.float32, parallel=object())
