@@ -29,12 +29,21 @@ def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
     the patch): in the compiled decode step of the embedded target each distinct decoder layer is compiled once and
     called per layer (torch.compiler.nested_compile_region), and the tokens are the eager batch's. Inductor lowers a
     region's body once whatever the wrapper; the C++ wrapper's calls of it are speed/cppwrapper.py's own code. One step
-    kind: the regions are the model's, whichever step calls it (recompiles and the other kinds: the tests below)."""
+    kind: the regions are the model's, whichever step calls it (recompiles and the other kinds: the tests below).
+    The target's weights are kept as the checkpoint stores them (bfloat16, under float32 arithmetic: the command
+    line's default): the step reads them as they are, widening inside its product loops (no buffer of a weight's
+    shape is allocated), and its tokens are those of the eager target widened at load; so are the eager kept
+    target's, whose one-row products run model.kept_product's compiled multiply-sum (EAGER_FUSED lowered to 0)."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
+    import checkpoint as ckpt
+    import model as M
+    from helpers import EMBEDDED_TARGET
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # fresh code, not a cached graph
     torch._dynamo.reset()
-    target, _, p1, _ = embedded_pair()
+    wide, _, p1, _ = embedded_pair()
+    target = ckpt.load_target(EMBEDDED_TARGET, torch.float32, weights="auto")
+    assert target.lm_head.weight.dtype == torch.bfloat16 and target.dtype == torch.float32
     options = cppwrapper.options()
     wrapper = "cpp" if options.get("cpp_wrapper") else "python"
     eng = engine.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
@@ -43,7 +52,13 @@ def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
     assert len(codes) == 1                                                # the decode step (admission is eager)
     bodies, calls = region_bodies_and_calls(codes[0], wrapper)
     assert len(bodies) == len(set(target.cfg.layer_types)) and calls == target.cfg.num_hidden_layers, (bodies, calls)
-    assert got[0].output_ids == engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    shapes = {tuple(p.shape) for p in target.parameters() if p.dim() == 2 and p.shape[0] > 1}
+    allocated = {tuple(int(n) for n in re.findall(r"\d+", dims)) for dims in
+                 re.findall(r"int_array_\d+\[\] = \{([\dL, ]+)\}", codes[0]) + re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", codes[0])}
+    assert shapes and not shapes & allocated, shapes & allocated          # no widened copy of a weight
+    want = engine.Engine(wide, None, 1, 1, 256).run(request)[0].output_ids
+    monkeypatch.setattr(M, "EAGER_FUSED", 0)
+    assert got[0].output_ids == want == engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
 
 
 class Cycle:
