@@ -554,7 +554,8 @@ def choose(modules, rows: int) -> tuple:
         v = verdicts[key]
         return v["kind"], v["measured"], True
     times = measure(modules, rows)
-    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain"}
+    narrow = any(lin.weight.dtype in NARROW for lin in _linears(modules))      # kept weights: KEPT_KINDS only
+    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain" and (not narrow or k in KEPT_KINDS)}
     best = min(measured, key=measured.get, default=None)
     kind = best if best is not None and measured[best] <= 1 - MARGIN else "plain"
     verdicts[key] = {"kind": kind, "measured": measured, "date": time.strftime("%Y-%m-%d")}

@@ -1,8 +1,9 @@
 """Weights kept narrower than the arithmetic (checkpoint.load_target's `weights`, --weight-dtype): a bfloat16
 checkpoint kept as stored under float32 (or float64) arithmetic gives the widened model's results, bit for bit where
-the same kernels run (each product widens its weight, exactly: model.Linear), at the bfloat16 model's weight memory.
-Checked on the target (dense, tied, mixture of experts in both of its expert paths), DFlash and DFlash2 drafters, the
-MTP head, and through generate.py."""
+the same kernels run (products of several rows widen the weight at the call: model.kept_product), to float32 rounding
+of the sum's order in one-row products (a multiply-sum that widens as it reads), at the bfloat16 model's weight
+memory. Checked on the target (dense, tied, mixture of experts in both of its expert paths), DFlash and DFlash2
+drafters, the MTP head, and through generate.py, whose default (--weight-dtype auto) keeps them."""
 import json
 import os
 
@@ -65,6 +66,23 @@ def test_kept_weights_give_the_widened_models_logits_bit_for_bit(tmp_path, kind,
         runs.append(engine.run(target, IDS[:4], 24, proposer=engine.DrafterProposer(drafter, target), block_size=4))
     assert runs[0].output_ids == runs[1].output_ids and runs[0].draft_ids == runs[1].draft_ids
     assert runs[0].output_ids == engine.run(wide, IDS[:4], 24).output_ids
+
+
+def test_one_row_products_read_the_kept_weights_to_float32_rounding(tmp_path, monkeypatch):
+    """One-row products over kept weights (decode: model.kept_product's multiply-sum, which widens as it reads) give
+    the widened model's logits to float32 rounding of the sum's order, and its top token. The multiply-sum runs
+    uncompiled here (the same expression compiled code and the eager compiled kernel run: tests/test_compile.py
+    checks their tokens), on every weight (EAGER_FUSED 0)."""
+    tdir, _ = saved(tmp_path, "dense")
+    kept, wide = ckpt.load_target(tdir, torch.float32, weights="auto"), ckpt.load_target(tdir, torch.float32)
+    calls = []
+    monkeypatch.setattr(M, "EAGER_FUSED", 0)
+    monkeypatch.setattr(M, "_eager_fused", lambda: lambda x, w: calls.append(w.shape) or M.fused_product(x, w))
+    for t in IDS[:3]:
+        got, want = logits_of(kept, [t]), logits_of(wide, [t])
+        assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (kept.lm_head.out_features, kept.lm_head.in_features) in calls
 
 
 @pytest.mark.parametrize("proposer", ["dflash2", "mtp"])
