@@ -185,8 +185,9 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     if x.numel() == x.shape[-1] and x.dtype in (torch.float32, torch.float64):
         if torch.compiler.is_compiling():
             y = fused_product(x, w)
-        elif w.numel() >= EAGER_FUSED and not torch.is_grad_enabled() and x.device.type == "cpu":
-            y = _eager_fused()(x, w)
+        elif w.numel() >= EAGER_FUSED and not torch.is_grad_enabled() and x.device.type == "cpu" and _EAGER_FUSED is not False:
+            y = _eager_fused_or_none(x, w)
+            y = F.linear(x, w.to(x.dtype)) if y is None else y
         else:
             y = F.linear(x, w.to(x.dtype))
         return y if b is None else y + b.to(x.dtype)
@@ -209,6 +210,17 @@ def _eager_fused():
     if _EAGER_FUSED is None:
         _EAGER_FUSED = torch.compile(fused_product, fullgraph=True, dynamic=True)
     return _EAGER_FUSED
+
+
+def _eager_fused_or_none(x, w):
+    """_eager_fused()(x, w), or None where it cannot compile (no C++ compiler for inductor, say): then, for the rest
+    of the process, eager one-row products widen at the call (_EAGER_FUSED False)."""
+    global _EAGER_FUSED
+    try:
+        return _eager_fused()(x, w)
+    except Exception:                   # (inductor's errors have no common class of their own)
+        _EAGER_FUSED = False
+        return None
 
 
 class Linear(nn.Linear):
