@@ -5,6 +5,7 @@ the tensor-name layouts of Qwen3.5 and of z-lab drafters, tokenizer and stop ids
                                  `qwen3_5_moe` and `qwen3_5_moe_text` alike) -> model.Qwen35
     load_drafter(path, cfg)      z-lab DFlashDraftModel -> model.DFlashDrafter, checked against the target
     save_target / save_drafter   the same formats back (transformers and the z-lab package load them)
+    save_target_in_parts         a target too large to hold, written a layer at a time into shards
     target_bytes, cache_bytes,   the memory a run needs, from the configs alone, against what the device has
     check_memory
 
@@ -781,14 +782,9 @@ def hf_tensors(state: dict, dtype, rename) -> dict:
     return tensors
 
 
-def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
-    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text); a mixture-of-experts model as
-    Qwen3_5MoeForCausalLM (qwen3_5_moe_text) with one tensor per expert, the layout of the published files."""
-    from safetensors.torch import save_file
-    cfg = model.cfg
-    state = {n: p for n, p in model.state_dict().items() if not (n == "lm_head.weight" and cfg.tie_word_embeddings)}
-    tensors = hf_tensors(state, dtype, lambda n: n if n.startswith("lm_head") else "model." + n)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+def target_config_json(cfg: TargetConfig, dtype, eos=None) -> dict:
+    """The config.json of a target saved in `dtype`: Qwen3_5ForCausalLM (qwen3_5_text), or Qwen3_5MoeForCausalLM
+    (qwen3_5_moe_text) for a mixture-of-experts model."""
     config = {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -808,8 +804,48 @@ def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None
         del config["intermediate_size"]
         config.update({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"},
                       **{k: getattr(cfg, k) for k in MOE_SIZES})
+    return config
+
+
+def _target_name(name: str) -> str:
+    """Our parameter name -> the qwen3_5_text checkpoint's."""
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def save_target(model: Qwen35, out: str, dtype=torch.bfloat16, eos=None) -> None:
+    """HF Qwen3_5ForCausalLM names and config (model_type qwen3_5_text); a mixture-of-experts model as
+    Qwen3_5MoeForCausalLM (qwen3_5_moe_text) with one tensor per expert, the layout of the published files."""
+    from safetensors.torch import save_file
+    cfg = model.cfg
+    state = {n: p for n, p in model.state_dict().items() if not (n == "lm_head.weight" and cfg.tie_word_embeddings)}
+    save_file(hf_tensors(state, dtype, _target_name), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2)
+        json.dump(target_config_json(cfg, dtype, eos), fh, indent=2)
+
+
+def save_target_in_parts(cfg: TargetConfig, parts, out: str, dtype=torch.bfloat16, eos=None) -> None:
+    """A target written one part at a time, never held whole (a 9B model's 18 GB of bfloat16 need not fit in
+    memory): `parts` yields (prefix, module) pairs, ("", a module holding embed_tokens, norm and lm_head where
+    untied) and ("layers.i.", decoder layer i), each dropped once written. One shard per part, named and indexed
+    as the published sharded checkpoints are (model-0000k-of-0000n.safetensors, model.safetensors.index.json)."""
+    from safetensors.torch import save_file
+    n = cfg.num_hidden_layers + 1
+    weight_map, total, k = {}, 0, 0
+    for k, (prefix, module) in enumerate(parts, 1):
+        state = {prefix + name: p for name, p in module.state_dict().items()
+                 if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
+        tensors = hf_tensors(state, dtype, _target_name)
+        shard = f"model-{k:05d}-of-{n:05d}.safetensors"
+        save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del state, tensors, module
+    if k != n:
+        raise ValueError(f"save_target_in_parts: {k} parts written, the config needs {n} (the outer part and one per layer)")
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(target_config_json(cfg, dtype, eos), fh, indent=2)
 
 
 def save_drafter(drafter: DFlashDrafter, out: str, dtype=torch.bfloat16) -> None:

@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -23,8 +24,46 @@ def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
     return bodies, sum(code.count(f"{b}(") for b in bodies) - (0 if wrapper == "cpp" else len(bodies))
 
 
+def distinct_layers_compiled() -> tuple | None:
+    """The work of the test below, in a process of its own (helpers.Early), with a fresh inductor cache: the embedded
+    target's compiled decode step under the command lines' CPU wrapper, its weights kept as stored (bfloat16) ->
+    (wrapper, region bodies, their calls, the number of generated codes, compiled tokens, eager tokens of the
+    target widened at load and of the kept one with every one-row product a compiled multiply-sum, weight shapes
+    the step allocated a buffer of)."""
+    if not HAS_EMBEDDED_PAIR:
+        return None
+    import tempfile
+    from torch._inductor.utils import run_and_get_code
+    import checkpoint as ckpt
+    import model as M
+    from helpers import EMBEDDED_TARGET
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()        # fresh code, not a cached graph
+    wide, _, p1, _ = embedded_pair()
+    target = ckpt.load_target(EMBEDDED_TARGET, torch.float32, weights="auto")
+    assert target.lm_head.weight.dtype == torch.bfloat16 and target.dtype == torch.float32
+    options = cppwrapper.options()
+    wrapper = "cpp" if options.get("cpp_wrapper") else "python"
+    eng = engine.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
+    request = [engine.Request(p1, 12)]
+    got, codes = run_and_get_code(eng.run, request)
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    bodies, calls = region_bodies_and_calls(codes[0], wrapper)
+    shapes = {tuple(p.shape) for p in target.parameters() if p.dim() == 2 and p.shape[0] > 1}
+    allocated = {tuple(int(n) for n in re.findall(r"\d+", dims)) for dims in
+                 re.findall(r"int_array_\d+\[\] = \{([\dL, ]+)\}", codes[0]) + re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", codes[0])}
+    eager = engine.Engine(wide, None, 1, 1, 256).run(request)[0].output_ids
+    M.EAGER_FUSED = 0
+    kept_eager = engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    return (wrapper, bodies, calls, len(codes), got[0].output_ids, eager, kept_eager, shapes & allocated,
+            (len(set(target.cfg.layer_types)), target.cfg.num_hidden_layers))
+
+
+# started with the suite, in a process of its own
+DISTINCT_LAYERS = Early(distinct_layers_compiled, process=True, used_by=["test_each_distinct_layer_compiles_once"])
+
+
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
+def test_each_distinct_layer_compiles_once():
     """With the command lines' CPU wrapper (speed/cppwrapper.py's C++ one; the Python wrapper where this torch cannot take
     the patch): in the compiled decode step of the embedded target each distinct decoder layer is compiled once and
     called per layer (torch.compiler.nested_compile_region), and the tokens are the eager batch's. Inductor lowers a
@@ -34,31 +73,11 @@ def test_each_distinct_layer_compiles_once(tmp_path, monkeypatch):
     line's default): the step reads them as they are, widening inside its product loops (no buffer of a weight's
     shape is allocated), and its tokens are those of the eager target widened at load; so are the eager kept
     target's, whose one-row products run model.kept_product's compiled multiply-sum (EAGER_FUSED lowered to 0)."""
-    import torch._dynamo
-    from torch._inductor.utils import run_and_get_code
-    import checkpoint as ckpt
-    import model as M
-    from helpers import EMBEDDED_TARGET
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # fresh code, not a cached graph
-    torch._dynamo.reset()
-    wide, _, p1, _ = embedded_pair()
-    target = ckpt.load_target(EMBEDDED_TARGET, torch.float32, weights="auto")
-    assert target.lm_head.weight.dtype == torch.bfloat16 and target.dtype == torch.float32
-    options = cppwrapper.options()
-    wrapper = "cpp" if options.get("cpp_wrapper") else "python"
-    eng = engine.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
-    request = [engine.Request(p1, 12)]
-    got, codes = run_and_get_code(eng.run, request)
-    assert len(codes) == 1                                                # the decode step (admission is eager)
-    bodies, calls = region_bodies_and_calls(codes[0], wrapper)
-    assert len(bodies) == len(set(target.cfg.layer_types)) and calls == target.cfg.num_hidden_layers, (bodies, calls)
-    shapes = {tuple(p.shape) for p in target.parameters() if p.dim() == 2 and p.shape[0] > 1}
-    allocated = {tuple(int(n) for n in re.findall(r"\d+", dims)) for dims in
-                 re.findall(r"int_array_\d+\[\] = \{([\dL, ]+)\}", codes[0]) + re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", codes[0])}
-    assert shapes and not shapes & allocated, shapes & allocated          # no widened copy of a weight
-    want = engine.Engine(wide, None, 1, 1, 256).run(request)[0].output_ids
-    monkeypatch.setattr(M, "EAGER_FUSED", 0)
-    assert got[0].output_ids == want == engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    wrapper, bodies, calls, n_codes, got, eager, kept_eager, widened, (kinds, layers) = DISTINCT_LAYERS.result()
+    assert n_codes == 1                                                   # the decode step (admission is eager)
+    assert len(bodies) == kinds and calls == layers, (wrapper, bodies, calls)
+    assert not widened, widened                                           # no widened copy of a weight
+    assert got == eager == kept_eager
 
 
 class Cycle:
@@ -122,29 +141,44 @@ def test_compiled_sampling_equals_eager():
     assert mixed == eager == ar
 
 
-def test_new_sampling_settings_run_graphs_made_for_them(monkeypatch):
+def sampling_settings_graphs() -> list:
+    """The work of the test below, in a process of its own (helpers.Early): four sampled generations with other
+    settings, traced (helpers.dynamo_only) and eager -> per generation (compiled tokens, eager tokens, dynamo's
+    unique graphs so far)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from helpers import dynamo_only, random_drafter, random_target, tiny_draft_config, tiny_target_config
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        dynamo_only(monkeypatch)
+        cfg = tiny_target_config(vocab_size=60)
+        target = random_target(cfg, 3, torch.float32)
+        drafter = random_drafter(tiny_draft_config(cfg, block_size=4), 4, torch.float32)
+        engines = [engine.Engine(target, engine.DrafterProposer(drafter, target), 4, capacity=64, **kw)
+                   for kw in ({"compile_mode": "default", "policy": Cycle([4])}, {"policy": Cycle([4])})]
+        prompt, out = list(range(5, 25)), []
+        for s in SETTINGS:
+            got, want = (e.generate(prompt, 24, sampling=s, seed=11) for e in engines)
+            out.append((got.output_ids, want.output_ids, counters["stats"]["unique_graphs"]))
+        return out
+
+
+SETTINGS = [engine.Sampling(0.7, 0.9, 0), engine.Sampling(1.3, 1.0, 5), engine.Sampling(0.7, 0.9, 0),
+            engine.Sampling(1.0, 0.8, 3)]
+# started with the suite, in a process of its own
+SAMPLING_SETTINGS = Early(sampling_settings_graphs, process=True,
+                          used_by=["test_new_sampling_settings_run_graphs_made_for_them"])
+
+
+def test_new_sampling_settings_run_graphs_made_for_them():
     """Which cuts a run's sampling makes (top-k, top-p) are constants of the compiled steps: a generation with other
     settings must run a graph made for them (dynamo's guards), never the previous one, and settings seen before run
     their graph again without compiling. Each generation gives the eager engine's tokens for the same seed. Which
     graph a call runs is dynamo's decision, so the steps run traced, without inductor's code (helpers.dynamo_only;
     inductor's sampled code: the test above)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from helpers import dynamo_only, random_drafter, random_target, tiny_draft_config, tiny_target_config
-    dynamo_only(monkeypatch)
-    torch._dynamo.reset()
-    cfg = tiny_target_config(vocab_size=60)
-    target = random_target(cfg, 3, torch.float32)
-    drafter = random_drafter(tiny_draft_config(cfg, block_size=4), 4, torch.float32)
-    engines = [engine.Engine(target, engine.DrafterProposer(drafter, target), 4, capacity=64, **kw)
-               for kw in ({"compile_mode": "default", "policy": Cycle([4])}, {"policy": Cycle([4])})]
-    prompt, graphs = list(range(5, 25)), []
-    settings = [engine.Sampling(0.7, 0.9, 0), engine.Sampling(1.3, 1.0, 5), engine.Sampling(0.7, 0.9, 0),
-                engine.Sampling(1.0, 0.8, 3)]
-    for s in settings:
-        got, want = (e.generate(prompt, 24, sampling=s, seed=11) for e in engines)
-        assert got.output_ids == want.output_ids, s
-        graphs.append(counters["stats"]["unique_graphs"])
+    runs = SAMPLING_SETTINGS.result()
+    for (got, want, _), s in zip(runs, SETTINGS):
+        assert got == want, s
+    graphs = [g for *_, g in runs]
     new = [b > a for a, b in zip(graphs, graphs[1:])]
     assert new == [True, False, True], graphs              # top-k only; top-p again; both
 
@@ -236,28 +270,52 @@ def test_compiled_batch_with_a_dflash2_drafter():
         assert out == reference                 # the reference loop's tokens (dflash.generate; float32 here)
 
 
+TWO_LENGTHS_FLAGS = ["--compile", "--compile-mode", "default", "--max-new-tokens", "20", "--json",
+                     "--block-size", "2", "--no-adaptive"]    # (pure rounds of 2: three step kinds to compile, not six)
+
+
+def two_prompt_lengths_compiled() -> dict | None:
+    """The work of the test below, in a process of its own (helpers.Early), with a fresh inductor cache: generate.py's
+    command line run twice in this process for two prompt lengths (per run: its JSON, its stderr, inductor's
+    counters after it), then once more in a process of its own (its return code, JSON line and stderr)."""
+    if not HAS_EMBEDDED_PAIR:
+        return None
+    import contextlib
+    import io
+    import json
+    import tempfile
+    from torch._dynamo.utils import counters
+    import generate
+    cache = tempfile.mkdtemp()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    runs = []
+    for prompt in ("def f(x):", "class Stack:\n    def push(self, item):\n        self.items.append(item)"):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = generate.cli(["--prompt", prompt, *TWO_LENGTHS_FLAGS])
+        runs.append((rc, json.loads(out.getvalue().strip().splitlines()[-1]), err.getvalue(), dict(counters["inductor"])))
+    done = subprocess.run([sys.executable, "generate.py", "--prompt", "def f(x):", *TWO_LENGTHS_FLAGS,  # the suite's
+                           "--threads", str(torch.get_num_threads())], cwd=ROOT,      # 1 thread: threads shape the code
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}, capture_output=True, text=True, timeout=600)
+    third = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"runs": runs, "third": (done.returncode, third, done.stderr)}
+
+
+# started with the suite, in a process of its own
+TWO_LENGTHS = Early(two_prompt_lengths_compiled, process=True, used_by=["test_two_prompt_lengths_compile_once"])
+
+
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
-def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
+def test_two_prompt_lengths_compile_once():
     """`generate.py --compile` for two prompts of different lengths (one process, a fresh inductor cache): the
     default cache length is the same power of two for both, so the second run compiles no graph anew (with
     caches sized exactly, its new shapes would). Across processes the same shapes make inductor's on-disk
     cache serve the graphs: a second process compiles none. Each run says that it compiles, how long it took and
     how many graphs it compiled."""
-    import json
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    import generate
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    counters.clear()
-    flags = ["--compile", "--compile-mode", "default", "--max-new-tokens", "20", "--json",
-             "--block-size", "2", "--no-adaptive"]    # (pure rounds of 2: three step kinds to compile, not six)
-    runs = []
-    for prompt in ("def f(x):", "class Stack:\n    def push(self, item):\n        self.items.append(item)"):
-        assert generate.cli(["--prompt", prompt, *flags]) == 0
-        got = capsys.readouterr()
-        runs.append((json.loads(got.out.strip().splitlines()[-1]), got.err, dict(counters["inductor"])))
-    (first, err1, c1), (second, err2, c2) = runs
+    r = TWO_LENGTHS.result()
+    (rc1, first, err1, c1), (rc2, second, err2, c2) = r["runs"]
+    assert rc1 == rc2 == 0
     assert len(first["prompt_ids"]) != len(second["prompt_ids"]) and first["cache_len"] == second["cache_len"] == 256
     assert c1.get("fxgraph_cache_miss", 0) > 0                                       # the first run compiled
     assert c2.get("fxgraph_cache_miss", 0) == c1["fxgraph_cache_miss"], (c1, c2)     # the second compiled nothing
@@ -265,14 +323,10 @@ def test_two_prompt_lengths_compile_once(tmp_path, monkeypatch, capsys):
         assert "compiling the step functions for a 256-position cache" in err and "compiled in " in err, err
     assert first["graphs_compiled"] > 0 and second["graphs_compiled"] == 0
     # a second process running the first command again: every graph from inductor's on-disk cache, none compiled
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "generate.py", "--prompt", "def f(x):", *flags,   # the suite's 1 thread:
-                           "--threads", str(torch.get_num_threads())], cwd=ROOT, env=env,        # threads shape the code
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    third = json.loads(done.stdout.strip().splitlines()[-1])
+    rc3, third, err3 = r["third"]
+    assert rc3 == 0, err3
     assert third["graphs_compiled"] == 0 and third["graphs_cached"] > 0, third
-    assert third["output_ids"] == first["output_ids"] and "graphs compiled, " in done.stderr
+    assert third["output_ids"] == first["output_ids"] and "graphs compiled, " in err3
 
 
 def test_default_capacity_is_a_power_of_two():

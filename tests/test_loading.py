@@ -111,6 +111,31 @@ def test_sharded_checkpoint_equals_single_file(store, tmp_path, n_shards):
     assert torch.equal(our_logits(sharded), our_logits(single))
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_target_written_in_parts_loads_as_written(tmp_path, tied):
+    """checkpoint.save_target_in_parts (how tools/realsize.py writes a 9B target it cannot hold): one shard per part,
+    indexed; loading it gives every part's values (bfloat16, as written), the tied lm_head the embedding."""
+    from dataclasses import replace
+    from helpers import random_target, tiny_target_config
+    cfg = replace(tiny_target_config(), tie_word_embeddings=tied)
+    whole = random_target(cfg, 3, torch.bfloat16)
+    outer = torch.nn.Module()
+    outer.embed_tokens, outer.norm = whole.embed_tokens, whole.norm
+    if not tied:
+        outer.lm_head = whole.lm_head
+    parts = [("", outer)] + [(f"layers.{i}.", layer) for i, layer in enumerate(whole.layers)]
+    ckpt.save_target_in_parts(cfg, iter(parts), str(tmp_path), torch.bfloat16)
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) == cfg.num_hidden_layers + 1
+    loaded = ckpt.load_target(str(tmp_path), torch.bfloat16)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
+    os.mkdir(tmp_path / "short")
+    with pytest.raises(ValueError, match="parts written"):
+        ckpt.save_target_in_parts(cfg, iter(parts[:-1]), str(tmp_path / "short"), torch.bfloat16)
+
+
 def test_multimodal_layout_sharded_with_mtp(store, tmp_path):
     """model.language_model.* is the text model, model.visual.* is ignored, mtp.* is skipped."""
     with open(os.path.join(store["cond"], "config.json")) as fh:

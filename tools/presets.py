@@ -26,7 +26,8 @@ from options import compile_options, pick_dtype, use_products
 
 BAR_FRACTION = 0.75     # every GPU bar asks this fraction of what the bytes its steps read allow (gpu_bars)
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
-PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-0.8b", "qwen3.5-35b-a3b", "tiny-35b-a3b-shape")
+PRESETS = ("qwen3.5-9b", "tiny-9b-shape", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-35b-a3b",
+           "tiny-35b-a3b-shape")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -43,8 +44,8 @@ def preset_configs(name: str) -> tuple:
     of the vocabulary), so the same code runs on a CPU in seconds."""
     if "35b" in name:
         return moe_preset_configs(name)
-    if name == "qwen3.5-0.8b":
-        return small_preset_configs()
+    if name in SMALL:
+        return small_preset_configs(name)
     div = {"qwen3.5-9b": 1, "tiny-9b-shape": 32}[name]
     L = 32
     target = M.TargetConfig(
@@ -62,24 +63,33 @@ def preset_configs(name: str) -> tuple:
     return target, draft
 
 
-def small_preset_configs() -> tuple:
-    """qwen3.5-0.8b: the text model of Qwen/Qwen3.5-0.8B as its model card describes it: 24 layers
-    [GDN x3, attention] x 6, hidden 1024, FFN 3584, 8 q / 2 kv heads of 256, GDN 16 key / 16 value heads of 128,
-    vocab 248320, tied embeddings (the lm_head is the embedding table), rope theta 1e7. On a CPU it is the
-    memory-bound regime: a float32 decode step reads about 3 GB of weights, far more than any cache holds.
+# The small dense sizes: (layers, hidden, FFN, q heads, kv heads, GDN value heads), each with 256-wide attention
+# heads, 16 GDN key heads of 128, value heads of 128, vocab 248320, tied embeddings, rope theta 1e7.
+SMALL = {"qwen3.5-0.8b": (24, 1024, 3584, 8, 2, 16),
+         "qwen3.5-2b": (24, 2048, 6144, 8, 2, 16),
+         "qwen3.5-4b": (32, 2560, 9216, 16, 4, 32)}
+
+
+def small_preset_configs(name: str = "qwen3.5-0.8b") -> tuple:
+    """The text models of Qwen/Qwen3.5-0.8B, 2B and 4B (SMALL): layers [GDN x3, attention] repeated, tied embeddings
+    (the lm_head is the embedding table). 0.8B as its model card describes it; 2B and 4B from their published
+    configs' sizes as public training recipes spell them (2B: 24 layers, hidden 2048, FFN 6144, 8 q / 2 kv heads;
+    4B: 32 layers, hidden 2560, FFN 9216, 16 q / 4 kv heads, 16 key / 32 value GDN heads); the 2B's 16 GDN value
+    heads (its hidden width, as the 0.8B's) are an assumption. On a CPU these are the memory-bound regime: a float32
+    0.8B decode step reads about 3 GB of weights, far more than any cache holds.
     Drafter: 5 layers of the target's width at block 16 with Qwen3-0.6B-style layers (16 q / 8 kv heads of 128,
-    FFN 3072) reading target layers 1, 6, 11, 16, 21 (z-lab's spacing rule): an assumption, as no drafter for
-    this size was read here."""
-    L = 24
+    FFN 3072) reading target layers spaced by z-lab's rule (0.8B: 1, 6, 11, 16, 21): an assumption, as no drafter
+    for these sizes was read here."""
+    L, hidden, ffn, heads, kv, value_heads = SMALL[name]
     target = M.TargetConfig(
-        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=L,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        vocab_size=248320, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=L,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=value_heads, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(L)],
         rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10], max_position_embeddings=262144,
         tie_word_embeddings=True)
     draft = M.DraftConfig(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8,
+        hidden_size=hidden, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, vocab_size=target.vocab_size, target_layer_ids=ckpt.default_target_layer_ids(L, 5),
         mask_token_id=target.vocab_size - 1, block_size=16, num_target_layers=L, rope_theta=1e7)
     return target, draft
@@ -130,6 +140,34 @@ def random_models(name: str, device, dtype) -> tuple:
     finally:
         torch.set_default_dtype(old)
     return target.eval(), drafter.eval()
+
+
+def random_target_parts(name: str, dtype=torch.bfloat16, seed: int = 0):
+    """The target of a preset with random weights, one part at a time for checkpoint.save_target_in_parts: ("", the
+    embedding, final norm and untied lm_head), then ("layers.i.", decoder layer i), each built in `dtype` on the CPU
+    (nn.Linear / nn.Embedding default inits, small random GDN convolutions) and dropped by the caller before the
+    next: a 9B target is never held whole."""
+    tcfg, _ = preset_configs(name)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(seed)
+        outer = torch.nn.Module()
+        outer.embed_tokens = M.Embedding(tcfg.vocab_size, tcfg.hidden_size)
+        outer.norm = M.ZeroCenteredRMSNorm(tcfg.hidden_size, tcfg.rms_norm_eps)
+        if not tcfg.tie_word_embeddings:
+            outer.lm_head = M.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
+        yield "", outer
+        del outer
+        for i, kind in enumerate(tcfg.layer_types):
+            with torch.no_grad():
+                layer = M.DecoderLayer(tcfg, kind)
+                if kind == "linear_attention":
+                    layer.linear_attn.conv_weight.normal_(0, 0.5)
+            yield f"layers.{i}.", layer
+            del layer
+    finally:
+        torch.set_default_dtype(old)
 
 
 def weight_bytes_per_decode(target: M.Qwen35, tokens: int = 1) -> int:
