@@ -52,8 +52,11 @@ def distinct_layers_compiled() -> tuple | None:
     allocated = {tuple(int(n) for n in re.findall(r"\d+", dims)) for dims in
                  re.findall(r"int_array_\d+\[\] = \{([\dL, ]+)\}", codes[0]) + re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", codes[0])}
     eager = engine.Engine(wide, None, 1, 1, 256).run(request)[0].output_ids
-    M.EAGER_FUSED = 0
-    kept_eager = engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    limit, M.EAGER_FUSED = M.EAGER_FUSED, 0
+    try:
+        kept_eager = engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    finally:
+        M.EAGER_FUSED = limit
     return (wrapper, bodies, calls, len(codes), got[0].output_ids, eager, kept_eager, shapes & allocated,
             (len(set(target.cfg.layer_types)), target.cfg.num_hidden_layers))
 
