@@ -1,7 +1,8 @@
 """The oracle as a tool: check another engine's output against this implementation, token by token.
 
     python check.py --target DIR_OR_REPO TRACE.json [--dtype float32|float64] [--tolerance T] [--only I]
-                    [--engine-dtype bfloat16|float16|float32|float64] [--device cpu|cuda] [--json]
+                    [--engine-dtype bfloat16|float16|float32|float64] [--weight-dtype auto|float32] [--device cpu|cuda]
+                    [--json]
     python check.py --dump-layers DIR --target DIR_OR_REPO --prompt-ids 1,2,3
     python check.py --export DIR [--target ... --draft ...]
     python check.py --server URL --api llama.cpp|openai|sglang [--concurrency 1,8,32] [--repeat R] [--logprobs N]
@@ -101,7 +102,7 @@ def finite_or_fail(ref: M.Qwen35, logits: torch.Tensor) -> None:
         return
     row = int((~torch.isfinite(logits)).any(-1).nonzero()[0, 0])
     bad = next((n for n, p in ref.named_parameters() if not ckpt.all_finite(p)), None)
-    dtype = str(ref.embed_tokens.weight.dtype).replace("torch.", "")
+    dtype = str(ref.dtype).replace("torch.", "")
     where = getattr(ref, "path", "the target")
     raise CheckError(f"our own logits are not finite (NaN or inf) from position {row} of the sequence: "
                      + (f"the checkpoint {where} holds non-finite weights (the first: {bad}); nothing can be judged against it"
@@ -598,7 +599,7 @@ def run_noise(target: M.Qwen35, cases: list, zs: list, dtype, fixed: float | Non
         return RunNoise(TL.Noise("fixed", dtype, fixed=fixed))
     ref = reference
     if ref is None:
-        model_d = target if target.embed_tokens.weight.dtype == dtype else \
+        model_d = target if target.dtype == dtype else \
             TL.model_in(target.path, dtype, str(target.embed_tokens.weight.device))
         ref = TL.reference_noise(model_d, zs, [(c.prompt_ids, c.output_ids) for c in cases], positions)
     with_lp = [(c, z) for c, z in zip(cases, zs) if c.logprobs is not None]
@@ -673,7 +674,7 @@ def check_case(target: M.Qwen35, case: Case, tolerance: float | None = None, eng
     z = oracle_logits(target, case)
     dtype = case_dtype(case, engine_dtype)
     if noise_ is None and tolerance is None:
-        key = (getattr(target, "path", id(target)), target.embed_tokens.weight.dtype, dtype)
+        key = (getattr(target, "path", id(target)), target.dtype, dtype)
         if key not in REFERENCE_NOISE:
             REFERENCE_NOISE[key] = run_noise(target, [case], [z], dtype, None).reference
         rn = RunNoise(REFERENCE_NOISE[key])
@@ -793,7 +794,7 @@ def dump_layers(target: M.Qwen35, ids: list, out_dir: str) -> list:
     L = target.cfg.num_hidden_layers
     x = torch.tensor([ids], device=device)
     pos = torch.arange(len(ids), device=device)
-    cache = M.TargetCache(target.cfg, len(ids), target.embed_tokens.weight.dtype, device, max_block=1)
+    cache = M.TargetCache(target.cfg, len(ids), target.dtype, device, max_block=1)
     logits, feats = target(x, pos, cache, feature_layers=tuple(range(L)))
     tensors = {"hidden_states.0": target.embed_tokens(x)[0], "logits": logits[0]}
     for l, h in enumerate(feats[0].split(target.cfg.hidden_size, dim=-1)):
@@ -807,7 +808,7 @@ def dump_layers(target: M.Qwen35, ids: list, out_dir: str) -> list:
     with open(os.path.join(out_dir, "README.md"), "w") as fh:
         fh.write(DUMP_README.format(target=getattr(target, "path", "the target"), ids=ids, L=L,
                                     kinds=", ".join(f"{i}: {t}" for i, t in enumerate(target.cfg.layer_types)),
-                                    dtype=str(target.embed_tokens.weight.dtype).replace("torch.", "")))
+                                    dtype=str(target.dtype).replace("torch.", "")))
     return sorted(tensors)
 
 
@@ -833,7 +834,7 @@ def export_pack(target: M.Qwen35, proposer, tok, out_dir: str, max_new: int = 64
                                      "block_size": b, "draft_ids": res.draft_ids if mode == "dflash" else None,
                                      "acceptance_lengths": res.acceptance_lengths if mode == "dflash" else None,
                                      "max_new_tokens": max_new, "temperature": 0.0,
-                                     "dtype": str(target.embed_tokens.weight.dtype).replace("torch.", "")}) + "\n")
+                                     "dtype": str(target.dtype).replace("torch.", "")}) + "\n")
                 n += 1
     with open(os.path.join(out_dir, "README.md"), "w") as fh:
         fh.write(PACK_README.format(target=target.path, draft=proposer.drafter.path if proposer else "none", n=n,
@@ -884,7 +885,7 @@ def margin_errors(run_model: M.Qwen35, ref: M.Qwen35, ids: list, start: int) -> 
 def margin_moves(target_lo: M.Qwen35, target_ref: M.Qwen35, case: Case) -> torch.Tensor:
     """margin_errors over a case's output rows, in rounding steps of target_lo's dtype at the top logit -> [n]."""
     moved, top = margin_errors(target_lo, target_ref, case.prompt_ids + case.output_ids[:-1], len(case.prompt_ids) - 1)
-    dtype = target_lo.embed_tokens.weight.dtype
+    dtype = target_lo.dtype
     return moved / torch.tensor([rounding_step(float(v), dtype) for v in top], dtype=torch.float64)
 
 
@@ -1367,6 +1368,10 @@ def parse_args(argv=None):
     p.add_argument("--draft", default=None, help="--export only: the drafter for the DFlash traces (default: the embedded one "
                                                  "with the embedded target)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="our precision for the teacher-forced pass")
+    p.add_argument("--weight-dtype", choices=list(options.WEIGHT_DTYPES), default="auto",
+                   help="how our target's weights are kept (options.pick_weights): auto (default), a bfloat16 or float16 "
+                        "checkpoint's weights as stored, widened exactly as each product reads them (the verdicts of "
+                        "--weight-dtype float32, which widens every weight at load, at half the memory)")
     p.add_argument("--engine-dtype", choices=sorted(DTYPES), default=None,
                    help="the engine's precision, which sets the noise the tolerance allows, where the trace has no `dtype` "
                         "(--server: where the engine does not say; llama-server's /props is asked); default: bfloat16, "
@@ -1552,7 +1557,7 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise CheckError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
     args.target = args.target or DEFAULT_TARGET
-    target = ckpt.load_target(args.target, DTYPES[args.dtype], device)
+    target = ckpt.load_target(args.target, DTYPES[args.dtype], device, options.pick_weights(args.weight_dtype, DTYPES[args.dtype]))
     tok = ckpt.load_tokenizer(target.path)
     try:
         if args.dump_layers:

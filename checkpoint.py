@@ -556,7 +556,7 @@ def fuse_experts(tensors: dict, n_experts: int) -> dict:
 
 
 # The narrower dtypes each arithmetic dtype holds exactly: weights stored in one of them are kept as stored under
-# weights="auto", and widened per product (model.Linear), which gives the widened model's results.
+# weights="auto", and widened as each product reads them (model.kept_product), which gives the widened model's results.
 HELD_EXACTLY = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.bfloat16, torch.float16, torch.float32)}
 
 

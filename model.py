@@ -165,17 +165,71 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T (+ b) -> [..., N] in x's dtype, w and b kept in x's dtype or narrower (a bfloat16
+    checkpoint's weights as stored under float32 arithmetic: checkpoint.load_target's `weights`). Widening a
+    bfloat16 or float16 weight to float32 is exact, so every way below is the widened model's product, in float32:
+      a weight in x's dtype   F.linear as is.
+      one row (decode)        the product as a multiply-sum over the kept weight (fused_product), each weight
+                              widened as it is read: compiled code gets it as one loop that reads 2 bytes a weight,
+                              where F.linear over a widened weight writes and reads a float32 copy first. Eager calls
+                              run a compiled form of it for weights of at least EAGER_FUSED elements (a compile once
+                              per process, then served from inductor's on-disk cache), F.linear over the weight
+                              widened at each call for smaller ones, where a compiled call's overhead costs more.
+      more rows               F.linear over the weight widened at the call (a multiply-sum would read the weight once
+                              per row); speed/packed.py gives few-row products a packed float32 copy instead where
+                              it measures that faster.
+    The multiply-sum adds the K terms in another order than F.linear's kernel: equal to float32 rounding."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, b)
+    if x.numel() == x.shape[-1] and x.dtype in (torch.float32, torch.float64):
+        if torch.compiler.is_compiling():
+            y = fused_product(x, w)
+        elif w.numel() >= EAGER_FUSED and not torch.is_grad_enabled() and x.device.type == "cpu" and _EAGER_FUSED is not False:
+            y = _eager_fused_or_none(x, w)
+            y = F.linear(x, w.to(x.dtype)) if y is None else y
+        else:
+            y = F.linear(x, w.to(x.dtype))
+        return y if b is None else y + b.to(x.dtype)
+    return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+
+def fused_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T as a multiply-sum with the widening of w inside it (kept_product's one-row way):
+    inductor writes it as one vectorised reduction over w's stored bytes."""
+    return (x.unsqueeze(-2) * w.to(x.dtype)).sum(-1)
+
+
+EAGER_FUSED = 1 << 21      # eager one-row products over kept weights of at least this many elements run compiled
+_EAGER_FUSED = None
+
+
+def _eager_fused():
+    """fused_product compiled once (dynamic shapes: one graph for every weight shape) for eager calls."""
+    global _EAGER_FUSED
+    if _EAGER_FUSED is None:
+        _EAGER_FUSED = torch.compile(fused_product, fullgraph=True, dynamic=True)
+    return _EAGER_FUSED
+
+
+def _eager_fused_or_none(x, w):
+    """_eager_fused()(x, w), or None where it cannot compile (no C++ compiler for inductor, say): then, for the rest
+    of the process, eager one-row products widen at the call (_EAGER_FUSED False)."""
+    global _EAGER_FUSED
+    try:
+        return _eager_fused()(x, w)
+    except Exception:                   # (inductor's errors have no common class of their own)
+        _EAGER_FUSED = False
+        return None
+
+
 class Linear(nn.Linear):
     """nn.Linear whose weight may be kept narrower than the arithmetic (a bfloat16 checkpoint's weights as stored,
-    under float32 arithmetic: checkpoint.load_target's `weights`): widened to the input's dtype at each call, which
-    is exact, so the product is the widened model's, by the same kernel. Weights in the input's dtype: nn.Linear's
-    call as is."""
+    under float32 arithmetic: checkpoint.load_target's `weights`): kept_product, the widened model's product. Weights
+    in the input's dtype: nn.Linear's call as is."""
 
     def forward(self, x):
-        w, b = self.weight, self.bias
-        if w.dtype != x.dtype:
-            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
-        return F.linear(x, w, b)
+        return kept_product(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):

@@ -52,11 +52,13 @@ def pick_dtype(name: str | None, device) -> torch.dtype:
 
 
 def pick_weights(name: str | None, dtype, parallel=None):
-    """--weight-dtype NAME for arithmetic in `dtype` -> checkpoint.load_target's `weights`: None (no flag, or the
-    arithmetic's own dtype: every weight kept in `dtype`), "auto", or a narrower dtype that `dtype` holds exactly
-    (checkpoint.HELD_EXACTLY). Weights the arithmetic would round at every product, and narrower weights under
-    torchrun (tp.py cuts weights kept in the arithmetic's dtype), are refused."""
-    if name is None or WEIGHT_DTYPES[name] == dtype:
+    """--weight-dtype NAME (default auto) for arithmetic in `dtype` -> checkpoint.load_target's `weights`: None (the
+    arithmetic's own dtype: every weight kept in `dtype`), "auto" (each weight as stored where `dtype` holds it
+    exactly: a bfloat16 checkpoint under float32 arithmetic; None under torchrun, which cuts weights kept in the
+    arithmetic's dtype: tp.py), or a narrower dtype that `dtype` holds exactly (checkpoint.HELD_EXACTLY). Weights
+    the arithmetic would round at every product, and a narrower dtype asked for under torchrun, are refused."""
+    name = name or "auto"
+    if WEIGHT_DTYPES[name] == dtype or (name == "auto" and parallel is not None):
         return None
     weights, arith = WEIGHT_DTYPES[name], str(dtype).replace("torch.", "")
     if parallel is not None:
@@ -103,10 +105,12 @@ def shared_flags(p) -> None:
                         "faster, since threads that wait for each other stall when another process holds a core)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the arithmetic (activations, caches, states, "
                    "logits); default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default=None,
-                   help="how the weights are kept (default: in --dtype). auto: a bfloat16 or float16 checkpoint's weights as "
-                        "stored under float32 (or float64) arithmetic, widened at each product: the float32 model's results "
-                        "at half its weight memory; or a dtype --dtype holds exactly")
+    p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
+                   help="how the weights are kept. auto (default): a bfloat16 or float16 checkpoint's weights as stored "
+                        "when --dtype holds them exactly (float32 or float64 arithmetic), widened as each product reads "
+                        "them: the widened model's results at half its weight memory, and faster compiled decoding on a "
+                        "CPU; else in --dtype. float32 (or --dtype's name): every weight in --dtype, widened at load; or "
+                        "a narrower dtype --dtype holds exactly")
     p.add_argument("--draft-window", type=int, default=None,
                    help="drafts see only the last W context positions (default: the context the drafter was trained on, "
                         "where its config says: train_context_length, or a sliding drafter's sliding_window; past it "

@@ -118,7 +118,7 @@ def cached_logits(model: M.Qwen35, seqs: list, width: int, rows: int = 1) -> lis
     recurrent decode kernel; more: verify calls of the block kernel, each committed whole), `rows` sequences at a
     time side by side in one batch (each in its own row at its own positions; a row past its end repeats its last
     token and is thrown away) -> [n_i, V] per sequence at its output positions."""
-    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    dev, dt = model.embed_tokens.weight.device, model.dtype
     got = []
     for g in range(0, len(seqs), rows):
         group = seqs[g:g + rows]
@@ -151,7 +151,7 @@ def reference_noise(model_d: M.Qwen35, oracle: list, seqs: list, positions: int 
     sequence of seqs, (prompt, out) each), over the first sequences up to `positions` output positions (decoding:
     the first quarter of them): the largest move (`moves`, in rounding steps) of each way of evaluating them, and
     FACTOR times the largest of all."""
-    dtype = model_d.embed_tokens.weight.dtype
+    dtype = model_d.dtype
     take, n = [], 0
     for s, z in zip(seqs, oracle):
         if n >= positions:

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import model as M
 from compiling import cache_folder, cpu_model   # noqa: F401 (cpu_model: the benchmarks' record)
 
 AVAILABLE = {
@@ -55,15 +56,20 @@ KINDS = tuple(k for k, ok in AVAILABLE.items() if ok)
 FEW_ROWS = 64            # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
 PACK_ROWS = 16           # the default row count weights are packed for (the verify block)
 MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
+NARROW = (torch.bfloat16, torch.float16)   # weights kept narrower than float32 arithmetic (model.kept_product):
+#                                            packed as widened float32 copies, by the kinds in KEPT_KINDS only
+KEPT_KINDS = ("onednn",)   # MKL's packed product also takes the float32 weight itself, which a kept one is not
 PASS_BYTES = 1 << 29     # `measure`'s pass reads at most about this many bytes of weights (their packed copies are
 #                          alive at once), and one layer of every shape past them
 
 
 def pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
-    """weight [N, K] float32 on the CPU -> its packed copy of `kind` for products of `rows` rows."""
+    """weight [N, K] float32 on the CPU (or kept narrower: NARROW, widened first, exactly) -> its packed float32 copy
+    of `kind` for products of `rows` rows."""
+    weight = weight.detach().float()
     if kind == "mkl":
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
 def applies(kind: str, rows: int, pack_rows: int) -> bool:
@@ -148,8 +154,22 @@ def lower_linear_op() -> bool:
     return True
 
 
-def _packable(w: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype == torch.float32
+def _packable(w: torch.Tensor, narrow_ok: bool = False) -> bool:
+    """A weight a packed copy is made of: float32 on the CPU, or with narrow_ok (a model of float32 arithmetic whose
+    weights are kept narrower, and a kind of KEPT_KINDS) bfloat16 or float16."""
+    return w.device.type == "cpu" and (w.dtype == torch.float32 or narrow_ok and w.dtype in NARROW)
+
+
+def _arithmetic(module) -> torch.dtype | None:
+    """The arithmetic dtype of a model of this project (model.Qwen35.dtype, DFlashDrafter.dtype), else None."""
+    dtype = getattr(module, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _narrow_ok(module, kind: str | None = None) -> bool:
+    """Whether `module`'s weights kept narrower may be packed (for `kind`; None: for some kind): its arithmetic is
+    float32 (what a packed product computes in)."""
+    return _arithmetic(module) == torch.float32 and (kind is None or kind in KEPT_KINDS)
 
 
 def _version(w: torch.Tensor) -> int | None:
@@ -173,18 +193,20 @@ class PackedLinear(nn.Linear):
 
     packed: torch.Tensor | None = None     # pack(weight, kind, rows), or None: always F.linear
     _packed_for = None                     # (weakref to the weight, its data_ptr, its _version or None)
+    narrow_ok = False                      # its weight may be kept narrower (NARROW): packed widened
     grouped = False                        # a PackedGroup's member: the group holds the packed copy, not the layer
     group = None                           # the PackedGroup whose first member this layer is (model.linears runs it)
 
     @classmethod
-    def sharing(cls, lin: nn.Linear, kind: str = "onednn", rows: int = PACK_ROWS) -> "PackedLinear":
-        """A PackedLinear over lin's own weight and bias Parameters (nothing copied), not packed yet."""
+    def sharing(cls, lin: nn.Linear, kind: str = "onednn", rows: int = PACK_ROWS, narrow_ok: bool = False) -> "PackedLinear":
+        """A PackedLinear over lin's own weight and bias Parameters (nothing copied), not packed yet; narrow_ok: a
+        weight kept narrower is packed widened (_packable)."""
         if kind not in AVAILABLE:
             raise ValueError(f"unknown kind of packed product {kind!r}: one of {sorted(AVAILABLE)}")
         new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         new._parameters["weight"] = lin._parameters["weight"]
         new._parameters["bias"] = lin._parameters["bias"]
-        new.kind, new.rows = kind, rows
+        new.kind, new.rows, new.narrow_ok = kind, rows, narrow_ok and kind in KEPT_KINDS
         new.train(lin.training)
         return new
 
@@ -220,24 +242,29 @@ class PackedLinear(nn.Linear):
         if self.grouped:                     # its PackedGroup packs it (PackedGroup.refresh_)
             return 0
         w = self.weight
-        if not _packable(w):
+        if not _packable(w, self.narrow_ok):
             self.packed = self._packed_for = None
             return 0
         if self.packed is not None and not self._stale(unversioned_stale=True):
             return 0
         self._pack()
-        return w.numel() * w.element_size()
+        return w.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The cheap tests first: this runs for every product of an eager step.
         if self.packed is None or torch.is_grad_enabled() or not _serves(x, self.kind, self.rows):
-            return F.linear(x, self.weight, self.bias)
+            return M.kept_product(x, self.weight, self.bias)
         if not torch.compiler.is_compiling() and self._stale(unversioned_stale=False):   # (not traced: docstring)
-            if not _packable(self.weight):     # converted to another dtype or device since it was packed
+            if not _packable(self.weight, self.narrow_ok):     # converted to another dtype or device since it was packed
                 self.packed = self._packed_for = None
-                return F.linear(x, self.weight, self.bias)
+                return M.kept_product(x, self.weight, self.bias)
             self._pack()
-        return _packed_product(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+        return _packed_product(x, self.packed, self.weight, _wide(self.bias), self.kind, self.rows)
+
+
+def _wide(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias for a packed (float32) product: widened where it is kept narrower."""
+    return bias if bias is None or bias.dtype == torch.float32 else bias.float()
 
 
 def _serves(x: torch.Tensor, kind: str, rows: int) -> bool:
@@ -277,7 +304,7 @@ class PackedGroup:
         """Join the members' current weights (and biases) into one tensor and pack it, if any changed since the last
         time (always, for inference-mode weights); no copy when a weight is no longer float32 on the CPU. -> bytes
         packed now."""
-        if not all(_packable(m.weight) for m in self.members):
+        if not all(_packable(m.weight, m.narrow_ok) for m in self.members):
             self.weight = self.bias = self.packed = None
             return 0
         if not self._stale(unversioned_stale=True):
@@ -294,7 +321,7 @@ class PackedGroup:
         self.packed = pack(self.weight, self.kind, self.rows)
         for m in self.members:
             m._packed_for = _made_from(m.weight)
-        return self.weight.numel() * self.weight.element_size()
+        return self.weight.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> tuple:
         """x [..., K] -> each member's output [..., N_i], in order: one product over the joined weight (packed where
@@ -308,20 +335,20 @@ class PackedGroup:
             if self.packed is None:
                 return tuple(m(x) for m in self.members)
         if _serves(x, self.kind, self.rows):
-            out = _packed_product(x, self.packed, self.weight, self.bias, self.kind, self.rows)
+            out = _packed_product(x, self.packed, self.weight, _wide(self.bias), self.kind, self.rows)
         else:
-            out = F.linear(x, self.weight, self.bias)
+            out = M.kept_product(x, self.weight, self.bias)
         return out.split(self.sizes, -1)
 
 
-def _groups(module: nn.Module) -> list:
+def _groups(module: nn.Module, narrow_ok: bool = False) -> list:
     """The SHARED_INPUT groups of module's layers that swap_linears_ joins: (layer, names) whose members are all
     swappable nn.Linears, distinct, all with a bias or all without."""
     out = []
     for layer in module.modules():
         for names in getattr(type(layer), "SHARED_INPUT", ()):
             members = [getattr(layer, n, None) for n in names]
-            if (all(_swappable(m) for m in members) and len({m.bias is None for m in members}) == 1
+            if (all(_swappable(m, narrow_ok) for m in members) and len({m.bias is None for m in members}) == 1
                     and len(set(map(id, members))) == len(members)):
                 out.append((layer, names))
     return out
@@ -335,9 +362,9 @@ def _available_memory() -> int | None:
         return None
 
 
-def _swappable(m: nn.Module) -> bool:
+def _swappable(m: nn.Module, narrow_ok: bool = False) -> bool:
     return (isinstance(m, nn.Linear) and not isinstance(m, PackedLinear)
-            and not torch.nn.utils.parametrize.is_parametrized(m) and _packable(m.weight))
+            and not torch.nn.utils.parametrize.is_parametrized(m) and _packable(m.weight, narrow_ok))
 
 
 def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS) -> int:
@@ -351,19 +378,20 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
     Apply after the weights are final (module docstring). -> bytes of copies made."""
     if not AVAILABLE.get(kind):
         return 0
+    narrow_ok = _narrow_ok(module, kind)
     todo = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()
-            if child is not None and _swappable(child)]     # (named_children would skip a second name)
+            if child is not None and _swappable(child, narrow_ok)]     # (named_children would skip a second name)
     weights = {id(child.weight): child.weight for _, _, child in todo}
-    need = sum(w.numel() * w.element_size() for w in weights.values())
+    need = sum(w.numel() * 4 for w in weights.values())        # float32 copies
     free = _available_memory()
     if not todo or (free is not None and need > free // 2):
         return 0
-    groups = _groups(module)
+    groups = _groups(module, narrow_ok)
     joined = {id(getattr(layer, n)) for layer, names in groups for n in names}    # packed by their group only
     made, copies = {}, {}
     for parent, name, child in todo:
         if id(child) not in made:            # a layer reachable under two names gets one replacement
-            new = made[id(child)] = PackedLinear.sharing(child, kind, rows)
+            new = made[id(child)] = PackedLinear.sharing(child, kind, rows, narrow_ok)
             w = child.weight                 # one copy per weight, however many layers share it
             if id(child) not in joined:
                 if id(w) not in copies:
@@ -402,8 +430,9 @@ def _linears(modules) -> list:
     (the order a step runs them in)."""
     seen, out = set(), []
     for module in modules:
+        narrow_ok = _narrow_ok(module)
         for m in (module.modules() if module is not None else ()):
-            if id(m) not in seen and _swappable(m):
+            if id(m) not in seen and _swappable(m, narrow_ok):
                 seen.add(id(m))
                 out.append(m)
     return out
@@ -447,22 +476,25 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
     plain products, which repack the weight at every call: on a CPU whose last-level cache barely holds the model,
     that inverts the verdict. One warm-up pass per kind, then `trials` rounds of the kinds in turn (so all see the
     same moments of a noisy machine), each timing passes for about `batch_seconds`; the median round. Random rows,
-    the layers' own weights (copies packed for the measurement, dropped afterwards).
+    the layers' own weights (copies packed for the measurement, dropped afterwards). Where weights are kept narrower
+    than the float32 arithmetic, plain is model.kept_product (each weight widened at the call), and only the kinds of
+    KEPT_KINDS are timed.
     -> {kind: seconds}, all 0 when nothing is swappable."""
-    kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows)]
     lins = _pass_layers(_linears(modules))
+    narrow = any(lin.weight.dtype in NARROW for lin in lins)
+    kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows) and (not narrow or k in KEPT_KINDS)]
     if not lins:
         return dict.fromkeys(kinds, 0.0)
-    xs = [torch.randn(rows, lin.in_features, dtype=lin.weight.dtype) for lin in lins]
+    xs = [torch.randn(rows, lin.in_features) for lin in lins]
     copies = {k: [pack(lin.weight, k, rows) for lin in lins] for k in kinds[1:]}
 
     def one_pass(kind):
         if kind == "plain":
             for lin, x in zip(lins, xs):
-                F.linear(x, lin.weight, lin.bias)
+                M.kept_product(x, lin.weight, lin.bias)
         else:
             for lin, x, copy in zip(lins, xs, copies[kind]):
-                linear(x, copy, lin.weight, lin.bias, kind, rows)
+                linear(x, copy, lin.weight, _wide(lin.bias), kind, rows)
     runs = {k: (lambda k=k: one_pass(k)) for k in kinds}
     for run in runs.values():                                       # the first calls set things up
         run()
@@ -481,7 +513,9 @@ def cache_path() -> str:
 
 
 def _key(modules, rows: int) -> str:
-    shapes = sorted(Counter(map(_shape, _linears(modules))).items())
+    # a layer kept narrower (NARROW) is told by its dtype too: it measures other products
+    shapes = sorted(Counter((*_shape(lin), *([str(lin.weight.dtype)] if lin.weight.dtype in NARROW else []))
+                            for lin in _linears(modules)).items())
     # "passes": how `measure` times (a verdict measured another way, or by an older version, is measured again)
     return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
 
@@ -504,7 +538,8 @@ def choose(modules, rows: int) -> tuple:
         v = verdicts[key]
         return v["kind"], v["measured"], True
     times = measure(modules, rows)
-    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain"}
+    narrow = any(lin.weight.dtype in NARROW for lin in _linears(modules))      # kept weights: KEPT_KINDS only
+    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain" and (not narrow or k in KEPT_KINDS)}
     best = min(measured, key=measured.get, default=None)
     kind = best if best is not None and measured[best] <= 1 - MARGIN else "plain"
     verdicts[key] = {"kind": kind, "measured": measured, "date": time.strftime("%Y-%m-%d")}

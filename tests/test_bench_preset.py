@@ -98,7 +98,7 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     lo, hi = last["speedup_quartiles"]
     assert lo <= last["speedup"] <= hi and last["speedup_whole_run"] > 0
     assert sum(last["acceptance_histogram"]) > 0 and len(last["acceptance_histogram"]) == last["block_size"]
-    target = ckpt.load_target(options.DEFAULT_TARGET, torch.float32, "cpu")   # decode bandwidth: weights read / step time
+    target = ckpt.load_target(options.DEFAULT_TARGET, torch.float32, "cpu", "auto")   # as the bench keeps it (bfloat16)
     assert last["weight_bytes_per_decode"] == presets.weight_bytes_per_decode(target)
     expected = last["weight_bytes_per_decode"] / (last["decode_ms"] / 1000) / 1e9
     assert abs(last["achieved_gb_s"] - expected) < 1e-6 * expected

@@ -50,13 +50,19 @@ def test_own_traces_check_clean(pair, runs):
 
 
 def test_generate_json_is_a_trace(pair, tmp_path, capsys):
-    """`generate.py --json` output, saved as it is, checks clean through the command line (exit 0, JSON last)."""
+    """`generate.py --json` output, saved as it is, checks clean through the command line (exit 0, JSON last). Our
+    target's weights kept as the checkpoint stores them (bfloat16, the default --weight-dtype auto) give the verdict
+    of the target widened to float32 at load (--weight-dtype float32), case for case."""
     assert generate.main(["--prompt", "def fibonacci(n):", "--max-new-tokens", "40", "--json"]) == 0
     path = tmp_path / "trace.json"
     path.write_text(capsys.readouterr().out)
-    assert check.cli([str(path), "--json"]) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    reports = []
+    for extra in ([], ["--weight-dtype", "float32"]):
+        assert check.cli([str(path), "--json", *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    res = reports[0]
     assert res["ok"] and res["cases"][0]["tokens"] == 40 and res["cases"][0]["divergences"] == []
+    assert reports[0]["cases"] == reports[1]["cases"]
 
 
 def test_generate_bfloat16_dflash_traces_judged_with_their_drafts(pair, tmp_path, capsys):

@@ -26,14 +26,21 @@ def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
 
 def distinct_layers_compiled() -> tuple | None:
     """The work of the test below, in a process of its own (helpers.Early), with a fresh inductor cache: the embedded
-    target's compiled decode step under the command lines' CPU wrapper -> (wrapper, region bodies, their calls, the
-    number of generated codes, compiled tokens, eager tokens)."""
+    target's compiled decode step under the command lines' CPU wrapper, its weights kept as stored (bfloat16) ->
+    (wrapper, region bodies, their calls, the number of generated codes, compiled tokens, eager tokens of the
+    target widened at load and of the kept one with every one-row product a compiled multiply-sum, weight shapes
+    the step allocated a buffer of)."""
     if not HAS_EMBEDDED_PAIR:
         return None
     import tempfile
     from torch._inductor.utils import run_and_get_code
+    import checkpoint as ckpt
+    import model as M
+    from helpers import EMBEDDED_TARGET
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()        # fresh code, not a cached graph
-    target, _, p1, _ = embedded_pair()
+    wide, _, p1, _ = embedded_pair()
+    target = ckpt.load_target(EMBEDDED_TARGET, torch.float32, weights="auto")
+    assert target.lm_head.weight.dtype == torch.bfloat16 and target.dtype == torch.float32
     options = cppwrapper.options()
     wrapper = "cpp" if options.get("cpp_wrapper") else "python"
     eng = engine.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
@@ -41,9 +48,17 @@ def distinct_layers_compiled() -> tuple | None:
     got, codes = run_and_get_code(eng.run, request)
     shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     bodies, calls = region_bodies_and_calls(codes[0], wrapper)
-    eager = engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
-    return wrapper, bodies, calls, len(codes), got[0].output_ids, eager, (len(set(target.cfg.layer_types)),
-                                                                          target.cfg.num_hidden_layers)
+    shapes = {tuple(p.shape) for p in target.parameters() if p.dim() == 2 and p.shape[0] > 1}
+    allocated = {tuple(int(n) for n in re.findall(r"\d+", dims)) for dims in
+                 re.findall(r"int_array_\d+\[\] = \{([\dL, ]+)\}", codes[0]) + re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", codes[0])}
+    eager = engine.Engine(wide, None, 1, 1, 256).run(request)[0].output_ids
+    limit, M.EAGER_FUSED = M.EAGER_FUSED, 0
+    try:
+        kept_eager = engine.Engine(target, None, 1, 1, 256).run(request)[0].output_ids
+    finally:
+        M.EAGER_FUSED = limit
+    return (wrapper, bodies, calls, len(codes), got[0].output_ids, eager, kept_eager, shapes & allocated,
+            (len(set(target.cfg.layer_types)), target.cfg.num_hidden_layers))
 
 
 # started with the suite, in a process of its own
@@ -56,11 +71,16 @@ def test_each_distinct_layer_compiles_once():
     the patch): in the compiled decode step of the embedded target each distinct decoder layer is compiled once and
     called per layer (torch.compiler.nested_compile_region), and the tokens are the eager batch's. Inductor lowers a
     region's body once whatever the wrapper; the C++ wrapper's calls of it are speed/cppwrapper.py's own code. One step
-    kind: the regions are the model's, whichever step calls it (recompiles and the other kinds: the tests below)."""
-    wrapper, bodies, calls, n_codes, got, eager, (kinds, layers) = DISTINCT_LAYERS.result()
+    kind: the regions are the model's, whichever step calls it (recompiles and the other kinds: the tests below).
+    The target's weights are kept as the checkpoint stores them (bfloat16, under float32 arithmetic: the command
+    line's default): the step reads them as they are, widening inside its product loops (no buffer of a weight's
+    shape is allocated), and its tokens are those of the eager target widened at load; so are the eager kept
+    target's, whose one-row products run model.kept_product's compiled multiply-sum (EAGER_FUSED lowered to 0)."""
+    wrapper, bodies, calls, n_codes, got, eager, kept_eager, widened, (kinds, layers) = DISTINCT_LAYERS.result()
     assert n_codes == 1                                                   # the decode step (admission is eager)
     assert len(bodies) == kinds and calls == layers, (wrapper, bodies, calls)
-    assert got == eager
+    assert not widened, widened                                           # no widened copy of a weight
+    assert got == eager == kept_eager
 
 
 class Cycle:

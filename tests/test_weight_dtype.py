@@ -1,8 +1,9 @@
 """Weights kept narrower than the arithmetic (checkpoint.load_target's `weights`, --weight-dtype): a bfloat16
 checkpoint kept as stored under float32 (or float64) arithmetic gives the widened model's results, bit for bit where
-the same kernels run (each product widens its weight, exactly: model.Linear), at the bfloat16 model's weight memory.
-Checked on the target (dense, tied, mixture of experts in both of its expert paths), DFlash and DFlash2 drafters, the
-MTP head, and through generate.py."""
+the same kernels run (products of several rows widen the weight at the call: model.kept_product), to float32 rounding
+of the sum's order in one-row products (a multiply-sum that widens as it reads), at the bfloat16 model's weight
+memory. Checked on the target (dense, tied, mixture of experts in both of its expert paths), DFlash and DFlash2
+drafters, the MTP head, and through generate.py, whose default (--weight-dtype auto) keeps them."""
 import json
 import os
 
@@ -67,6 +68,23 @@ def test_kept_weights_give_the_widened_models_logits_bit_for_bit(tmp_path, kind,
     assert runs[0].output_ids == engine.run(wide, IDS[:4], 24).output_ids
 
 
+def test_one_row_products_read_the_kept_weights_to_float32_rounding(tmp_path, monkeypatch):
+    """One-row products over kept weights (decode: model.kept_product's multiply-sum, which widens as it reads) give
+    the widened model's logits to float32 rounding of the sum's order, and its top token. The multiply-sum runs
+    uncompiled here (the same expression compiled code and the eager compiled kernel run: tests/test_compile.py
+    checks their tokens), on every weight (EAGER_FUSED 0)."""
+    tdir, _ = saved(tmp_path, "dense")
+    kept, wide = ckpt.load_target(tdir, torch.float32, weights="auto"), ckpt.load_target(tdir, torch.float32)
+    calls = []
+    monkeypatch.setattr(M, "EAGER_FUSED", 0)
+    monkeypatch.setattr(M, "_eager_fused", lambda: lambda x, w: calls.append(w.shape) or M.fused_product(x, w))
+    for t in IDS[:3]:
+        got, want = logits_of(kept, [t]), logits_of(wide, [t])
+        assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (kept.lm_head.out_features, kept.lm_head.in_features) in calls
+
+
 @pytest.mark.parametrize("proposer", ["dflash2", "mtp"])
 def test_kept_weights_draft_as_the_widened_drafter(tmp_path, proposer):
     """A DFlash2 drafter (the candidate selector's codebooks) and the MTP head kept in bfloat16 under float32
@@ -102,14 +120,14 @@ def test_a_weight_beyond_the_kept_dtypes_range_is_named(tmp_path):
 
 
 def test_the_command_line_keeps_the_checkpoints_weights_with_the_same_tokens(capsys):
-    """The embedded pair is stored in bfloat16: --weight-dtype auto keeps it so under float32 arithmetic, with the
-    default's tokens and drafts; --json names both dtypes."""
+    """The embedded pair is stored in bfloat16: by default (--weight-dtype auto) it is kept so under float32
+    arithmetic, with --weight-dtype float32's tokens and drafts; --json names both dtypes."""
     outs = []
-    for extra in ([], ["--weight-dtype", "auto"]):
+    for extra in ([], ["--weight-dtype", "float32"]):
         capsys.readouterr()
         assert generate.cli(["--prompt-ids", "5,17,42,8", "--max-new-tokens", "24", "--json", *extra]) == 0
         outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert [o["weight_dtype"] for o in outs] == ["float32", "bfloat16"] and all(o["dtype"] == "float32" for o in outs)
+    assert [o["weight_dtype"] for o in outs] == ["bfloat16", "float32"] and all(o["dtype"] == "float32" for o in outs)
     assert outs[0]["output_ids"] == outs[1]["output_ids"] and outs[0]["draft_ids"] == outs[1]["draft_ids"]
 
 
@@ -128,7 +146,8 @@ def test_weights_the_arithmetic_would_round_are_refused_before_loading(capsys, m
 
 def test_narrower_weights_under_torchrun_are_refused():
     from options import pick_weights
-    assert pick_weights(None, torch.float32) is None and pick_weights("float32", torch.float32) is None
+    assert pick_weights(None, torch.float32) == "auto" and pick_weights("float32", torch.float32) is None
     assert pick_weights("auto", torch.float32) == "auto" and pick_weights("bfloat16", torch.float64) == torch.bfloat16
+    assert pick_weights("auto", torch.float32, parallel=object()) is None      # the default: widened, as tp.py cuts them
     with pytest.raises(M.GenerationError, match="does not go with torchrun"):
-        pick_weights("auto", torch.float32, parallel=object())
+        pick_weights("bfloat16", torch.float32, parallel=object())
