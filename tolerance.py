@@ -117,7 +117,7 @@ def cached_logits(model: M.Qwen35, seqs: list, width: int, rows: int = 1) -> lis
     """Each (prompt, out) of seqs prefilled, then its output fed through the cache `width` tokens per call (1: the
     recurrent decode kernel; more: verify calls of the block kernel, each committed whole), `rows` sequences at a
     time side by side in one batch (each in its own row at its own positions; a row past its end repeats its last
-    token and is thrown away) -> [n_i, V] per sequence at its output positions."""
+    token and is thrown away; a padding row's cache is never filled) -> [n_i, V] per sequence at its output positions."""
     dev, dt = model.embed_tokens.weight.device, model.dtype
     got = []
     for g in range(0, len(seqs), rows):
@@ -125,8 +125,11 @@ def cached_logits(model: M.Qwen35, seqs: list, width: int, rows: int = 1) -> lis
         group = group + [group[-1]] * (rows - len(group))          # a batch of `rows` always: its kernels' shapes
         cap = max(len(p) for p, _ in group) + max(len(o) for _, o in group) + width
         cache = M.TargetCache(model.cfg, cap, dt, dev, batch=rows, max_block=width)
-        out = []
+        out, real = [], len(seqs[g:g + rows])
         for b, (p, o) in enumerate(group):
+            if b >= real:           # a padding row, thrown away: no row's numbers depend on another row's, so it
+                out.append([])      # runs from the empty cache, unfilled (one prefill per real sequence only)
+                continue
             pos = torch.arange(len(p), device=dev)
             view = cache.row(b)
             z, _ = model(torch.tensor([p], device=dev), pos, view, last_logits_only=True, mask=M.DenseMasks(cap).target(pos))

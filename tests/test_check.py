@@ -498,3 +498,15 @@ def test_llama_cpp_traces_check_clean_and_its_eos_mistake_is_found():
         assert 11 not in case.output_ids
         found += len(rep.divergences)
     assert found > 0
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_a_batch_of_one_sequence_decodes_as_a_full_batch():
+    """tolerance.cached_logits decodes a sequence among `rows` - 1 padding rows whose caches it never fills (a
+    padding row's outputs are thrown away): the sequence's logits are bitwise those it gets in a batch of `rows`
+    real copies of itself, so skipping the padding rows' prefills changes no measured noise."""
+    import tolerance as TL
+    target, _, p1, _ = embedded_pair()
+    seq = (p1, list(range(5, 30)))
+    alone = TL.cached_logits(target, [seq], 1, 8)[0]
+    assert torch.equal(alone, TL.cached_logits(target, [seq] * 8, 1, 8)[0])
