@@ -67,8 +67,7 @@ class StandIn(engine.Engine):
             self.before = [(l.rec.clone(), l.conv.clone()) for l in self.gdn()]
         committed = super().round(rows, k)
         if self.fault == "stale_state_slot":
-            live = [b for b, r in enumerate(rows) if r is not None]
-            self.stale = [b for b, c in zip(live, committed) if c > 1]
+            self.stale = [b for b, c in enumerate(committed) if c is not None and c > 1]     # (None: a free slot)
         if self.fault == "drafter_context_leak" and self.slots > 1:
             for layer in self.proposer.cache.layers:
                 layer.k[0].copy_(layer.k[1])
