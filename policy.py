@@ -332,14 +332,9 @@ def counts_of(policy) -> dict | None:
 
 
 def describe(counts: dict) -> str:
-    """The counts in words, for a statistics line."""
-    words = lambda keys: ", ".join(f"{k.split('_', 2)[-1]} {counts[k]}" for k in keys if counts[k])
-    to_plain, to_rounds = ("to_plain_acceptance", "to_plain_costs"), ("to_rounds_admission", "to_rounds_aging")
-    line = (f"policy: {counts['rounds']} rounds, {counts['plain_steps']} plain steps; switched to plain steps "
-            f"{sum(counts[k] for k in to_plain)}x")
-    line += f" ({words(to_plain)})" if any(counts[k] for k in to_plain) else ""
-    line += f", to rounds {sum(counts[k] for k in to_rounds)}x"
-    line += f" ({words(to_rounds)})" if any(counts[k] for k in to_rounds) else ""
-    if counts["plain_untimed"]:
-        line += f"; {counts['plain_untimed']} plain step{'s' * (counts['plain_untimed'] != 1)} to time one"
-    return line
+    """The counts in words, for a statistics line: "policy: R rounds, P plain steps; switches: <reason> <n>, ..." with
+    each nonzero reason (to plain steps: acceptance, costs; to rounds: admission, aging; untimed: plain steps taken
+    to time one), or "no switch"."""
+    reasons = ", ".join(f"{k.split('_', 2)[-1]} {counts[k]}" for k in REASONS if counts[k])
+    return (f"policy: {counts['rounds']} rounds, {counts['plain_steps']} plain steps; "
+            + (f"switches: {reasons}" if reasons else "no switch"))
