@@ -86,11 +86,13 @@ rounding_step = TL.rounding_step
 
 
 @torch.inference_mode()
-def teacher_forced_logits(ref: M.Qwen35, ids: list) -> torch.Tensor:
-    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T, V]; row t predicts token t + 1.
-    Logits that are not finite raise CheckError naming the checkpoint (finite_or_fail): no verdict can rest on them."""
+def teacher_forced_logits(ref: M.Qwen35, ids: list, start: int = 0) -> torch.Tensor:
+    """One plain causal forward of `ref` over ids (no cache) -> float64 logits [T - start, V] of positions start on;
+    row i predicts token start + i + 1 (only those rows are computed: a 1,000-token trace's logits at a 248,320-token
+    vocabulary would be 2 GB in float64). Logits that are not finite raise CheckError naming the checkpoint
+    (finite_or_fail): no verdict can rest on them."""
     device = ref.embed_tokens.weight.device
-    logits, _ = ref(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
+    logits, _ = ref(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), logits_from=start)
     finite_or_fail(ref, logits[0])
     return logits[0].double()
 
@@ -613,8 +615,7 @@ def run_noise(target: M.Qwen35, cases: list, zs: list, dtype, fixed: float | Non
 def oracle_logits(target: M.Qwen35, case: Case) -> torch.Tensor:
     """Our logits for each output token of the case: one teacher-forced pass -> [n, V] float64."""
     validate(case, target.cfg)
-    z = teacher_forced_logits(target, case.prompt_ids + case.output_ids[:-1])
-    return z[len(case.prompt_ids) - 1:]
+    return teacher_forced_logits(target, case.prompt_ids + case.output_ids[:-1], len(case.prompt_ids) - 1)
 
 
 def judge_case(case: Case, z: torch.Tensor, noise_: TL.Noise) -> Report:
@@ -876,7 +877,7 @@ def margin_errors(run_model: M.Qwen35, ref: M.Qwen35, ids: list, start: int) -> 
     """How much a run's precision moves a top-2 margin: both models teacher-forced over ids; for each row from
     `start`, |margin in run_model - margin in ref| between the reference's top two tokens, in logits [n], and the
     reference's top logit there [n] (both on the CPU)."""
-    zr, zm = teacher_forced_logits(ref, ids)[start:], teacher_forced_logits(run_model, ids)[start:]
+    zr, zm = teacher_forced_logits(ref, ids, start), teacher_forced_logits(run_model, ids, start)
     idx = zr.topk(2, dim=-1).indices
     mr, mm = zr.gather(1, idx), zm.gather(1, idx)
     return ((mm[:, 0] - mm[:, 1]) - (mr[:, 0] - mr[:, 1])).abs().cpu(), zr.max(-1).values.cpu()
@@ -929,7 +930,7 @@ def parting(ref: M.Qwen35, prompt: list, ar_out: list, dflash_out: list) -> Part
     i = first_difference(ar_out, dflash_out)
     if i is None:
         return None
-    z = teacher_forced_logits(ref, prompt + ar_out[:i])[-1]
+    z = teacher_forced_logits(ref, prompt + ar_out[:i], len(prompt) + i - 1)[-1]
     top, a, d = int(z.argmax()), ar_out[i], dflash_out[i]
     return Parting(i, d, a, top, float(z[top] - torch.minimum(z[a], z[d])), float(z[top]))
 
@@ -943,7 +944,7 @@ def near_tie(p: Parting, dtype, steps: float = NEAR_TIE_STEPS) -> bool:
 def position_margins(ref: M.Qwen35, prompt: list, out: list) -> tuple:
     """`ref` teacher-forced over prompt + out; at each output position -> (its top-2 logit margin [n], its top
     logit [n], its top logit minus the logit of out's token [n]: 0 where out took its argmax)."""
-    z = teacher_forced_logits(ref, prompt + out[:-1])[len(prompt) - 1:]
+    z = teacher_forced_logits(ref, prompt + out[:-1], len(prompt) - 1)
     top2 = z.topk(2, dim=-1).values
     taken = z.gather(1, torch.tensor(out, device=z.device)[:, None])[:, 0]
     return (top2[:, 0] - top2[:, 1]).cpu(), top2[:, 0].cpu(), (top2[:, 0] - taken).cpu()

@@ -821,13 +821,14 @@ class Qwen35(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, ids, pos, cache: TargetCache | None = None, *, verify: bool = False, feature_layers=(),
-                last_logits_only: bool = False, rope_pos=None, image_embeds=None, mask=None):
+                last_logits_only: bool = False, logits_from: int = 0, rope_pos=None, image_embeds=None, mask=None):
         """ids [B,T] at positions pos [T], or [B,T] when rows are at different positions (a batch of requests).
         cache None: a plain causal forward over ids alone (training, reference); else the caches are read and
         written, and `verify` says how GDN states move (module doc).
         rope_pos: RoPE positions where they differ from pos: [3,T] for a prompt with images, pos + rope_delta
         after it (vision.py). image_embeds [n,H] replace, in order, the embeddings of the n image pad tokens.
-        -> logits [B,T,V] ([B,1,V] with last_logits_only), feats [B,T,len(feature_layers)*H] or None."""
+        -> logits [B,T,V] ([B,1,V] with last_logits_only; [B,T - logits_from,V] from position logits_from on: a long
+        teacher-forced pass needs only its last rows' logits, each V wide), feats [B,T,len(feature_layers)*H] or None."""
         x = self.embed_tokens(ids)
         if image_embeds is not None:
             x = x.masked_scatter((ids == self.cfg.image_token_id)[..., None], image_embeds.to(x.dtype))
@@ -844,7 +845,7 @@ class Qwen35(nn.Module):
             if i in feature_layers:          # the OUTPUT of layer i (transformers' hidden_states[i + 1]); the last
                 outputs[i] = self.norm(x) if i == last else x        # one's is taken AFTER the final norm
         feats = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
-        h = self.norm(x[:, -1:] if last_logits_only else x)
+        h = self.norm(x[:, -1:] if last_logits_only else x[:, logits_from:] if logits_from else x)
         return self.lm_head(h), feats
 
 

@@ -108,8 +108,8 @@ def prefill_logits(model: M.Qwen35, prompt: list, out: list) -> torch.Tensor:
     """One causal forward over prompt + out[:-1] (the chunked GDN kernel) -> [n, V] at the output positions."""
     dev = model.embed_tokens.weight.device
     ids = prompt + out[:-1]
-    z, _ = model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev))
-    return z[0, len(prompt) - 1:].double()
+    z, _ = model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), logits_from=len(prompt) - 1)
+    return z[0].double()
 
 
 @torch.inference_mode()
