@@ -130,8 +130,8 @@ def test_policy_reset_starts_the_rows_and_counts_over_and_keeps_the_timings():
 
 @pytest.mark.parametrize("slots", [1, 3])
 def test_policy_plain_steps_and_rounds_are_both_exact(slots):
-    """policy.Policy on an Engine whose drafter never agrees: it turns to plain steps, probes with a round now and
-    then (every request starts with rounds: the prior), and every request's output is AR's, on one slot or three."""
+    """policy.Policy on an Engine whose drafter never agrees: it takes rounds and plain steps (which, and when, follows
+    the times it measures), and every request's output is AR's, on one slot or three."""
     cfg = tiny_target_config(vocab_size=40)
     target = random_target(cfg, 12)
     d = random_drafter(kind_draft_config(cfg, "dflash", block_size=8), 6)
@@ -139,9 +139,10 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
     reqs = [engine.Request([rng.randrange(40) for _ in range(20)], 60) for _ in range(3)]
     res = engine.Engine(target, engine.DrafterProposer(d, target), 8, slots, 100,
                         policy=Policy(block=8, prior_p=0.5)).run(reqs)      # (a prior of 2 tokens for 8)
-    for i, (r, got) in enumerate(zip(reqs, res)):
+    for r, got in zip(reqs, res):
         assert got.output_ids == engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids
-        assert {"plain", "verify"} <= set(got.step_kinds)
+    # both kinds ran (which request gets a round follows the measured times: a later request's prior may not pay)
+    assert {"plain", "verify"} <= {k for got in res for k in got.step_kinds}
 
 
 def test_warm_up_calibrates_the_policy_once_per_machine_and_shape(tmp_path, monkeypatch):
