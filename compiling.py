@@ -30,6 +30,7 @@ are inputs of every call, so weights edited in place are used by the next one.
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import platform
 import tempfile
@@ -156,6 +157,28 @@ def cache_folder() -> str:
     steps depend on are kept beside them (speed/packed.py's product choices, policy.py's step costs)."""
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), "torchinductor_" + getpass.getuser().replace("/", "_"))
+
+
+def read_record(path: str) -> dict:
+    """A JSON record kept in the cache folder (speed/packed.py's verdicts, policy.py's step costs), or {} where it
+    is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def write_record(path: str, record: dict) -> None:
+    """`record` to `path` whole or not at all (written aside, then renamed); a read-only place is skipped: the
+    numbers are measured again next time."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
 
 
 def cpu_model() -> str:

@@ -30,7 +30,6 @@ the drafter's context fed (engine.Pending), so a round can follow any step. Why:
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import statistics
@@ -299,29 +298,17 @@ def costs_path() -> str:
 
 def load_costs(key: str) -> dict | None:
     """The step seconds cached under `key` ({k: seconds}), or None."""
-    try:
-        with open(costs_path()) as f:
-            found = json.load(f).get(key)
-    except (OSError, ValueError):
-        return None
+    import compiling
+    found = compiling.read_record(costs_path()).get(key)
     return None if found is None else {int(k): float(s) for k, s in found.items()}
 
 
 def store_costs(key: str, costs: dict) -> None:
+    import compiling
     path = costs_path()
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        saved = {}
+    saved = compiling.read_record(path)
     saved[key] = {str(k): s for k, s in costs.items()}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(saved, f)
-        os.replace(path + ".tmp", path)
-    except OSError:                     # a read-only place: measured again next time
-        pass
+    compiling.write_record(path, saved)
 
 
 def counts_of(policy) -> dict | None:

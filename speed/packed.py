@@ -41,10 +41,9 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import model as M
-from compiling import cache_folder, cpu_model   # noqa: F401 (cpu_model: the benchmarks' record)
+from compiling import cache_folder, cpu_model, read_record, write_record   # noqa: F401 (cpu_model: the benchmarks' record)
 
 AVAILABLE = {
     "mkl": torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
@@ -529,11 +528,7 @@ def choose(modules, rows: int) -> tuple:
     if not KINDS or not 1 < rows <= FEW_ROWS or not _linears(modules):
         return "plain", None, False
     path, key = cache_path(), _key(modules, rows)
-    try:
-        with open(path) as f:
-            verdicts = json.load(f)
-    except (OSError, ValueError):
-        verdicts = {}
+    verdicts = read_record(path)
     if key in verdicts:
         v = verdicts[key]
         return v["kind"], v["measured"], True
@@ -543,11 +538,5 @@ def choose(modules, rows: int) -> tuple:
     best = min(measured, key=measured.get, default=None)
     kind = best if best is not None and measured[best] <= 1 - MARGIN else "plain"
     verdicts[key] = {"kind": kind, "measured": measured, "date": time.strftime("%Y-%m-%d")}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(verdicts, f)
-        os.replace(path + ".tmp", path)
-    except OSError:                     # a read-only place: measured again next time
-        pass
+    write_record(path, verdicts)
     return kind, measured, False
