@@ -41,8 +41,7 @@ def write(name: str, out: str) -> None:
     cfg, _ = presets.preset_configs(name)
     t0 = time.perf_counter()
     ckpt.save_target_in_parts(cfg, presets.random_target_parts(name, torch.bfloat16), out, torch.bfloat16)
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
-    print(f"wrote {name} to {out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    print(f"wrote {name} to {out}: {file_gb(out):.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
 def timed(cmd: list) -> tuple:
