@@ -178,7 +178,9 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                               widened at each call for smaller ones, where a compiled call's overhead costs more.
       more rows               F.linear over the weight widened at the call (a multiply-sum would read the weight once
                               per row); speed/packed.py gives few-row products a packed float32 copy instead where
-                              it measures that faster.
+                              it measures that faster. Eager, a weight over WIDEN_SLICE elements (a 9B's lm_head:
+                              1G) is widened a slice of output rows at a time, so the float32 copy alive at once
+                              stays near WIDEN_SLICE x 4 bytes, not 4 GB (each output is the same K-term product).
     The multiply-sum adds the K terms in another order than F.linear's kernel: equal to float32 rounding."""
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
@@ -191,7 +193,15 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         else:
             y = F.linear(x, w.to(x.dtype))
         return y if b is None else y + b.to(x.dtype)
-    return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+    b = None if b is None else b.to(x.dtype)
+    if w.numel() > WIDEN_SLICE and not torch.compiler.is_compiling():
+        n = max(1, WIDEN_SLICE // w.shape[1])
+        return torch.cat([F.linear(x, w[i:i + n].to(x.dtype), None if b is None else b[i:i + n])
+                          for i in range(0, w.shape[0], n)], -1)
+    return F.linear(x, w.to(x.dtype), b)
+
+
+WIDEN_SLICE = 1 << 24       # kept weights widened for an eager many-row product at most this many elements at a time
 
 
 def fused_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -38,3 +38,12 @@ def pytest_collection_finish(session):
         return
     Early.start_for({(item.module.__name__, item.originalname) for item in session.items
                      if getattr(item, "module", None) is not None})
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that wait for background work (helpers.Early's used_by) run last, in their order: by then that work
+    has had the whole suite's time on the other core, so no test sits waiting for it while the first core idles."""
+    from helpers import Early
+    waiting = {(j.module, t) for j in Early.registry for t in j.used_by}
+    items.sort(key=lambda item: (getattr(item, "module", None) is not None
+                                 and (item.module.__name__, item.originalname) in waiting))

@@ -68,6 +68,29 @@ def test_kept_weights_give_the_widened_models_logits_bit_for_bit(tmp_path, kind,
     assert runs[0].output_ids == engine.run(wide, IDS[:4], 24).output_ids
 
 
+def test_large_kept_weights_are_widened_a_slice_at_a_time(tmp_path, monkeypatch):
+    """An eager many-row product over a kept weight larger than model.WIDEN_SLICE (a 9B's lm_head: 4 GB widened)
+    widens it a slice of output rows at a time: no float32 copy of the whole weight, and the logits (a prefill's,
+    every linear sliced here, down to 2 rows a slice) equal the widened model's to float32 rounding (a product of a
+    few rows may run another kernel, which sums in another order)."""
+    tdir, _ = saved(tmp_path, "dense")
+    kept, wide = ckpt.load_target(tdir, torch.float32, weights="auto"), ckpt.load_target(tdir, torch.float32)
+    whole = logits_of(kept)
+    monkeypatch.setattr(M, "WIDEN_SLICE", 64)
+    widened, linear = [], M.F.linear
+
+    def spy(x, w, b=None):              # every product of the kept model gets its weight widened at the call
+        widened.append(w.numel())
+        return linear(x, w, b)
+    monkeypatch.setattr(M.F, "linear", spy)
+    got = logits_of(kept)
+    monkeypatch.undo()
+    assert torch.equal(whole, logits_of(wide))
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+    biggest = max(p.numel() for p in kept.parameters())
+    assert widened and max(widened) <= max(64, max(p.shape[1] for p in kept.parameters() if p.dim() == 2)) < biggest
+
+
 def test_one_row_products_read_the_kept_weights_to_float32_rounding(tmp_path, monkeypatch):
     """One-row products over kept weights (decode: model.kept_product's multiply-sum, which widens as it reads) give
     the widened model's logits to float32 rounding of the sum's order, and its top token. The multiply-sum runs
