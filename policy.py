@@ -7,10 +7,12 @@ expected tokens from a round of k: a decayed average (weight `keep` per round) o
 min(committed, k) (a round of K also tells what a round of any k <= K would have committed, and of any longer k
 when it stopped short of K; one that committed all K counts k, optimistically, until a round of k measures it),
 mixed with a prior worth `prior_weight` rounds (`prior_p`: the tokens of a round of k if each proposal were
-accepted with that probability). Every plain step ages the live rows' evidence by exp(-budget / loss), loss being
+accepted with that probability). Every plain step ages the live rows' evidence by exp(-rate / loss), loss being
 what the best round would lose on the evidence alone (its seconds in plain steps less its tokens per row), so an
-estimate that made rounds lose drifts back to the prior, and a round measures the rows again, after a number of
-plain steps that keeps such probes near `budget` of the time; an admitted request starts from the prior. The
+estimate that made rounds lose drifts back to the prior, and a round (a probe) measures the rows again after a
+number of plain steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves with each
+probe that loses (down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more plain
+steps than its seconds); an admitted request starts from the prior. The
 seconds are the median of each step kind's last `window` timings, starting from a calibration measured once per
 machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected by every step timed; a block not
 timed yet is estimated by interpolating linearly in k between the timed kinds (a plain step standing for k = 0:
@@ -134,7 +136,7 @@ class Policy:
     the step timings are kept (they depend on N, which an Engine fixes)."""
 
     def __init__(self, block: int = 16, blocks: tuple | None = None, calibration: dict | None = None,
-                 keep: float = 0.9, budget: float = 0.02, prior_p: float = 0.9, prior_weight: float = 0.5,
+                 keep: float = 0.9, budget: float = 0.1, prior_p: float = 0.9, prior_weight: float = 0.5,
                  window: int = 8):
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
@@ -155,6 +157,7 @@ class Policy:
         self.live, self.admitted = set(), False
         self.last, self.after_round = None, False       # the last decision (0 or k); whether a round came just before
         self.basis = None                                # the round seconds that decision used
+        self.probe, self.rate = False, self.budget       # whether the coming round is a probe; the aging's budget now
         self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, **dict.fromkeys(REASONS, 0)})
 
     def admit(self, b: int) -> None:
@@ -187,6 +190,7 @@ class Policy:
                     "to_plain_acceptance"
             elif k and self.last == 0:
                 reason = "to_rounds_admission" if self.admitted else "to_rounds_aging"
+        self.probe = reason == "to_rounds_aging"
         if reason:
             self.counts[reason] += 1
         if k:           # (only a switch from rounds reads it)
@@ -198,6 +202,11 @@ class Policy:
         """A round of k took `seconds`; committed[b]: the tokens slot b committed (None: a free slot)."""
         self.costs.add(k, seconds)
         self.counts["rounds"] += 1
+        tokens = sum(c for c in committed if c is not None)
+        if tokens * self.costs.seconds(0) >= seconds * max(1, len(self.live)):     # it paid: probe at the budget
+            self.rate = self.budget
+        elif self.probe:                                                        # a probe that lost: half as often
+            self.rate = max(self.rate / 2, self.budget / 8)
         for b, c in enumerate(committed):
             if c is not None:
                 self.rows.add_round(b, k, c)
@@ -209,7 +218,7 @@ class Policy:
         if not self.after_round:
             self.costs.add(0, seconds)
         self.counts["plain_steps"] += 1
-        self.rows.add_plain(sorted(self.live), math.exp(-self.budget / max(self.budget, self.probe_loss())))
+        self.rows.add_plain(sorted(self.live), math.exp(-self.rate / max(self.rate, self.probe_loss())))
         self.after_round = False
 
     def probe_loss(self) -> float:

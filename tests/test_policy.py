@@ -57,8 +57,10 @@ def test_policy_takes_rounds_while_they_pay():
 
 def test_policy_turns_to_plain_steps_when_acceptance_falls_and_probes_as_evidence_ages():
     """A text that turns hard (1 token a round): plain steps within a few rounds (reason: acceptance), then a probe
-    round now and then as the evidence ages toward the prior (reason: aging), few enough to cost little. When the
-    text turns easy again rounds come back at the next probe: nothing concluded outlives its evidence."""
+    round now and then as the evidence ages toward the prior (reason: aging), each probe that loses halving the
+    aging's budget (down to an eighth), so the gaps between probes grow and then hold: few enough to cost little.
+    When the text turns easy again rounds come back at the next probe, and a round that pays restores the budget:
+    nothing concluded outlives its evidence."""
     p = Policy(block=16, calibration=CALIBRATED)
     drive(p, 20, round_s=CALIBRATED.get, tokens=8)
     hard = drive(p, 600, round_s=CALIBRATED.get, tokens=1)
@@ -66,10 +68,11 @@ def test_policy_turns_to_plain_steps_when_acceptance_falls_and_probes_as_evidenc
     assert p.counts["to_plain_acceptance"] >= 1 and p.counts["to_rounds_aging"] >= 3
     assert p.counts["to_plain_costs"] == 0
     gaps = [len(g) for g in hard.strip("R").split("R") if g]
-    assert min(gaps[2:-1]) >= 30          # probes spaced by the evidence's aging: each loses 1 plain step (a round of 2
-    #                                     for 1 token), the evidence's weight falls by e every 1 / budget = 50 steps
+    assert gaps[1] < gaps[2] < gaps[3]     # each losing probe (a round of 2 for 1 token: 1 plain step lost) halves
+    assert min(gaps[3:-1]) >= 50           # the budget; at budget / 8 the weight falls by e every 80 plain steps
+    assert p.rate == p.budget / 8
     easy = drive(p, 200, round_s=CALIBRATED.get, tokens=12)
-    assert easy.find("R") <= max(gaps) and easy.count("R") > 150
+    assert easy.find("R") <= max(gaps) and easy.count("R") > 150 and p.rate == p.budget
 
 
 def test_policy_chooses_the_verify_block_that_pays_most():
@@ -103,11 +106,12 @@ def test_policy_weighs_every_live_row():
 
 def test_policy_corrects_its_calibration_with_the_steps_it_times():
     """A calibration that says rounds of 16 take 2 plain steps, where they take 8: once they are timed their median
-    says 8 and the policy turns to plain steps (reason: costs; 6 tokens a round pay at the 5 of one timing)."""
+    says 8 and the policy turns to plain steps (reason: costs; 6 tokens a round pay at the 5 of one timing), probing
+    again only after tens of plain steps (a probe loses 2 plain steps: the aging's budget takes that long)."""
     p = Policy(block=16, blocks=(16,), calibration={0: 0.001, 16: 0.002})
     kinds = drive(p, 100, round_s=0.008, tokens=6)
-    assert kinds.startswith("R") and kinds.count("R") <= 2 and kinds.endswith("." * 90)
-    assert p.counts["to_plain_costs"] == 1 and p.counts["to_plain_acceptance"] == 0
+    assert kinds.startswith("RR.") and kinds.count("R") <= 3 and "." * 60 in kinds[:80]
+    assert p.counts["to_plain_costs"] == 1 and p.counts["to_plain_acceptance"] == kinds.count("R") - 2     # the probe's
 
 
 def test_policy_without_a_calibration_times_a_plain_step_first():
@@ -239,3 +243,15 @@ def test_generate_applies_the_default_window(capsys, flag, window):
     assert generate.main(["--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json", *flag]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["draft_window"] == window and res["adaptive"] is True
+
+
+def test_policy_sim_replays_acceptance_maps():
+    """tools/policy_sim.py replay: the Policy on acceptance maps at given costs. A text every round drafts whole
+    (A = 16 everywhere; 127 tokens after the prefill's: 7 rounds of 16 and one of 15 at 4 plain steps each) and one
+    no round drafts (A = 1): the policy takes every round of the first, and on the second pays only its first
+    rounds and its backed-off probes (pure rounds: a quarter of AR's speed)."""
+    from tools import policy_sim
+    maps = {"easy": [{"tokens": 128, "A": [16] * 127}], "hard": [{"tokens": 128, "A": [1] * 127}]}
+    table = policy_sim.replay(maps, {0: 1.0, 16: 4.0, 8: 3.5, 4: 3.0, 2: 2.5}, {})
+    assert table["easy"]["pure_over_ar"] == pytest.approx(127 / 32) and table["easy"]["policy_over_pure"] == 1.0
+    assert table["hard"]["pure_over_ar"] == pytest.approx(0.25) and 0.85 < table["hard"]["policy_over_ar"] < 1.0

@@ -1,15 +1,29 @@
-"""The adaptive policy (policy.Policy) on drawn acceptance at given step costs, against pure rounds of the whole block
-and AR: no model runs, so a setting of the policy can be judged in seconds (docs/method.md#adaptive-speculation).
+"""The adaptive policy (policy.Policy) without timing a model: at given step costs, on drawn acceptance or replayed
+on real acceptance maps, against pure rounds of the whole block and AR, so a setting of the policy is judged in
+seconds (docs/method.md#adaptive-speculation).
 
-    python tools/policy_sim.py                                          # a round of 16: 3 plain steps
-    python tools/policy_sim.py "{0: 1, 16: 5, 8: 3.5, 4: 2.7, 2: 2.2}"   # rounds dear (many rows, or a slow CPU)
-    python tools/policy_sim.py "{0: 1, 16: 2, 8: 1.6, 4: 1.4, 2: 1.3}"   # rounds cheap (a GPU's memory-bound verify)
+    python tools/policy_sim.py                                  # drawn acceptance; a round of 16: 3 plain steps
+    python tools/policy_sim.py --costs "{0: 1, 16: 5, 8: 3.5, 4: 2.7, 2: 2.2}"     # rounds dear (many rows, a slow CPU)
+    python tools/policy_sim.py maps MAPS.json --heldout 16      # the embedded pair's acceptance maps, every prompt set
+    python tools/policy_sim.py replay MAPS.json --costs "{...}" [--budget 0.15 --keep 0.9 --prior-weight 0.5]
 
-A round's acceptance is heavy-tailed: here a round commits its whole block one time in `p`, else 1-3 tokens
-(uniformly), one request of 128 tokens at a time, 200 requests per p. Printed per p: the policy's tokens per
-second over pure rounds' and over AR's (a plain step costs 1, AR's decode as much: the drafter's context kept by a
-plain step is not charged here).
+Drawn: a round commits its whole block one time in `p`, else 1-3 tokens (uniformly), one request of 128 tokens at a
+time, 200 requests per p; printed per p: the policy's tokens per second over pure rounds' and over AR's.
+
+Maps: for each prompt of each set (prompts.py: the held-out prompts and prompts.OUTSIDE), the greedy output of
+--max-new-tokens tokens and, at every output position j, A[j]: the tokens a round of the whole block drafting there
+would commit (its proposals matched against the output, plus the target's own token). A round's proposals depend
+only on the context's features, which plain steps and rounds feed alike, so A[j] is what any step sequence meets at
+j; a round of k commits min(A[j], k) (a shorter block's proposals are taken as the whole block's first k - 1).
+Replay: the policy decides on each map as the engine would, at the given costs (a plain step costs the key 0, AR's
+decode step `ar`, default equal to a plain step), every decision's seconds reported to it; per set, the medians over
+prompts of policy / pure rounds and policy / AR. Tune on some sets and judge on prompts.UNTUNED.
 """
+from __future__ import annotations
+
+import argparse
+import ast
+import json
 import os
 import random
 import statistics
@@ -19,33 +33,132 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from policy import Policy   # noqa: E402
 
+DRAWN_COSTS = "{0: 1.0, 16: 3.0, 8: 2.1, 4: 1.8, 2: 1.6}"
 
-def tokens_per_second(costs: dict, p_long: float, seed: int, pure: bool, tokens: int = 128, **params) -> float:
-    rng = random.Random(seed)
-    policy = Policy(block=16, calibration=costs, **params)
-    policy.admit(0)
+
+def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 16) -> float:
+    """One request of `tokens` tokens (the first from the prefill) -> its seconds: pure rounds of `block` (policy
+    None) or the policy's steps; commits(j, k): the tokens a round of k commits with j tokens committed."""
+    if policy is not None:
+        policy.reset()
+        policy.admit(0)
     t, got = 0.0, 1
     while got < tokens:
-        k = 16 if pure else policy.speculate()
+        k = block if policy is None else policy.speculate()
         if k:
-            c = min(16 if rng.random() < p_long else rng.randint(1, 3), k)
+            c = min(commits(got - 1, k), k, tokens - got)
             got, t = got + c, t + costs[k]
-            policy.observe_round([c], k, costs[k])
+            if policy is not None:
+                policy.observe_round([c], k, costs[k])
         else:
             got, t = got + 1, t + costs[0]
-            policy.observe_plain(costs[0])
-    return got / t
+            if policy is not None:
+                policy.observe_plain(costs[0])
+    return t
+
+
+def drawn(costs: dict, params: dict) -> None:
+    for p_long in (0.0, 0.05, 0.1, 0.17, 0.25, 0.35):
+        pol, pure = [], []
+        for s in range(200):
+            for out, policy in ((pol, Policy(block=16, calibration=costs, **params)), (pure, None)):
+                rng = random.Random(s)
+                out.append(128 / run(lambda j, k: 16 if rng.random() < p_long else rng.randint(1, 3), costs, policy, 128))
+        print(f"p {p_long}: policy / pure rounds {statistics.mean(pol) / statistics.mean(pure):.2f}, "
+              f"policy / AR {statistics.mean(pol) * costs[0]:.2f}")
+
+
+def replay(maps: dict, costs: dict, params: dict) -> dict:
+    """-> {set: {"policy_over_pure", "policy_over_ar", "pure_over_ar"}}: medians over the set's prompts."""
+    ar = costs.pop("ar", costs[0])
+    table = {}
+    for name, prompts in maps.items():
+        ratios = {"policy_over_pure": [], "policy_over_ar": [], "pure_over_ar": []}
+        for m in prompts:
+            A, n = m["A"], m["tokens"]
+            commits = lambda j, k: A[j]                       # noqa: E731
+            pure = run(commits, costs, None, n)
+            pol = run(commits, costs, Policy(block=16, calibration=costs, **params), n)
+            ratios["policy_over_pure"].append(pure / pol)
+            ratios["policy_over_ar"].append((n - 1) * ar / pol)
+            ratios["pure_over_ar"].append((n - 1) * ar / pure)
+        table[name] = {k: statistics.median(v) for k, v in ratios.items()}
+        print(f"{name:12s} policy / pure rounds {table[name]['policy_over_pure']:.3f}  policy / AR "
+              f"{table[name]['policy_over_ar']:.3f}  (pure rounds / AR {table[name]['pure_over_ar']:.3f})")
+    return table
+
+
+def acceptance_maps(args) -> dict:
+    """{set: [{"tokens": n, "A": [..]}]} for the pair of --target / --draft (the embedded pair by default)."""
+    import torch
+    import checkpoint as ckpt
+    import dflash
+    import prompts as P
+    from model import DenseMasks, DraftCache
+    target = ckpt.load_target(args.target, torch.float32)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, torch.float32)
+    block, layers = drafter.cfg.block_size, tuple(drafter.cfg.target_layer_ids)
+    tok, stops = ckpt.load_tokenizer(target.path), ckpt.stop_token_ids(target.path, target.cfg)
+    sets = {"heldout": P.heldout_prompts(tok, args.heldout)}
+    sets.update({name: P.outside_prompts(name, tok, args.heldout) for name in P.OUTSIDE})
+    maps = {}
+    with torch.inference_mode():
+        for name, prompts in sets.items():
+            maps[name] = []
+            for p in prompts:
+                out = dflash.generate(target, drafter, p, args.max_new_tokens, block, stops)
+                seq, T0 = p + out, len(p)
+                pos = torch.arange(len(seq))
+                _, feats = target(torch.tensor([seq]), pos, None, feature_layers=layers)
+                context, masks = DraftCache(drafter.cfg, len(seq) + block, drafter.dtype, "cpu"), DenseMasks(len(seq) + block)
+                drafter.append_context(feats[:, :T0], pos[:T0], context)
+                A = []
+                for j in range(len(out) - 1):               # a round drafting at out[j], position T0 + j
+                    if j:
+                        drafter.append_context(feats[:, T0 + j - 1:T0 + j], pos[T0 + j - 1:T0 + j], context)
+                    last = torch.tensor([out[j]])
+                    hidden = drafter.draft_block(last, torch.tensor([T0 + j]), block - 1, target.embed_tokens, context, masks)
+                    proposals = drafter.propose(hidden[0], last, target.lm_head)[0].tolist()
+                    a = 0
+                    while a < block - 1 and j + 1 + a < len(out) and proposals[a] == out[j + 1 + a]:
+                        a += 1
+                    A.append(a + 1)
+                maps[name].append({"tokens": len(out), "A": A})
+            print(f"{name}: {len(prompts)} prompts, mean A {statistics.mean(a for m in maps[name] for a in m['A']):.2f}",
+                  file=sys.stderr)
+    return maps
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    costs = {int(k): float(v) for k, v in eval(argv[0]).items()} if argv else {0: 1.0, 16: 3.0, 8: 2.1, 4: 1.8, 2: 1.6}
-    cells = []
-    for p_long in (0.0, 0.05, 0.1, 0.17, 0.25, 0.35):
-        pol = statistics.mean(tokens_per_second(costs, p_long, s, False) for s in range(200))
-        pure = statistics.mean(tokens_per_second(costs, p_long, s, True) for s in range(200))
-        cells.append(f"p {p_long}: policy / pure rounds {pol / pure:.2f}, policy / AR {pol / costs[0]:.2f}")
-    print("\n".join(cells))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", nargs="?", choices=("drawn", "maps", "replay"), default="drawn")
+    p.add_argument("file", nargs="?", help="maps: where to write the maps; replay: the maps to replay")
+    p.add_argument("--costs", default=None, help="{k: seconds} (0: a plain step; 'ar': AR's decode step, replay only)")
+    p.add_argument("--keep", type=float, default=None)
+    p.add_argument("--budget", type=float, default=None)
+    p.add_argument("--prior-weight", type=float, default=None)
+    p.add_argument("--target", default=None, help="maps: the target (default: the embedded one)")
+    p.add_argument("--draft", default=None, help="maps: the drafter (default: the embedded one)")
+    p.add_argument("--heldout", type=int, default=16, help="maps: prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    if args.mode != "drawn" and not args.file:
+        p.error(f"{args.mode} needs a file: python tools/policy_sim.py {args.mode} MAPS.json")
+    params = {k: v for k, v in (("keep", args.keep), ("budget", args.budget), ("prior_weight", args.prior_weight)) if v is not None}
+    try:
+        costs = {(k if k == "ar" else int(k)): float(v) for k, v in ast.literal_eval(args.costs or DRAWN_COSTS).items()}
+    except (ValueError, SyntaxError, AttributeError):
+        p.error(f"--costs {args.costs!r} is not a dict such as {DRAWN_COSTS}")
+    if args.mode == "maps":
+        import options
+        args.target, args.draft = args.target or options.DEFAULT_TARGET, args.draft or options.DEFAULT_DRAFT
+        with open(args.file, "w") as f:
+            json.dump(acceptance_maps(args), f)
+    elif args.mode == "replay":
+        with open(args.file) as f:
+            print(json.dumps(replay(json.load(f), costs, params)))
+    else:
+        drawn(costs, params)
 
 
 if __name__ == "__main__":
