@@ -69,9 +69,11 @@ class Costs:
     def seconds(self, k: int) -> float:
         """The kind's median, or (a block not timed yet, with a plain step timed) interpolated linearly in k between
         the nearest timed kinds, a plain step at k = 0; past the longest timed block, its seconds."""
+        found = self.medians.get(k)
+        if found is not None:
+            return found
         if self.timed(k):
-            if k not in self.medians:
-                self.medians[k] = statistics.median(self.samples[k])
+            self.medians[k] = statistics.median(self.samples[k])
             return self.medians[k]
         timed = sorted(j for j in self.samples if self.samples[j])
         below = max(j for j in timed if j < k)
@@ -171,8 +173,8 @@ class Policy:
         each kind's seconds."""
         live = sorted(self.live)
         n = max(1, len(live))
-        rates = {k: sum(self.rows.expected(b, k) for b in live) / seconds(k) for k in self.blocks} if live else \
-            {k: self.rows.prior[k] / seconds(k) for k in self.blocks}
+        expected = self.rows.expected
+        rates = {k: (sum(expected(b, k) for b in live) if live else self.rows.prior[k]) / seconds(k) for k in self.blocks}
         best = max(self.blocks, key=rates.get)
         ratio = rates[best] * seconds(0) / n
         return (best if ratio > 1 else 0), ratio
@@ -224,10 +226,10 @@ class Policy:
     def probe_loss(self) -> float:
         """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (aging
         leaves it as it is): the best block's seconds in plain steps, less the tokens per row it would commit."""
-        live = sorted(self.live) or [None]
-        tokens = {k: sum(self.rows.expected(b, k, 0) for b in live) / len(live) for k in self.blocks}
-        k = max(self.blocks, key=lambda j: tokens[j] / self.costs.seconds(j))
-        return self.costs.seconds(k) / self.costs.seconds(0) - tokens[k]
+        live, seconds = sorted(self.live) or [None], self.costs.seconds
+        rates = {k: (sum(self.rows.expected(b, k, 0) for b in live) / len(live), seconds(k)) for k in self.blocks}
+        tokens, s = max(rates.values(), key=lambda ts: ts[0] / ts[1])
+        return s / seconds(0) - tokens
 
     def leave(self, b: int) -> None:
         """Slot b's request finished."""
