@@ -238,8 +238,8 @@ FLEX_BATCH = Early(compiled_flex_batch, process=True,
 def test_compiled_flex_batch_as_the_command_lines_compile_it():
     """A batch of 2 slots compiled with flex attention (batched block masks) and the command lines' CPU options
     (options.compile_options: the C++ wrapper, and no epilogue fusion, which torch 2.13's CPU flex kernel refuses
-    for the one-query steps): DFlash through rounds, plain steps and plain steps that no longer feed the drafter,
-    which are AR's own step (Engine.decode_step, the step of an engine without a proposer). Requests coming and
+    for the one-query steps): DFlash through rounds and plain steps (which keep the drafter's context fed), every
+    step kind warmed up by policy.Alternate. Requests coming and
     going after the warm-up never recompile, and the tokens are the eager SDPA batch's. Prompts cross the
     128-position tile, so inductor's CPU flex kernel, which visits only the listed tiles, runs the tile lists for
     real."""
