@@ -557,7 +557,7 @@ def profile_decode_main(args, device, top: int = 8) -> dict:
     Cache Lookup" dynamo's checks, "Pregraph bytecode" the gathering of the graph's inputs."""
     from torch.profiler import ProfilerActivity, profile
     dtype = pick_dtype(args.dtype, device)
-    target = ckpt.load_target(args.target, dtype, device)
+    target = ckpt.load_target(args.target, dtype, device, pick_weights(args.weight_dtype, dtype))
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     mode = args.compile_mode if args.compile else None
     eng = engine.Engine(target, None, 1, 1, bench_capacity(prompts, args.max_new_tokens, 1), mode,
@@ -945,8 +945,9 @@ def draft_rules_main(args, device) -> dict:
     greedily (a one-hot q: both rules accept p(x)) and of its sampled drafts under the coupled and the ratio rule,
     and how many outputs equal plain sampled decoding's for the seed."""
     dtype = pick_dtype(args.dtype, device)
-    target = ckpt.load_target(args.target, dtype, device)
-    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    weights = pick_weights(args.weight_dtype, dtype)
+    target = ckpt.load_target(args.target, dtype, device, weights)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device, weights)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     prompts, stops = P.from_args(args, ckpt.load_tokenizer(target.path), target.path), ckpt.stop_token_ids(target.path, target.cfg)
     block = args.block_size or drafter.cfg.block_size

@@ -42,14 +42,16 @@ def method_proposers(args, target, dtype, device) -> dict:
     (the target checkpoint's MTP head, K chained steps, block K + 1), eagle3 (--eagle3-draft's dynamic trees of 16
     nodes, 6 deep, top 4: the seeds' baseline) and eagle3-chainK (the same head, one candidate per node, K deep)."""
     import mtp
+    from options import pick_weights
+    weights = pick_weights(getattr(args, "weight_dtype", None), dtype)          # kept as the target's are
     out, head, eagle_head = {}, None, None
     for name in args.methods.split(","):
         if name == "dflash":
-            drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+            drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device, weights)
             window = ckpt.draft_window(drafter.cfg, args.draft_window)
             out[name] = (engine.DrafterProposer(drafter, target, window), args.block_size or drafter.cfg.block_size)
         elif name.startswith("dflash-tree") and name[11:].isdigit() and int(name[11:]) >= 1:
-            drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+            drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device, weights)
             inner = engine.DrafterProposer(drafter, target, ckpt.draft_window(drafter.cfg, args.draft_window))
             out[name] = (tree.DFlashTree(inner), int(name[11:]) + 1)
         elif name == "eagle3" or (name.startswith("eagle3-chain") and name[12:].isdigit() and int(name[12:]) >= 1):
@@ -249,11 +251,11 @@ class Text:
 def table_main(args, device) -> dict:
     """--methods / --dataset: AR and every method on every set's prompts -> the table, printed (markdown), and with
     --out written with results.json and the plots; the last stdout line is the JSON."""
-    from options import pick_dtype, products_words, use_products
+    from options import pick_dtype, pick_weights, products_words, use_products
     # the sets first: a set that cannot be read stops the run before the models load
     sets = [(P.set_label(n), P.select(P.load_set(n), args.limit or P.default_count(n))) for n in args.dataset or []]
     dtype = pick_dtype(args.dtype, device)
-    target = ckpt.load_target(args.target, dtype, device)
+    target = ckpt.load_target(args.target, dtype, device, pick_weights(getattr(args, "weight_dtype", None), dtype))
     tok = ckpt.load_tokenizer(target.path)
     text = Text(target, tok, not args.no_think, dtype, device)
     methods = method_proposers(args, target, dtype, device)
