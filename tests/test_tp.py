@@ -262,11 +262,12 @@ def tree_run(target, drafter) -> list:
 
 
 class Recording:
-    """A policy.Policy that records what it would decide itself (every rank's own, from its own times)."""
+    """A policy.Policy that records what it would decide itself (every rank's own, from its own times); `slow`: the
+    plain steps' seconds it is told are that many times what they took (a rank whose clock runs slow then)."""
 
-    def __init__(self, block: int):
+    def __init__(self, block: int, slow: float = 1.0):
         import policy
-        self.inner, self.own = policy.Policy(block=block), []
+        self.inner, self.own, self.slow = policy.Policy(block=block), [], slow
         self.blocks = self.inner.blocks
 
     def reset(self):
@@ -280,7 +281,7 @@ class Recording:
         self.inner.observe_round(committed, k, seconds)
 
     def observe_plain(self, seconds):
-        self.inner.observe_plain(seconds)
+        self.inner.observe_plain(seconds * self.slow)
 
     def admit(self, b):
         self.inner.admit(b)
@@ -307,12 +308,13 @@ class Skewed:
 
 
 def decided_once(target, drafter, rank: int, par) -> dict:
-    """24 requests at 3 slots under the default policy, rank 1's clock skewed: every rank must take rank 0's steps
+    """24 requests at 3 slots under the default policy, rank 1's clock skewed (and its policy told its plain steps
+    took 100 times as long): every rank must take rank 0's steps
     (else the ranks' collectives part and the run aborts) and give the same outputs; `own`: what each rank's policy
     would have decided alone."""
     import engine
     requests = [engine.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]
-    policy = Recording(8)
+    policy = Recording(8, slow=100.0 if rank == 1 else 1.0)       # rank 1's own policy: plain steps never pay
     eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 8, 3, 64, policy=par.synced(policy))
     real = engine.time
     if rank == 1:
@@ -420,8 +422,9 @@ def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
     assert decided[0]["kinds"] == decided[1]["kinds"] and decided[0]["outputs"] == decided[1]["outputs"]
     kinds = [k for run in decided[0]["kinds"] for k in run]
     assert "verify" in kinds and "plain" in kinds                # the policy did choose, both ways
-    # the skewed rank's own policy would have taken other steps: the disagreement the broadcast overrides
-    assert decided[1]["own"] != decided[0]["own"]
+    # the skewed rank's own policy would have taken other steps (rounds where rank 0 took plain steps, whatever the
+    # machine's load): the disagreement the broadcast overrides
+    assert decided[1]["own"] != decided[0]["own"] and 0 in decided[0]["own"][1:]
     import engine
     target, drafter = build("dense", 2)
     alone = [engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids

@@ -945,9 +945,8 @@ def draft_rules_main(args, device) -> dict:
     greedily (a one-hot q: both rules accept p(x)) and of its sampled drafts under the coupled and the ratio rule,
     and how many outputs equal plain sampled decoding's for the seed."""
     dtype = pick_dtype(args.dtype, device)
-    weights = pick_weights(args.weight_dtype, dtype)
-    target = ckpt.load_target(args.target, dtype, device, weights)
-    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device, weights)
+    target = ckpt.load_target(args.target, dtype, device)             # (widened: dflash2_form builds on them)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     prompts, stops = P.from_args(args, ckpt.load_tokenizer(target.path), target.path), ckpt.stop_token_ids(target.path, target.cfg)
     block = args.block_size or drafter.cfg.block_size
