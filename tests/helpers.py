@@ -68,13 +68,14 @@ class Early:
 
 
 def in_own_process(fn):
-    """fn() in a freshly spawned interpreter with one torch thread (as conftest.py sets), -> its value (or its
-    exception raised again here). The process is a daemon: a session that ends before it does (a failure under
-    -x) ends it instead of waiting for it."""
+    """fn() (a module-level function) in a freshly spawned interpreter that imports conftest.py first (one torch
+    thread, the suite's hypothesis profile, in force before fn's module is imported and its @settings are made),
+    -> its value (or its exception raised again here). The process is a daemon: a session that ends before it does
+    (a failure under -x) ends it instead of waiting for it."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_and_send, args=(fn, send), daemon=True)
+    proc = ctx.Process(target=_run_and_send, args=(fn.__module__, fn.__qualname__, send), daemon=True)
     proc.start()
     send.close()
     try:
@@ -88,10 +89,32 @@ def in_own_process(fn):
     return value
 
 
-def _run_and_send(fn, send) -> None:
-    torch.set_num_threads(1)
+def property_cases(prop, cases: list) -> list:
+    """The hypothesis search of `prop` (a @given function that pytest does not collect) once per case (a dict of the
+    arguments @given does not draw), for an Early(process=True) job: the suite's hypothesis profile and one torch
+    thread (conftest.py, in_own_process) -> per case None, or the exception it raised (its falsifying example in
+    its notes)."""
+    out = []
+    for kwargs in cases:
+        try:
+            prop(**kwargs)
+            out.append(None)
+        except Exception as e:
+            out.append(e)
+    return out
+
+
+def raise_case(error) -> None:
+    """A property_cases entry in the test that reports it: its exception raised there."""
+    if error is not None:
+        raise error
+
+
+def _run_and_send(module: str, name: str, send) -> None:
+    import importlib
     try:
-        out = (True, fn())
+        importlib.import_module("conftest")
+        out = (True, getattr(importlib.import_module(module), name)())
     except BaseException as e:
         out = (False, e)
     send.send_bytes(pickle.dumps(out))     # by value (tensors too): nothing is left to fetch from this process

@@ -11,7 +11,7 @@ import dflash
 import engine
 from engine import Sampling
 import mtp
-from helpers import Early, OracleProposer, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
+from helpers import Early, OracleProposer, property_cases, raise_case, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
 from policy import Alternate
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
@@ -128,16 +128,34 @@ def moe_or_dense(draw):
     return cfg
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=20, deadline=None)
 @given(cfg=moe_or_dense(), seed=st.integers(0, 10**6), n_req=st.integers(1, 10), slots=st.integers(1, 8),
        block=st.integers(1, 16), max_len=st.sampled_from([8, 60, 200]))
-def test_batch_equals_alone(dtype, cfg, seed, n_req, slots, block, max_len):
+def batch_equals_alone(dtype, cfg, seed, n_req, slots, block, max_len):
+    """test_batch_equals_alone's property, for one dtype."""
     target = random_target(cfg, seed, dtype)
     rng = random.Random(seed)
     reqs = make_requests(rng, cfg.vocab_size, n_req, max_len,
                          lambda p, m, s: engine.run(target, p, m, s).output_ids)
     check_batch(target, reqs, slots, block, seed, dtype, rng.choice(["dflash", "sliding", "dflash2"]))
+
+
+BATCH_DTYPES = (torch.float64, torch.float32)
+
+
+def batch_properties() -> list:
+    """batch_equals_alone's search for each of BATCH_DTYPES, in a process of its own started with the suite."""
+    return property_cases(batch_equals_alone, [{"dtype": d} for d in BATCH_DTYPES])
+
+
+BATCH_PROPERTIES = Early(batch_properties, process=True, used_by=["test_batch_equals_alone"])
+
+
+@pytest.mark.parametrize("case", range(len(BATCH_DTYPES)), ids=[str(d).replace("torch.", "") for d in BATCH_DTYPES])
+def test_batch_equals_alone(case):
+    """Random dense or MoE targets, requests, slots, blocks and drafters (check_batch): every row of the batch equals
+    its request run alone (its examples drawn in a process of its own, helpers.Early)."""
+    raise_case(BATCH_PROPERTIES.result()[case])
 
 
 def test_every_acceptance_length_on_every_row():

@@ -15,7 +15,7 @@ import mtp
 import noise
 import sampling
 from sampling import Sampling, sampling_probs, speculative_accept
-from helpers import (HAS_EMBEDDED_PAIR, OracleProposer, kind_draft_config, randomize_, random_drafter, random_target,
+from helpers import (HAS_EMBEDDED_PAIR, Early, OracleProposer, property_cases, raise_case, kind_draft_config, randomize_, random_drafter, random_target,
                      tiny_draft_config, tiny_target_config)
 from test_batching import Pattern
 
@@ -221,8 +221,8 @@ SETTINGS = [Sampling(0.7), Sampling(1.0), Sampling(1.3, top_p=0.9), Sampling(1.0
 @given(seed=st.integers(-2 ** 40, 2 ** 40), pattern=st.lists(st.sampled_from([True, True, False, 2, 3]), min_size=1, max_size=8),
        block=st.sampled_from([2, 4, 8, 16]), prompt_len=st.integers(1, 30), s=st.sampled_from(SETTINGS),
        kind=st.sampled_from(["dflash", "sliding", "dflash2"]), slots=st.sampled_from([1, 3]))
-def test_sampled_output_equals_plain_decoding_for_the_seed(seed, pattern, block, prompt_len, s, kind, slots):
-    """float64, random target: with one seed, the stand-in proposer (every acceptance length), a random DFlash /
+def sampled_output_for_the_seed(seed, pattern, block, prompt_len, s, kind, slots):
+    """test_sampled_output_equals_plain_decoding_for_the_seed's property. float64, random target: with one seed, the stand-in proposer (every acceptance length), a random DFlash /
     sliding / DFlash2 drafter (the coupled rule) and a random MTP head, in a forced pattern of rounds (of the whole
     block and shorter ones) and plain steps, all give exactly the text of plain sampled decoding; on one slot, or
     on three beside other requests (other seeds and settings, greedy ones among them), each its own text."""
@@ -243,6 +243,20 @@ def test_sampled_output_equals_plain_decoding_for_the_seed(seed, pattern, block,
         res = eng.run(reqs)
         assert [r.output_ids for r in res] == [a.output_ids for a in ar], (type(proposer).__name__, pattern)
     assert engine.run(target, prompt, 40, sampling=s, seed=seed + 1).output_ids != ar[0].output_ids or len(set(ar[0].output_ids)) < 3
+
+
+def seed_properties() -> list:
+    """sampled_output_for_the_seed's search, in a process of its own started with the suite (helpers.Early)."""
+    return property_cases(sampled_output_for_the_seed, [{}])
+
+
+SEED_PROPERTIES = Early(seed_properties, process=True, used_by=["test_sampled_output_equals_plain_decoding_for_the_seed"])
+
+
+def test_sampled_output_equals_plain_decoding_for_the_seed():
+    """With one seed, every proposer (the stand-in, DFlash, sliding, DFlash2, MTP) in forced patterns of rounds and
+    plain steps, alone or beside other requests, gives plain sampled decoding's text (sampled_output_for_the_seed)."""
+    raise_case(SEED_PROPERTIES.result()[0])
 
 
 @pytest.mark.parametrize("slots", [1, 3])
