@@ -59,10 +59,12 @@ class Early:
     @staticmethod
     def start_for(tests: set) -> None:
         """Start, one after another in one background thread, the work these tests ((module, function name) pairs,
-        the collected ones) use."""
+        the collected ones) use: first the work of a whole module (no used_by), whose tests run in their module's
+        place, then the work of named tests, which conftest.py runs last."""
         modules = {m for m, _ in tests}
         jobs = [j for j in Early.registry
                 if j.module in modules and (not j.used_by or any((j.module, t) in tests for t in j.used_by))]
+        jobs.sort(key=lambda j: bool(j.used_by))
         if jobs:
             threading.Thread(target=lambda: [j.start() for j in jobs], daemon=True).start()
 
