@@ -929,8 +929,7 @@ def dflash2_form(drafter: M.DFlashDrafter, top_k: int) -> M.DFlashDrafter:
     if cfg.dflash2:
         return drafter
     d2cfg = dataclasses.replace(cfg, conv_kernel_size=2, conv_group_size=cfg.hidden_size, selector_rank=1, selector_top_k=top_k)
-    w = drafter.fc.weight
-    d2 = M.DFlashDrafter(d2cfg).to(w.device, w.dtype).eval()
+    d2 = M.DFlashDrafter(d2cfg).to(drafter.fc.weight.device, drafter.dtype).eval()    # (kept weights: widened, exactly)
     missing = d2.load_state_dict(drafter.state_dict(), strict=False).missing_keys
     for name, p in d2.named_parameters():
         if name in missing:
@@ -945,8 +944,9 @@ def draft_rules_main(args, device) -> dict:
     greedily (a one-hot q: both rules accept p(x)) and of its sampled drafts under the coupled and the ratio rule,
     and how many outputs equal plain sampled decoding's for the seed."""
     dtype = pick_dtype(args.dtype, device)
-    target = ckpt.load_target(args.target, dtype, device)             # (widened: dflash2_form builds on them)
-    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device)
+    weights = pick_weights(args.weight_dtype, dtype)
+    target = ckpt.load_target(args.target, dtype, device, weights)
+    drafter = ckpt.load_drafter(args.draft, target.cfg, dtype, device, weights)
     window = ckpt.draft_window(drafter.cfg, args.draft_window)
     prompts, stops = P.from_args(args, ckpt.load_tokenizer(target.path), target.path), ckpt.stop_token_ids(target.path, target.cfg)
     block = args.block_size or drafter.cfg.block_size
