@@ -38,7 +38,7 @@ import model as M
 import mtp
 import tp
 import vision
-from policy import Policy, counts_of, describe
+from policy import Policy, counts_of, describe, switches
 from sampling import DRAFT_RULES
 from options import (ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, MAX_SEED, HelpFormatter, chat_template_of, compile_options,
                      parallel_fields, parse_ids, pick_dtype, pick_weights, read_requests, request_of, shared_flags,
@@ -306,7 +306,7 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
         if plain:
             line += f"; {plain} plain step{'s' * (plain != 1)}"
         if counts is not None:
-            line += "; " + describe(counts).split("; ", 1)[1]
+            line += "; " + switches(counts)
     if products and products["products"] != "plain":
         line += f"; {products['products']} packed products"
     if res.seed is not None:

@@ -168,15 +168,16 @@ class Policy:
         self.live.add(b)
         self.admitted = True
 
+    def tokens(self, k: int, prior_weight: float | None = None) -> float:
+        """The live rows' expected tokens from a round of k, summed (Rows.expected; no live row: the prior's)."""
+        return sum(self.rows.expected(b, k, prior_weight) for b in sorted(self.live) or [None])
+
     def choose(self, seconds) -> tuple:
         """(k of the best round or 0 for a plain step, the best round's rate / the plain step's), seconds(k) giving
         each kind's seconds."""
-        live = sorted(self.live)
-        n = max(1, len(live))
-        expected = self.rows.expected
-        rates = {k: (sum(expected(b, k) for b in live) if live else self.rows.prior[k]) / seconds(k) for k in self.blocks}
+        rates = {k: self.tokens(k) / seconds(k) for k in self.blocks}
         best = max(self.blocks, key=rates.get)
-        ratio = rates[best] * seconds(0) / n
+        ratio = rates[best] * seconds(0) / max(1, len(self.live))
         return (best if ratio > 1 else 0), ratio
 
     def speculate(self) -> int:
@@ -226,10 +227,9 @@ class Policy:
     def probe_loss(self) -> float:
         """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (aging
         leaves it as it is): the best block's seconds in plain steps, less the tokens per row it would commit."""
-        live, seconds = sorted(self.live) or [None], self.costs.seconds
-        rates = {k: (sum(self.rows.expected(b, k, 0) for b in live) / len(live), seconds(k)) for k in self.blocks}
-        tokens, s = max(rates.values(), key=lambda ts: ts[0] / ts[1])
-        return s / seconds(0) - tokens
+        seconds, n = self.costs.seconds, max(1, len(self.live))
+        k = max(self.blocks, key=lambda j: self.tokens(j, 0) / seconds(j))
+        return seconds(k) / seconds(0) - self.tokens(k, 0) / n
 
     def leave(self, b: int) -> None:
         """Slot b's request finished."""
@@ -333,6 +333,10 @@ def describe(counts: dict) -> str:
     """The counts in words, for a statistics line: "policy: R rounds, P plain steps; switches: <reason> <n>, ..." with
     each nonzero reason (to plain steps: acceptance, costs; to rounds: admission, aging; untimed: plain steps taken
     to time one), or "no switch"."""
+    return f"policy: {counts['rounds']} rounds, {counts['plain_steps']} plain steps; {switches(counts)}"
+
+
+def switches(counts: dict) -> str:
+    """describe's switches: "switches: <reason> <n>, ..." with each nonzero reason, or "no switch"."""
     reasons = ", ".join(f"{k.split('_', 2)[-1]} {counts[k]}" for k in REASONS if counts[k])
-    return (f"policy: {counts['rounds']} rounds, {counts['plain_steps']} plain steps; "
-            + (f"switches: {reasons}" if reasons else "no switch"))
+    return f"switches: {reasons}" if reasons else "no switch"

@@ -41,10 +41,9 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F   # noqa: F401 (the tests count plain products through packed.F.linear)
 
 import model as M
-from compiling import cache_folder, cpu_model, read_record, write_record   # noqa: F401 (cpu_model: the benchmarks' record)
+from compiling import cache_folder, cpu_model, read_record, write_record
 
 AVAILABLE = {
     "mkl": torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")

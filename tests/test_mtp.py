@@ -12,7 +12,8 @@ import dflash
 import engine
 import model as M
 import mtp
-from helpers import Early, OracleProposer, property_cases, raise_case, randomize_, random_target, tiny_target_config
+from helpers import (Early, OracleProposer, property_cases, raise_case, randomize_, random_target,
+                     tiny_target_config)
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 
@@ -101,10 +102,11 @@ class Coin:
 @given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), steps=st.integers(1, 15), n_req=st.integers(1, 6),
        coin=st.booleans())
 def head_rows_property(slots, cfg, seed, steps, n_req, coin):
-    """test_head_rows_equal_their_runs_alone_and_draft_from_scratch's property, for `slots` slots. float64, random target and head, K = 1..15 chained steps, N slots (1: a request at a time) admitting requests
-    as slots free, pure rounds or a seeded mix of plain steps and rounds of every verify block 1..K + 1. Behind the
-    oracle (every acceptance length on every row): each row's output == its AR run alone, and every proposal the
-    head made == the head run from scratch on that row's committed prefix. The real head (no oracle) == AR too."""
+    """test_head_rows_equal_their_runs_alone_and_draft_from_scratch's property, for `slots` slots. float64, random
+    target and head, K = 1..15 chained steps, N slots (1: a request at a time) admitting requests as slots free,
+    pure rounds or a seeded mix of plain steps and rounds of every verify block 1..K + 1. Behind the oracle (every
+    acceptance length on every row): each row's output == its AR run alone, and every proposal the head made == the
+    head run from scratch on that row's committed prefix. The real head (no oracle) == AR too."""
     rng = random.Random(seed)
     target, block = random_target(cfg, seed % 101), steps + 1
     head = random_head(target, seed % 103)
@@ -137,7 +139,8 @@ def head_properties() -> list:
     return property_cases(head_rows_property, [{"slots": n} for n in HEAD_SLOTS])
 
 
-HEAD_PROPERTIES = Early(head_properties, process=True, used_by=["test_head_rows_equal_their_runs_alone_and_draft_from_scratch"])
+HEAD_PROPERTIES = Early(head_properties, process=True,
+                        used_by=["test_head_rows_equal_their_runs_alone_and_draft_from_scratch"])
 
 
 @pytest.mark.parametrize("case", range(len(HEAD_SLOTS)), ids=[str(n) for n in HEAD_SLOTS])

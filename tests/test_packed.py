@@ -333,7 +333,7 @@ def test_measure_times_passes_through_every_layer_in_order(monkeypatch):
         return real_f(x, weight, bias)
 
     monkeypatch.setattr(packed, "linear", counted)
-    monkeypatch.setattr(packed.F, "linear", counted_plain)
+    monkeypatch.setattr(F, "linear", counted_plain)      # (torch.nn.functional: what packed.py's plain products call)
     same = [random_linear(32, 48, False, seed=s) for s in range(3)]          # one shape, three layers
     other = random_linear(48, 16, True)
     m = nn.Sequential(*same, nn.Sequential(other), random_linear(16, 8, False, dtype=torch.bfloat16))
@@ -361,7 +361,7 @@ def test_measure_bounds_the_weights_a_pass_packs(monkeypatch):
     assert packed._pass_layers(packed._linears([m])) == [shape_a[0], shape_a[1], last]
     plain = []
     real_f = F.linear
-    monkeypatch.setattr(packed.F, "linear", lambda x, w, b=None: plain.append(w.data_ptr()) or real_f(x, w, b))
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: plain.append(w.data_ptr()) or real_f(x, w, b))
     packed.measure([m], rows=4, trials=1, batch_seconds=0)
     assert set(plain) == {shape_a[0].weight.data_ptr(), shape_a[1].weight.data_ptr(), last.weight.data_ptr()}
     monkeypatch.setattr(packed, "PASS_BYTES", 1 << 29)

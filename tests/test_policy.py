@@ -251,7 +251,9 @@ def test_policy_sim_replays_acceptance_maps():
     no round drafts (A = 1): the policy takes every round of the first, and on the second pays only its first
     rounds and its backed-off probes (pure rounds: a quarter of AR's speed)."""
     from tools import policy_sim
-    maps = {"easy": [{"tokens": 128, "A": [16] * 127}], "hard": [{"tokens": 128, "A": [1] * 127}]}
-    table = policy_sim.replay(maps, {0: 1.0, 16: 4.0, 8: 3.5, 4: 3.0, 2: 2.5}, {})
+    maps = {"easy": [{"tokens": 128, "block": 16, "A": [16] * 127}], "hard": [{"tokens": 128, "block": 16, "A": [1] * 127}]}
+    costs = {0: 1.0, 16: 4.0, 8: 3.5, 4: 3.0, 2: 2.5}
+    table = policy_sim.replay(maps, costs, {})
+    assert costs == {0: 1.0, 16: 4.0, 8: 3.5, 4: 3.0, 2: 2.5}               # (the caller's costs left as they were)
     assert table["easy"]["pure_over_ar"] == pytest.approx(127 / 32) and table["easy"]["policy_over_pure"] == 1.0
     assert table["hard"]["pure_over_ar"] == pytest.approx(0.25) and 0.85 < table["hard"]["policy_over_ar"] < 1.0

@@ -15,8 +15,8 @@ import mtp
 import noise
 import sampling
 from sampling import Sampling, sampling_probs, speculative_accept
-from helpers import (HAS_EMBEDDED_PAIR, Early, OracleProposer, property_cases, raise_case, kind_draft_config, randomize_, random_drafter, random_target,
-                     tiny_draft_config, tiny_target_config)
+from helpers import (HAS_EMBEDDED_PAIR, Early, OracleProposer, kind_draft_config, property_cases, raise_case, randomize_,
+                     random_drafter, random_target, tiny_draft_config, tiny_target_config)
 from test_batching import Pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one thread (conftest.py)
@@ -222,10 +222,11 @@ SETTINGS = [Sampling(0.7), Sampling(1.0), Sampling(1.3, top_p=0.9), Sampling(1.0
        block=st.sampled_from([2, 4, 8, 16]), prompt_len=st.integers(1, 30), s=st.sampled_from(SETTINGS),
        kind=st.sampled_from(["dflash", "sliding", "dflash2"]), slots=st.sampled_from([1, 3]))
 def sampled_output_for_the_seed(seed, pattern, block, prompt_len, s, kind, slots):
-    """test_sampled_output_equals_plain_decoding_for_the_seed's property. float64, random target: with one seed, the stand-in proposer (every acceptance length), a random DFlash /
-    sliding / DFlash2 drafter (the coupled rule) and a random MTP head, in a forced pattern of rounds (of the whole
-    block and shorter ones) and plain steps, all give exactly the text of plain sampled decoding; on one slot, or
-    on three beside other requests (other seeds and settings, greedy ones among them), each its own text."""
+    """test_sampled_output_equals_plain_decoding_for_the_seed's property. float64, random target: with one seed, the
+    stand-in proposer (every acceptance length), a random DFlash / sliding / DFlash2 drafter (the coupled rule) and
+    a random MTP head, in a forced pattern of rounds (of the whole block and shorter ones) and plain steps, all give
+    exactly the text of plain sampled decoding; on one slot, or on three beside other requests (other seeds and
+    settings, greedy ones among them), each its own text."""
     rng = random.Random(seed)
     target = random_target(tiny_target_config(vocab_size=50), abs(seed) % 97)
     prompt = [rng.randrange(50) for _ in range(prompt_len)]
@@ -250,7 +251,8 @@ def seed_properties() -> list:
     return property_cases(sampled_output_for_the_seed, [{}])
 
 
-SEED_PROPERTIES = Early(seed_properties, process=True, used_by=["test_sampled_output_equals_plain_decoding_for_the_seed"])
+SEED_PROPERTIES = Early(seed_properties, process=True,
+                        used_by=["test_sampled_output_equals_plain_decoding_for_the_seed"])
 
 
 def test_sampled_output_equals_plain_decoding_for_the_seed():

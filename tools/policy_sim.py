@@ -69,16 +69,19 @@ def drawn(costs: dict, params: dict) -> None:
 
 
 def replay(maps: dict, costs: dict, params: dict) -> dict:
-    """-> {set: {"policy_over_pure", "policy_over_ar", "pure_over_ar"}}: medians over the set's prompts."""
+    """maps: {set: [{"tokens", "block", "A"}]} (acceptance_maps); costs: {k: seconds}, AR's decode step under "ar"
+    (default: a plain step's) -> {set: {"policy_over_pure", "policy_over_ar", "pure_over_ar"}}: medians over the
+    set's prompts."""
+    costs = dict(costs)
     ar = costs.pop("ar", costs[0])
     table = {}
     for name, prompts in maps.items():
         ratios = {"policy_over_pure": [], "policy_over_ar": [], "pure_over_ar": []}
         for m in prompts:
-            A, n = m["A"], m["tokens"]
+            A, n, block = m["A"], m["tokens"], m["block"]
             commits = lambda j, k: A[j]                       # noqa: E731
-            pure = run(commits, costs, None, n)
-            pol = run(commits, costs, Policy(block=16, calibration=costs, **params), n)
+            pure = run(commits, costs, None, n, block)
+            pol = run(commits, costs, Policy(block=block, calibration=costs, **params), n, block)
             ratios["policy_over_pure"].append(pure / pol)
             ratios["policy_over_ar"].append((n - 1) * ar / pol)
             ratios["pure_over_ar"].append((n - 1) * ar / pure)
@@ -89,7 +92,8 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
 
 
 def acceptance_maps(args) -> dict:
-    """{set: [{"tokens": n, "A": [..]}]} for the pair of --target / --draft (the embedded pair by default)."""
+    """{set: [{"tokens": n, "block": B, "A": [..]}]} for the pair of --target / --draft (the embedded pair by
+    default): each prompt's output length, the drafter's block and the acceptance map."""
     import torch
     import checkpoint as ckpt
     import dflash
@@ -123,7 +127,7 @@ def acceptance_maps(args) -> dict:
                     while a < block - 1 and j + 1 + a < len(out) and proposals[a] == out[j + 1 + a]:
                         a += 1
                     A.append(a + 1)
-                maps[name].append({"tokens": len(out), "A": A})
+                maps[name].append({"tokens": len(out), "block": block, "A": A})
             print(f"{name}: {len(prompts)} prompts, mean A {statistics.mean(a for m in maps[name] for a in m['A']):.2f}",
                   file=sys.stderr)
     return maps
@@ -149,6 +153,8 @@ def main(argv=None) -> None:
         costs = {(k if k == "ar" else int(k)): float(v) for k, v in ast.literal_eval(args.costs or DRAWN_COSTS).items()}
     except (ValueError, SyntaxError, AttributeError):
         p.error(f"--costs {args.costs!r} is not a dict such as {DRAWN_COSTS}")
+    if args.mode == "drawn" and "ar" in costs:
+        p.error("--costs: 'ar' applies to replay only (drawn acceptance's AR step costs a plain step, the key 0)")
     if args.mode == "maps":
         import options
         args.target, args.draft = args.target or options.DEFAULT_TARGET, args.draft or options.DEFAULT_DRAFT

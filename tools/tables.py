@@ -31,19 +31,18 @@ import checkpoint as ckpt
 import dflash
 import engine
 import prompts as P
-from speed.packed import cpu_model
+from compiling import cpu_model
 import tree
 from policy import PerRun, Policy
 
 
-def method_proposers(args, target, dtype, device) -> dict:
+def method_proposers(args, target, dtype, device, weights=None) -> dict:
     """--methods names -> {name: (proposer, block size)}: dflash (--draft, its block size and default window),
     dflash-treeN (trees of N proposals from the same drafter's blocks, tree.DFlashTree; verify width N + 1), mtpK
     (the target checkpoint's MTP head, K chained steps, block K + 1), eagle3 (--eagle3-draft's dynamic trees of 16
-    nodes, 6 deep, top 4: the seeds' baseline) and eagle3-chainK (the same head, one candidate per node, K deep)."""
+    nodes, 6 deep, top 4: the seeds' baseline) and eagle3-chainK (the same head, one candidate per node, K deep).
+    weights: how the DFlash drafters keep theirs (checkpoint.load_drafter's), as the target keeps its own."""
     import mtp
-    from options import pick_weights
-    weights = pick_weights(getattr(args, "weight_dtype", None), dtype)          # kept as the target's are
     out, head, eagle_head = {}, None, None
     for name in args.methods.split(","):
         if name == "dflash":
@@ -255,10 +254,11 @@ def table_main(args, device) -> dict:
     # the sets first: a set that cannot be read stops the run before the models load
     sets = [(P.set_label(n), P.select(P.load_set(n), args.limit or P.default_count(n))) for n in args.dataset or []]
     dtype = pick_dtype(args.dtype, device)
-    target = ckpt.load_target(args.target, dtype, device, pick_weights(getattr(args, "weight_dtype", None), dtype))
+    weights = pick_weights(args.weight_dtype, dtype)                            # --weight-dtype, the drafters' too
+    target = ckpt.load_target(args.target, dtype, device, weights)
     tok = ckpt.load_tokenizer(target.path)
     text = Text(target, tok, not args.no_think, dtype, device)
-    methods = method_proposers(args, target, dtype, device)
+    methods = method_proposers(args, target, dtype, device, weights)
     widest = max(b for _, b in methods.values())
     # DFlash drafters (also inside a DFlashTree) take the products generate.py chooses; the MTP and EAGLE-3 heads keep nn.Linear
     inner = [p.inner if isinstance(p, tree.DFlashTree) else p for p, _ in methods.values()]

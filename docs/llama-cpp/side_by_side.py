@@ -448,7 +448,7 @@ def main(argv=None) -> int:
         return 2
     if REPO not in sys.path:
         sys.path.insert(0, REPO)     # the repository's modules (servers, checkpoint, tools.presets, speed.packed)
-    from speed.packed import cpu_model   # imports torch: after the checks above
+    from compiling import cpu_model   # imports torch: after the checks above
     result = {"cpu": cpu_model(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "llama_cpp": wd.engine() if args.only != "ours" else None, "workdir": wd.root,
               "settings": {"threads": args.threads, "dtypes": args.dtypes, "repetitions": args.repetitions,
