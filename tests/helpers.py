@@ -9,6 +9,7 @@ import os
 import pickle
 import random
 import threading
+import traceback
 
 import torch
 
@@ -102,6 +103,7 @@ def property_cases(prop, cases: list) -> list:
             prop(**kwargs)
             out.append(None)
         except Exception as e:
+            e.add_note(traceback.format_exc())          # (the traceback does not cross the process boundary)
             out.append(e)
     return out
 

