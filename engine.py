@@ -550,6 +550,8 @@ class Engine(Slots):
                     while rows[b] is None and waiting:
                         rows[b] = self.admit(b, *waiting.popleft(), observer.clock)
                         emit(rows[b])
+                        if rows[b] is None:     # ended at its first token: the slot rides at position 0, as free
+                            self.last[b], self.start[b] = 0, 0
                 if not any(rows):
                     return results
                 live = sum(row is not None for row in rows)

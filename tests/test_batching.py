@@ -176,6 +176,20 @@ def test_every_acceptance_length_on_every_row():
     assert any(len(set(v)) > 1 for v in by_start.values())
 
 
+def test_a_request_that_ends_at_its_first_token_leaves_its_slot_free():
+    """A request with max_new_tokens 1 ends at admission (its token comes from the prompt): its slot then rides at
+    position 0 like any free slot, so no step treats it as live (the proposer is never asked to draft for it)."""
+    cfg = tiny_target_config(vocab_size=50)
+    target = random_target(cfg, 4)
+    rng = random.Random(3)
+    reqs = [engine.Request([rng.randrange(50) for _ in range(n)], new) for n, new in ((12, 30), (9, 1), (7, 20), (5, 1))]
+    alone = [engine.run(target, r.prompt_ids, r.max_new_tokens).output_ids for r in reqs]
+    oracle = OracleProposer({tuple(r.prompt_ids): out for r, out in zip(reqs, alone)}, 50, 0, 4)
+    got = engine.Engine(target, oracle, 4, 3, 64).run(reqs)
+    assert [r.output_ids for r in got] == alone
+    assert {p for p, _, _ in oracle.asked} == {tuple(reqs[0].prompt_ids), tuple(reqs[2].prompt_ids)}
+
+
 def test_admission_order_and_slots_do_not_matter():
     """The same requests in another order, through 1, 3 and 8 slots: each request's output is the same."""
     cfg = tiny_target_config(vocab_size=40)
