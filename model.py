@@ -176,15 +176,21 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                               run a compiled form of it for weights of at least EAGER_FUSED elements (a compile once
                               per process, then served from inductor's on-disk cache), F.linear over the weight
                               widened at each call for smaller ones, where a compiled call's overhead costs more.
-      more rows               F.linear over the weight widened at the call (a multiply-sum would read the weight once
-                              per row); speed/packed.py gives few-row products a packed float32 copy instead where
-                              it measures that faster. Eager, a weight over WIDEN_SLICE elements (a 9B's lm_head:
-                              1G) is widened a slice of output rows at a time, so the float32 copy alive at once
-                              stays near WIDEN_SLICE x 4 bytes, not 4 GB (each output is the same K-term product).
-    The multiply-sum adds the K terms in another order than F.linear's kernel: equal to float32 rounding."""
+      2..FEW_ROWS rows (a     on a CPU, a weight over WIDEN_CHUNK elements is widened a chunk of output rows at a
+      verify, a draft, N      time, each chunk's product taken while its float32 copy is in the cache
+      rows in flight)         (few_row_product: one opaque op in compiled code), instead of a whole float32 copy
+                              written to memory and read back; speed/packed.py gives these products a packed
+                              float32 copy instead where it measures that faster and the memory allows.
+      more rows               F.linear over the weight widened at the call (its cost shared by many rows). Eager,
+                              a weight over WIDEN_SLICE elements (a 9B's lm_head: 1G) is widened a slice of output
+                              rows at a time, so the float32 copy alive at once stays near WIDEN_SLICE x 4 bytes,
+                              not 4 GB (each output is the same K-term product).
+    The multiply-sum adds the K terms in another order than F.linear's kernel, and a chunk's product may block them
+    otherwise than a whole one: equal to float32 rounding."""
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
-    if x.numel() == x.shape[-1] and x.dtype in (torch.float32, torch.float64):
+    rows = x.numel() // x.shape[-1]
+    if rows == 1 and x.dtype in (torch.float32, torch.float64):
         if torch.compiler.is_compiling():
             y = fused_product(x, w)
         elif w.numel() >= EAGER_FUSED and not torch.is_grad_enabled() and x.device.type == "cpu" and _EAGER_FUSED is not False:
@@ -194,6 +200,9 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
             y = F.linear(x, w.to(x.dtype))
         return y if b is None else y + b.to(x.dtype)
     b = None if b is None else b.to(x.dtype)
+    if rows <= FEW_ROWS and w.numel() > WIDEN_CHUNK and x.device.type == "cpu" and not torch.is_grad_enabled():
+        y = few_row_product(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
     if w.numel() > WIDEN_SLICE and not torch.compiler.is_compiling():
         n = max(1, WIDEN_SLICE // w.shape[1])
         return torch.cat([F.linear(x, w[i:i + n].to(x.dtype), None if b is None else b[i:i + n])
@@ -202,6 +211,26 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
 
 
 WIDEN_SLICE = 1 << 24       # kept weights widened for an eager many-row product at most this many elements at a time
+WIDEN_CHUNK = 1 << 18       # a few-row product over a kept weight widens this many elements (1 MB of float32) at a time
+FEW_ROWS = 64               # products of up to this many rows are few-row products
+
+
+@torch.library.custom_op("dflash::few_row_product", mutates_args=())
+def few_row_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype for a few rows M, w kept narrower: w widened WIDEN_CHUNK elements
+    (whole output rows) at a time into float32, each chunk multiplied while it is in the cache, so memory sees
+    w's own bytes once instead of a float32 copy written and read back (3-4x faster at the 2B shapes on a CPU,
+    docs/measurements.md). A custom op: compiled code calls it as it is, one op, not one node per chunk."""
+    n = max(1, WIDEN_CHUNK // w.shape[1])
+    y = x.new_empty(x.shape[0], w.shape[0])
+    for i in range(0, w.shape[0], n):
+        torch.mm(x, w[i:i + n].to(x.dtype).t(), out=y[:, i:i + n])
+    return y
+
+
+@few_row_product.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def fused_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -172,8 +172,9 @@ def use_products(choice: str, rows: int, *modules) -> dict:
     kind (speed/packed.py, optional); auto: packed.choose (measured once per machine, then cached). A no-op where it does
     not apply: not float32, not a CPU, the kind missing in this torch, too little free memory, or (auto) no products
     of 2-64 rows, as in plain decoding (rows 1).
-    -> {"products": the kind the models run ("plain" when none), "products_measured": {kind: its time / plain's} as
-    measured or read from the cache (None when forced), "products_cached": whether read from the cache}."""
+    -> {"products": the kind the first model (the target) runs ("plain" when none: its copies would not fit, say,
+    though a smaller drafter's did), "products_measured": {kind: its time / plain's} as measured or read from the
+    cache (None when forced), "products_cached": whether read from the cache}."""
     if choice == "plain":
         return {"products": "plain", "products_measured": None, "products_cached": False}
     from speed import packed
@@ -184,7 +185,7 @@ def use_products(choice: str, rows: int, *modules) -> dict:
     if choice != "plain":
         for m in modules:
             packed.swap_linears_(m, choice, rows)
-    return {"products": packed.kind_of(modules), "products_measured": measured, "products_cached": cached}
+    return {"products": packed.kind_of(modules[:1]), "products_measured": measured, "products_cached": cached}
 
 
 def products_words(products: dict) -> str:

@@ -4,20 +4,20 @@ The rule. Before every step the policy compares what each step kind is expected 
 commits one token per live row in `plain` seconds; a round of k commits the sum over live rows of E_r(k) tokens in
 `round(k)` seconds; the best k's round is taken when its rate is higher, else a plain step. E_r(k) is row r's
 expected tokens from a round of k: a decayed average (weight `keep` per round) of what its rounds committed,
-min(committed, k) (a round of K also tells what a round of any k <= K would have committed, and of any longer k
-when it stopped short of K; one that committed all K counts k, optimistically, until a round of k measures it),
-mixed with a prior worth `prior_weight` rounds (`prior_p`: the tokens of a round of k if each proposal were
-accepted with that probability). Every plain step ages the live rows' evidence by exp(-rate / loss), loss being
-what the best round would lose on the evidence alone (its seconds in plain steps less its tokens per row), so an
-estimate that made rounds lose drifts back to the prior, and a round (a probe) measures the rows again after a
-number of plain steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves with each
-probe that loses (down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more plain
-steps than its seconds); an admitted request starts from the prior. The
-seconds are the median of each step kind's last `window` timings, starting from a calibration measured once per
-machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected by every step timed; a block not
-timed yet is estimated by interpolating linearly in k between the timed kinds (a plain step standing for k = 0:
-optimistic, so it is tried and timed), and with no plain step timed the policy takes one. Nothing else is kept:
-every decision is made afresh from the estimates of that moment.
+min(committed, k) (a round of K also tells what a round of any k <= K would have committed, and of any longer k when
+it stopped short of K; one that committed all K counts k, optimistically, until a round of k measures it), mixed
+with a prior worth `prior_weight` rounds (`prior_p`: the tokens of a round of k if each proposal were accepted with
+that probability). Every plain step ages the live rows' evidence by exp(-rate / loss), loss being what the best
+round would lose on the evidence alone (its seconds in plain steps less its tokens per row), so an estimate that
+made rounds lose drifts back to the prior, and a round (a probe) measures the rows again after a number of plain
+steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves with each probe that loses
+(down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more plain steps than its
+seconds); an admitted request starts from the prior. The seconds are the median of each step kind's last `window`
+timings (a round's including what the plain step after it takes beyond a plain step's: the switch back), starting
+from a calibration measured once per machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected
+by every step timed; a block not timed yet is estimated by interpolating linearly in k between the timed kinds (a
+plain step standing for k = 0: optimistic, so it is tried and timed), and with no plain step timed the policy takes
+one. Nothing else is kept: every decision is made afresh from the estimates of that moment.
 
 The output never depends on any of this: every kind of step commits the target's own tokens, and plain steps keep
 the drafter's context fed (engine.Pending), so a round can follow any step. Why: docs/method.md#adaptive-speculation.
@@ -62,6 +62,12 @@ class Costs:
     def add(self, k: int, seconds: float) -> None:
         self.samples[k].append(seconds)
         self.medians.pop(k, None)
+
+    def charge(self, k: int, seconds: float) -> None:
+        """Add `seconds` to kind k's last timing (a round's switch back to plain steps, paid by the plain step after it)."""
+        if self.samples.get(k):
+            self.samples[k][-1] += seconds
+            self.medians.pop(k, None)
 
     def timed(self, k: int) -> bool:
         return bool(self.samples.get(k))
@@ -157,7 +163,7 @@ class Policy:
     def reset(self) -> None:
         self.rows = Rows(self.blocks, *self.params)
         self.live, self.admitted = set(), False
-        self.last, self.after_round = None, False       # the last decision (0 or k); whether a round came just before
+        self.last, self.after_round = None, None        # the last decision (0 or k); the k of a round just before
         self.basis = None                                # the round seconds that decision used
         self.probe, self.rate = False, self.budget       # whether the coming round is a probe; the aging's budget now
         self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, **dict.fromkeys(REASONS, 0)})
@@ -213,16 +219,18 @@ class Policy:
         for b, c in enumerate(committed):
             if c is not None:
                 self.rows.add_round(b, k, c)
-        self.after_round = True
+        self.after_round = k
 
     def observe_plain(self, seconds: float) -> None:
         """A plain step's seconds. The first after a round also carries the round's verify features into the drafter's
-        context (a switch's cost, not a plain step's): it is not timed."""
-        if not self.after_round:
+        context: its seconds beyond a plain step's are the switch's cost, charged to that round's timing."""
+        if self.after_round and self.costs.timed(0):
+            self.costs.charge(self.after_round, max(0.0, seconds - self.costs.seconds(0)))
+        elif not self.after_round:
             self.costs.add(0, seconds)
         self.counts["plain_steps"] += 1
         self.rows.add_plain(sorted(self.live), math.exp(-self.rate / max(self.rate, self.probe_loss())))
-        self.after_round = False
+        self.after_round = None
 
     def probe_loss(self) -> float:
         """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (aging

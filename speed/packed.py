@@ -42,6 +42,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+import checkpoint
 import model as M
 from compiling import cache_folder, cpu_model, read_record, write_record
 
@@ -354,11 +355,9 @@ def _groups(module: nn.Module, narrow_ok: bool = False) -> list:
 
 
 def _available_memory() -> int | None:
-    """Bytes of physical memory free now (Linux), or None where that cannot be read."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Bytes of memory a process may still take (MemAvailable: free pages and the page cache the kernel can drop;
+    the free pages alone read low after large files were read or written), or None where that cannot be read."""
+    return checkpoint.available_memory("cpu")
 
 
 def _swappable(m: nn.Module, narrow_ok: bool = False) -> bool:

@@ -114,6 +114,35 @@ def test_policy_corrects_its_calibration_with_the_steps_it_times():
     assert p.counts["to_plain_costs"] == 1 and p.counts["to_plain_acceptance"] == kinds.count("R") - 2     # the probe's
 
 
+def test_the_plain_step_after_a_round_charges_its_extra_to_the_round():
+    """The first plain step after a round also carries the round's features into the drafter's context: what it takes
+    beyond a plain step's median is the round's (a switch back costs that round more), and it is no plain step sample.
+    Where rounds lose and the policy probes, a switch back that costs 2 more plain steps makes each probe dearer, and
+    probes come less often."""
+    p = Policy(block=16, blocks=(16,), calibration={0: 0.001, 16: 0.003})
+    p.admit(0)
+    p.observe_round([4], 16, 0.003)
+    p.observe_plain(0.003)
+    assert list(p.costs.samples[16]) == [0.003, pytest.approx(0.005)] and list(p.costs.samples[0]) == [0.001]
+    p.observe_plain(0.0012)                                  # a steady plain step: a plain sample, nothing charged
+    assert list(p.costs.samples[0]) == [0.001, 0.0012] and p.costs.samples[16][-1] == pytest.approx(0.005)
+
+    def steps(switch_s):            # rounds of 16 at 4 plain steps commit 2 tokens: plain steps, and probes
+        p = Policy(block=16, blocks=(16,), calibration={0: 0.001, 16: 0.004})
+        p.admit(0)
+        out = ""
+        for _ in range(600):
+            k = p.speculate()
+            out += "R" if k else "."
+            if k:
+                p.observe_round([2], k, 0.004)
+            else:
+                p.observe_plain(0.001 + (switch_s if out[-2:-1] == "R" else 0))
+        return out
+    cheap, costly = steps(0.0), steps(0.002)
+    assert cheap.count("R") >= 8 and costly.count("R") < cheap.count("R")     # a dearer probe comes less often
+
+
 def test_policy_without_a_calibration_times_a_plain_step_first():
     """No calibration (an eager run, no warm-up): one plain step to time one, then a round of the whole block (the
     prior pays against a round not timed yet: interpolated between the plain step and the timed blocks)."""

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import checkpoint as ckpt
 import engine
@@ -89,6 +90,39 @@ def test_large_kept_weights_are_widened_a_slice_at_a_time(tmp_path, monkeypatch)
     torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
     biggest = max(p.numel() for p in kept.parameters())
     assert widened and max(widened) <= max(64, max(p.shape[1] for p in kept.parameters() if p.dim() == 2)) < biggest
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_few_row_products_widen_the_kept_weight_a_chunk_at_a_time(tmp_path, monkeypatch, compiled):
+    """Products of 2..FEW_ROWS rows (a verify, a draft, rows in flight) over a kept weight larger than WIDEN_CHUNK
+    widen it a chunk of output rows at a time (model.few_row_product, one op in compiled code): chunks of 5 rows
+    here and a last one of 1, the result equal to the product over the widened weight to float32 rounding; 65 rows
+    widen the whole weight at the call; a whole model's verify-sized prefill (10 rows, every product chunked) gives
+    the widened model's logits to float32 rounding."""
+    monkeypatch.setattr(M, "WIDEN_CHUNK", 5 * 48)
+    w, b = torch.randn(101, 48).to(torch.bfloat16), torch.randn(101).to(torch.bfloat16)
+    product = torch.compile(M.kept_product, fullgraph=True, dynamic=False) if compiled else M.kept_product
+    chunks, mm = [], torch.mm
+
+    def spy(x, w, out=None):
+        chunks.append(w.shape[1])
+        return mm(x, w, out=out)
+    monkeypatch.setattr(torch, "mm", spy)
+    for rows in (2, 16, 64, 65):
+        x = torch.randn(rows, 48)
+        chunks.clear()
+        with torch.no_grad():
+            got = product(x, w, b)
+        torch.testing.assert_close(got, F.linear(x, w.float(), b.float()), rtol=1e-6, atol=1e-5)
+        if rows <= M.FEW_ROWS:
+            assert chunks == [5] * 20 + [1], (rows, chunks)
+        else:                           # (compiled code calls torch.mm for the whole product itself)
+            assert set(chunks) <= {101}, chunks
+    monkeypatch.setattr(torch, "mm", mm)
+    tdir, _ = saved(tmp_path, "dense")
+    kept, wide = ckpt.load_target(tdir, torch.float32, weights="auto"), ckpt.load_target(tdir, torch.float32)
+    monkeypatch.setattr(M, "WIDEN_CHUNK", 64)
+    torch.testing.assert_close(logits_of(kept), logits_of(wide), rtol=1e-5, atol=1e-5)
 
 
 def test_one_row_products_read_the_kept_weights_to_float32_rounding(tmp_path, monkeypatch):
