@@ -246,8 +246,8 @@ class Policy:
 
 class Alternate:
     """A plain step and a round of each block in `blocks`, in turn: a warm-up that compiles every step kind a Policy
-    may take, and times them (medians: {k: seconds}, 0 a plain step; the first plain step after a round is not
-    timed, as in Policy)."""
+    may take, and times them (medians: {k: seconds}, 0 a plain step; the first plain step after a round is no plain
+    step's sample, as in Policy, and charges nothing: the rounds here mostly follow rounds)."""
 
     def __init__(self, blocks: tuple):
         self.cycle = [0, 0, *blocks]

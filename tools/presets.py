@@ -3,6 +3,10 @@
     python tools/bench.py --preset qwen3.5-9b --random-weights --compile --compile-mode reduce-overhead   # on a GPU
     python tools/bench.py --preset tiny-9b-shape --random-weights                                       # the same code, CPU
     python tools/bench.py --preset tiny-9b-shape --random-weights --concurrency 1,8,32                  # per N in flight
+    python tools/bench.py --preset qwen3.5-2b --random-weights --compile --weight-dtype bfloat16        # CPU default
+
+Random weights are made in --dtype (nothing stores them); --weight-dtype bfloat16 keeps them as a published
+bfloat16 checkpoint's are kept under float32 arithmetic (generate.py's default on a CPU).
 
 Step times do not depend on the weights' values, so random weights built on the device time the real shapes:
 AR decode, verify and draft steps, the weight bandwidth a decode step achieves against a measured device copy
