@@ -219,7 +219,7 @@ FEW_ROWS = 64               # products of up to this many rows are few-row produ
 def few_row_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype for a few rows M, w kept narrower: w widened WIDEN_CHUNK elements
     (whole output rows) at a time into float32, each chunk multiplied while it is in the cache, so memory sees
-    w's own bytes once instead of a float32 copy written and read back (3-4x faster at the 2B shapes on a CPU,
+    w's own bytes once instead of a float32 copy written and read back (2-3x faster at the 2B shapes on a CPU,
     docs/measurements.md). A custom op: compiled code calls it as it is, one op, not one node per chunk."""
     n = max(1, WIDEN_CHUNK // w.shape[1])
     y = x.new_empty(x.shape[0], w.shape[0])

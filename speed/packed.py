@@ -53,7 +53,7 @@ AVAILABLE = {
               and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),
 }
 KINDS = tuple(k for k, ok in AVAILABLE.items() if ok)
-FEW_ROWS = 64            # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
+FEW_ROWS = M.FEW_ROWS      # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
 PACK_ROWS = 16           # the default row count weights are packed for (the verify block)
 MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
 NARROW = (torch.bfloat16, torch.float16)   # weights kept narrower than float32 arithmetic (model.kept_product):

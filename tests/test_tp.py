@@ -263,7 +263,7 @@ def tree_run(target, drafter) -> list:
 
 class Recording:
     """A policy.Policy that records what it would decide itself (every rank's own, from its own times); `slow`: the
-    plain steps' seconds it is told are that many times what they took (a rank whose clock runs slow then)."""
+    rounds' seconds it is told are that many times what they took (a rank whose clock runs slow then)."""
 
     def __init__(self, block: int, slow: float = 1.0):
         import policy
@@ -278,10 +278,10 @@ class Recording:
         return self.own[-1]
 
     def observe_round(self, committed, k, seconds):
-        self.inner.observe_round(committed, k, seconds)
+        self.inner.observe_round(committed, k, seconds * self.slow)
 
     def observe_plain(self, seconds):
-        self.inner.observe_plain(seconds * self.slow)
+        self.inner.observe_plain(seconds)
 
     def admit(self, b):
         self.inner.admit(b)
@@ -308,13 +308,13 @@ class Skewed:
 
 
 def decided_once(target, drafter, rank: int, par) -> dict:
-    """24 requests at 3 slots under the default policy, rank 1's clock skewed (and its policy told its plain steps
-    took 100 times as long): every rank must take rank 0's steps
+    """24 requests at 3 slots under the default policy, rank 1's clock skewed (and its policy told its rounds took 100
+    times as long): every rank must take rank 0's steps
     (else the ranks' collectives part and the run aborts) and give the same outputs; `own`: what each rank's policy
     would have decided alone."""
     import engine
     requests = [engine.Request([(7 * i + j) % 50 + 1 for j in range(3 + i % 5)], 16 + i % 3) for i in range(24)]
-    policy = Recording(8, slow=100.0 if rank == 1 else 1.0)       # rank 1's own policy: plain steps never pay
+    policy = Recording(8, slow=100.0 if rank == 1 else 1.0)       # rank 1's own policy: rounds never pay once timed
     eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 8, 3, 64, policy=par.synced(policy))
     real = engine.time
     if rank == 1:
@@ -422,7 +422,7 @@ def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
     assert decided[0]["kinds"] == decided[1]["kinds"] and decided[0]["outputs"] == decided[1]["outputs"]
     kinds = [k for run in decided[0]["kinds"] for k in run]
     assert "verify" in kinds and "plain" in kinds                # the policy did choose, both ways
-    # the skewed rank's own policy would have taken other steps (rounds where rank 0 took plain steps): the
+    # the skewed rank's own policy would have taken other steps (plain steps where rank 0 took rounds): the
     # disagreement the broadcast overrides
     assert decided[1]["own"] != decided[0]["own"]
     import engine
