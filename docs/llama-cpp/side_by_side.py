@@ -277,14 +277,9 @@ def has_checkpoint(hf_dir: str) -> bool:
 
 def save_random_target(model: str, hf_dir: str) -> None:
     """The `qwen3.5-<model>` preset's target with random weights (seed 0), written in bfloat16 one layer at a time as
-    the published sharded checkpoints are (the f32 and bf16 GGUFs are made from it)."""
-    import torch
-    import checkpoint
-    from tools import presets
-    name = f"qwen3.5-{model}"
-    os.makedirs(hf_dir, exist_ok=True)
-    cfg, _ = presets.preset_configs(name)
-    checkpoint.save_target_in_parts(cfg, presets.random_target_parts(name, torch.bfloat16), hf_dir, torch.bfloat16)
+    the published sharded checkpoints are (tools/realsize.py write; the f32 and bf16 GGUFs are made from it)."""
+    from tools import realsize
+    realsize.write(f"qwen3.5-{model}", hf_dir)
 
 
 def prepare_random(wd: Workdir, model: str, dtypes: list, dry: bool) -> None:
