@@ -215,7 +215,7 @@ WIDEN_CHUNK = 1 << 18       # a few-row product over a kept weight widens this m
 FEW_ROWS = 64               # products of up to this many rows are few-row products
 
 
-@torch.library.custom_op("dflash::few_row_product", mutates_args=())
+@torch.library.custom_op("dflash_fast::few_row_product", mutates_args=())
 def few_row_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype for a few rows M, w kept narrower: w widened WIDEN_CHUNK elements
     (whole output rows) at a time into float32, each chunk multiplied while it is in the cache, so memory sees
