@@ -174,14 +174,17 @@ class Policy:
         self.live.add(b)
         self.admitted = True
 
-    def tokens(self, k: int, prior_weight: float | None = None) -> float:
-        """The live rows' expected tokens from a round of k, summed (Rows.expected; no live row: the prior's)."""
-        return sum(self.rows.expected(b, k, prior_weight) for b in sorted(self.live) or [None])
+    def tokens(self, prior_weight: float | None = None) -> dict:
+        """{k: the live rows' expected tokens from a round of k, summed} for every block (Rows.expected; no live row:
+        the prior's)."""
+        live = sorted(self.live) or [None]
+        return {k: sum(self.rows.expected(b, k, prior_weight) for b in live) for k in self.blocks}
 
     def choose(self, seconds) -> tuple:
         """(k of the best round or 0 for a plain step, the best round's rate / the plain step's), seconds(k) giving
         each kind's seconds."""
-        rates = {k: self.tokens(k) / seconds(k) for k in self.blocks}
+        tokens = self.tokens()
+        rates = {k: tokens[k] / seconds(k) for k in self.blocks}
         best = max(self.blocks, key=rates.get)
         ratio = rates[best] * seconds(0) / max(1, len(self.live))
         return (best if ratio > 1 else 0), ratio
@@ -236,8 +239,9 @@ class Policy:
         """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (aging
         leaves it as it is): the best block's seconds in plain steps, less the tokens per row it would commit."""
         seconds, n = self.costs.seconds, max(1, len(self.live))
-        k = max(self.blocks, key=lambda j: self.tokens(j, 0) / seconds(j))
-        return seconds(k) / seconds(0) - self.tokens(k, 0) / n
+        tokens = self.tokens(0)
+        k = max(self.blocks, key=lambda j: tokens[j] / seconds(j))
+        return seconds(k) / seconds(0) - tokens[k] / n
 
     def leave(self, b: int) -> None:
         """Slot b's request finished."""
