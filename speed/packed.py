@@ -365,12 +365,36 @@ def _swappable(m: nn.Module, narrow_ok: bool = False) -> bool:
             and not torch.nn.utils.parametrize.is_parametrized(m) and _packable(m.weight, narrow_ok))
 
 
+def _within(todo: list, groups: list, budget: int | None) -> tuple:
+    """The (parent, name, linear) entries of `todo` and the SHARED_INPUT `groups` whose float32 copies fit in `budget`
+    bytes (None: all): each group, and each other weight with every linear that shares it, one unit, taken largest
+    first while the total fits -> (todo, groups) kept."""
+    members = {id(getattr(layer, n)): i for i, (layer, names) in enumerate(groups) for n in names}
+    units = {}                  # ("group", its index) or ("weight", id) -> ({id: weight}, {id: linear})
+    for _, _, child in todo:
+        key = ("group", members[id(child)]) if id(child) in members else ("weight", id(child.weight))
+        weights, linears = units.setdefault(key, ({}, set()))
+        weights[id(child.weight)] = child.weight
+        linears.add(id(child))
+    size = {key: sum(w.numel() * 4 for w in weights.values()) for key, (weights, _) in units.items()}
+    kept = set(units)
+    if budget is not None and sum(size.values()) > budget:
+        kept, total = set(), 0
+        for key in sorted(units, key=lambda k: -size[k]):
+            if total + size[key] <= budget:
+                kept.add(key)
+                total += size[key]
+    linears = {i for key in kept for i in units[key][1]}
+    return [t for t in todo if id(t[2]) in linears], [g for i, g in enumerate(groups) if ("group", i) in kept]
+
+
 def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS) -> int:
     """Replace every nn.Linear of `module` whose weight is float32 on the CPU by a PackedLinear of `kind` for
     `rows`-row products over the same Parameters (tied weights stay tied: lm_head.weight is still
-    embed_tokens.weight; state_dict keys do not change). Changes nothing when the kind is unavailable in this torch,
-    when no linear is float32 on the CPU, or when the copies would take more than half of the memory free now (a big
-    float32 model keeps F.linear rather than run out of memory). The linears of a layer's SHARED_INPUT groups are
+    embed_tokens.weight; state_dict keys do not change). Changes nothing when the kind is unavailable in this torch
+    or when no linear is float32 on the CPU. The copies may take half of the memory available now: where all of them
+    would take more, the largest products are swapped first, as many as fit (a big model keeps F.linear for the rest
+    rather than run out of memory; _within). The linears of a layer's SHARED_INPUT groups are
     joined into one PackedGroup each (model.linears runs it), packed once as one product; their Parameters become
     views of the joined weight. `module` itself is not replaced: wrap a lone linear with PackedLinear.from_linear.
     Apply after the weights are final (module docstring). -> bytes of copies made."""
@@ -379,12 +403,12 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
     narrow_ok = _narrow_ok(module, kind)
     todo = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()
             if child is not None and _swappable(child, narrow_ok)]     # (named_children would skip a second name)
-    weights = {id(child.weight): child.weight for _, _, child in todo}
-    need = sum(w.numel() * 4 for w in weights.values())        # float32 copies
-    free = _available_memory()
-    if not todo or (free is not None and need > free // 2):
-        return 0
     groups = _groups(module, narrow_ok)
+    free = _available_memory()
+    todo, groups = _within(todo, groups, None if free is None else free // 2)
+    if not todo:
+        return 0
+    need = sum(w.numel() * 4 for w in {id(c.weight): c.weight for _, _, c in todo}.values())    # float32 copies
     joined = {id(getattr(layer, n)) for layer, names in groups for n in names}    # packed by their group only
     made, copies = {}, {}
     for parent, name, child in todo:

@@ -181,6 +181,36 @@ def test_swap_keeps_parameters_names_and_ties(kind):
     m.load_state_dict({k: v.detach().clone() for k, v in before.items()})   # loading into it still works
 
 
+def test_swap_packs_the_largest_products_that_fit(kind, monkeypatch):
+    """Copies of every linear would take more than half the memory available: the largest products are swapped
+    first, as many as fit (a SHARED_INPUT group counts whole, a weight shared by two linears once), the rest stay
+    nn.Linear, and the products are the same either way."""
+    import model as M
+    torch.manual_seed(0)
+    mlp = M.MLP(32, 48).float()                       # gate/up: one group of 2 x 48 x 32; down: 32 x 48
+    head = nn.Linear(32, 200, bias=False)             # the largest: 200 x 32
+    tied = nn.Linear(32, 200, bias=False)
+    tied.weight = head.weight                         # shares head's weight: counted once
+    small = nn.Linear(32, 8, bias=False)
+    m = nn.ModuleDict({"mlp": mlp, "head": head, "tied": tied, "small": small})
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        want = {n: mod(x) for n, mod in m.items()}
+    f32 = 4
+    budget = (200 * 32 + 2 * 48 * 32) * f32           # the head (with its twin) and the gate/up group
+    monkeypatch.setattr(packed, "_available_memory", lambda: 2 * budget)
+    with torch.no_grad():
+        made = packed.swap_linears_(m, kind)
+    assert made == budget
+    assert isinstance(m["head"], packed.PackedLinear) and isinstance(m["tied"], packed.PackedLinear)
+    assert m["head"].weight is m["tied"].weight
+    assert isinstance(m["mlp"].gate_proj, packed.PackedLinear) and m["mlp"].gate_proj.group is not None
+    assert not isinstance(m["mlp"].down_proj, packed.PackedLinear) and type(m["small"]) is nn.Linear
+    with torch.no_grad():
+        for n, mod in m.items():
+            torch.testing.assert_close(mod(x), want[n], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["float64", "bfloat16", "meta", "kind unavailable", "short of memory"])
 def test_swap_refuses_what_it_cannot_serve(case, kind, monkeypatch):
     """Other dtypes and devices, a torch without the kind's linear, copies over half of the free memory:
