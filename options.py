@@ -170,8 +170,9 @@ def compile_options(args, device) -> dict:
 def use_products(choice: str, rows: int, *modules) -> dict:
     """--products: swap the linears of the loaded, final models (None entries skipped) for packed ones of the chosen
     kind (speed/packed.py, optional); auto: packed.choose (measured once per machine, then cached). A no-op where it does
-    not apply: not float32, not a CPU, the kind missing in this torch, too little free memory, or (auto) no products
-    of 2-64 rows, as in plain decoding (rows 1).
+    not apply: not float32, not a CPU, the kind missing in this torch, too little available memory for any copy (the
+    largest products are packed first, as many as half of it holds), or (auto) no products of 2-64 rows, as in plain
+    decoding (rows 1).
     -> {"products": the kind the first model (the target) runs ("plain" when none: its copies would not fit, say,
     though a smaller drafter's did), "products_measured": {kind: its time / plain's} as measured or read from the
     cache (None when forced), "products_cached": whether read from the cache}."""

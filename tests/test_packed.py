@@ -213,7 +213,7 @@ def test_swap_packs_the_largest_products_that_fit(kind, monkeypatch):
 
 @pytest.mark.parametrize("case", ["float64", "bfloat16", "meta", "kind unavailable", "short of memory"])
 def test_swap_refuses_what_it_cannot_serve(case, kind, monkeypatch):
-    """Other dtypes and devices, a torch without the kind's linear, copies over half of the free memory:
+    """Other dtypes and devices, a torch without the kind's linear, a copy larger than half the available memory:
     nothing is swapped and 0 is returned; an unknown kind is refused by name."""
     dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
     m = nn.Sequential(nn.Linear(48, 64, bias=False, dtype=dtype, device="meta" if case == "meta" else None))
