@@ -636,8 +636,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu", weights=None) -> Q
         raise CheckpointError(f"config.json has no layer_types, and the layer kinds assumed without it ({cfg.layer_types.count('full_attention')} "
                               f"full attention layers of {cfg.num_hidden_layers}) do not match the weights: add the checkpoint's "
                               f"layer_types to config.json ({e})") from None
-    if model.embed_tokens.weight.dtype != dtype:      # weights kept narrower: the arithmetic starts at the embedding
-        model.embed_tokens.out_dtype = dtype
+    model.dtype = dtype                  # (weights kept narrower: the arithmetic starts at the embedding)
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()
@@ -661,8 +660,7 @@ def load_drafter(path: str, target_cfg: TargetConfig, dtype=torch.float32, devic
     model.to_empty(device="cpu")
     tensors = {_draft_key(k): t for k, t in read_safetensors(path, lazy=True).items()}
     load_into(model, tensors, dtype, "drafter", weights=weights)
-    if model.fc.weight.dtype != dtype:
-        model.compute_dtype = dtype
+    model.dtype = dtype
     model.init_buffers_()
     model.path = path
     return model.to(device).eval()

@@ -836,6 +836,12 @@ class Qwen35(nn.Module):
         (embed_tokens.out_dtype: checkpoint.load_target's `weights`)."""
         return self.embed_tokens.out_dtype or self.embed_tokens.weight.dtype
 
+    @dtype.setter
+    def dtype(self, dtype: torch.dtype) -> None:
+        """Compute in `dtype` over the weights as they are kept: where they are narrower, the arithmetic starts at the
+        embedding, whose rows come out in `dtype`."""
+        self.embed_tokens.out_dtype = None if dtype == self.embed_tokens.weight.dtype else dtype
+
     def tie_weights_(self) -> None:
         """With tie_word_embeddings (the small sizes), lm_head shares the embedding's Parameter."""
         if self.cfg.tie_word_embeddings:
@@ -1065,6 +1071,11 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         """The arithmetic dtype (its context cache's): compute_dtype, else the weights'."""
         return self.compute_dtype or self.fc.weight.dtype
+
+    @dtype.setter
+    def dtype(self, dtype: torch.dtype) -> None:
+        """Compute in `dtype` over the weights as they are kept (compute_dtype where they are narrower)."""
+        self.compute_dtype = None if dtype == self.fc.weight.dtype else dtype
 
     def init_buffers_(self) -> None:
         self.inv_freq = inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.inv_freq.device)

@@ -368,7 +368,7 @@ def _swappable(m: nn.Module, narrow_ok: bool = False) -> bool:
 def _within(todo: list, groups: list, budget: int | None) -> tuple:
     """The (parent, name, linear) entries of `todo` and the SHARED_INPUT `groups` whose float32 copies fit in `budget`
     bytes (None: all): each group, and each other weight with every linear that shares it, one unit, taken largest
-    first while the total fits -> (todo, groups) kept."""
+    first while the total fits -> (todo, groups) kept, and the bytes of their copies."""
     members = {id(getattr(layer, n)): i for i, (layer, names) in enumerate(groups) for n in names}
     units = {}                  # ("group", its index) or ("weight", id) -> ({id: weight}, {id: linear})
     for _, _, child in todo:
@@ -385,7 +385,8 @@ def _within(todo: list, groups: list, budget: int | None) -> tuple:
                 kept.add(key)
                 total += size[key]
     linears = {i for key in kept for i in units[key][1]}
-    return [t for t in todo if id(t[2]) in linears], [g for i, g in enumerate(groups) if ("group", i) in kept]
+    return ([t for t in todo if id(t[2]) in linears], [g for i, g in enumerate(groups) if ("group", i) in kept],
+            sum(size[key] for key in kept))
 
 
 def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS) -> int:
@@ -405,10 +406,9 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
             if child is not None and _swappable(child, narrow_ok)]     # (named_children would skip a second name)
     groups = _groups(module, narrow_ok)
     free = _available_memory()
-    todo, groups = _within(todo, groups, None if free is None else free // 2)
+    todo, groups, need = _within(todo, groups, None if free is None else free // 2)     # need: float32 copies' bytes
     if not todo:
         return 0
-    need = sum(w.numel() * 4 for w in {id(c.weight): c.weight for _, _, c in todo}.values())    # float32 copies
     joined = {id(getattr(layer, n)) for layer, names in groups for n in names}    # packed by their group only
     made, copies = {}, {}
     for parent, name, child in todo:

@@ -135,9 +135,8 @@ def random_models(name: str, device, dtype, weights=None) -> tuple:
     checkpoint.load_target keeps it). Values are nn.Linear / nn.Embedding default inits: step times do not depend
     on them. A_log and dt_bias are in float32 (state_dtype), as load_target keeps them."""
     tcfg, dcfg = preset_configs(name)
-    kept = weights or dtype
     old = torch.get_default_dtype()
-    torch.set_default_dtype(kept)
+    torch.set_default_dtype(weights or dtype)
     try:
         with torch.device(device), torch.no_grad():
             target = M.Qwen35(tcfg)
@@ -147,8 +146,7 @@ def random_models(name: str, device, dtype, weights=None) -> tuple:
                     p.data = p.data.to(state_dtype(dtype))
     finally:
         torch.set_default_dtype(old)
-    if kept != dtype:                       # the arithmetic starts at the embedding, as load_target sets it
-        target.embed_tokens.out_dtype = drafter.compute_dtype = dtype
+    target.dtype = drafter.dtype = dtype    # (kept narrower: the arithmetic starts at the embedding, as load_target's)
     return target.eval(), drafter.eval()
 
 
