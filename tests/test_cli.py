@@ -4,7 +4,7 @@ input exits with code 2 and one 'error:' line.
 
 Every `python generate.py` process is started at once by the `runs` fixture (they are independent, and
 most of each one's time is importing torch), then each test checks its own run. Variants that need no
-process of their own call generate.main in-process."""
+process of their own call generate.main (or generate.cli, for the bad inputs) in-process."""
 import json
 import os
 import shutil
@@ -114,7 +114,7 @@ BAD = {
 @pytest.fixture(scope="module")
 def runs(ckpt, tok_ckpt):
     fill = dict(ckpt, tok_target=tok_ckpt["target"], tok_draft=tok_ckpt["draft"])
-    cmds = {**GOOD, **{name: args for name, (args, _) in BAD.items()}}
+    cmds = {**GOOD, "missing-target": BAD["missing-target"][0]}     # (the other bad inputs: in-process, below)
     procs = {}
     for name, args in cmds.items():
         argv = ["--target", ckpt["target"], "--draft", ckpt["draft"], *[str(a).format(**fill) for a in args]]
@@ -191,12 +191,19 @@ def test_prompt_text_streams_through_the_tokenizer(tok_ckpt, runs, capsys):
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_is_one_error_line(ckpt, runs, name):
-    r = runs[name]
-    assert r.rc == 2, r
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r
-    assert BAD[name][1].format(root=ckpt["root"]) in lines[0], lines[0]
+def test_bad_input_is_one_error_line(ckpt, runs, capsys, name):
+    """Each bad input: exit code 2 and one 'error:' line naming it, from generate.cli in-process and, for one of
+    them, from the `python generate.py` process itself."""
+    fill = dict(ckpt)
+    args, words = BAD[name]
+    capsys.readouterr()
+    rc = generate.cli(["--target", ckpt["target"], "--draft", ckpt["draft"], *[str(a).format(**fill) for a in args]])
+    results = [Done(rc, *capsys.readouterr())] + ([runs[name]] if name in runs else [])
+    for r in results:
+        assert r.rc == 2, r
+        lines = r.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), r
+        assert words.format(root=ckpt["root"]) in lines[0], lines[0]
 
 
 # --------------------------------------------------------------------------------------------------
