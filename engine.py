@@ -344,7 +344,8 @@ class Slots:
     """N slots over one target (and optionally a Proposer), caches allocated once for `capacity` positions per row,
     and fixed-shape step functions, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
         decode_step  (tok [N,1], pos [N,1])                        -> tokens [N]      AR
-        plain_step   (tok [N,1], pos [N,1], buf [N,P,F], slot [1]) -> tokens [N]      AR, the features kept in buf
+        plain_step   (tok [N,1], pos [N,1], buf [N,P,F], nxt [N,P] | None, slot [1]) -> tokens [N]
+                                                        AR, the features kept in buf (the tokens in nxt)
         draft_step   (last [N], start [N], feats [N,P,F], feat_pos [N,P], k-1, next_ids [N,P], ...) -> Draft
         verify_step  (last [N], proposals [N,k-1], pos [N,k], q)   -> [N,2k] accepted, posterior, proposals; each
                      row's GDN states committed to its accepted tokens, the features pending (Pending.keep_round)
@@ -438,14 +439,18 @@ class Slots:
         logits, _ = self.target(tok, pos, self.cache, rope_pos=pos + self.rope_delta[:, None])
         return self._choose(logits, pos + 1)[:, 0]
 
-    def _plain(self, tok, pos, buf, slot):
+    def _plain(self, tok, pos, buf, nxt, slot):
         """_decode that also keeps the tokens' features, as column `slot` [1] of buf [N,P,F] (Pending.plain_buf), so
-        that rounds can resume at any step."""
+        that rounds can resume at any step; and, for a proposer that reads next ids, the tokens it chose as that
+        column of nxt [N,P] (Pending.plain_next; None for one that reads none)."""
         logits, own = self.target(tok, pos, self.cache, feature_layers=self.feature_layers,
                                   rope_pos=pos + self.rope_delta[:, None])
         if own is not None:
             buf.index_copy_(1, slot, own)
-        return self._choose(logits, pos + 1)[:, 0]
+        out = self._choose(logits, pos + 1)[:, 0]
+        if nxt is not None:
+            nxt.index_copy_(1, slot, out[:, None])
+        return out
 
     def _verify(self, last, proposals, pos, q=None):
         """The target over every row's block [last, proposals] at positions pos [N,k] (start .. start + k - 1; GDN
@@ -684,9 +689,8 @@ class Engine(Slots):
         tok, pos = self.last[:, None], self.start[:, None]
         if self.proposer is not None:
             column = self.pending.plain_column(self.append_step, self.start, self.last)
-            out = self.plain_step(tok, pos, self.pending.plain_buf, column)
-            if self.pending.back:                           # the token after the row just kept
-                self.pending.plain_next.index_copy_(1, column, out[:, None])
+            pending = self.pending
+            out = self.plain_step(tok, pos, pending.plain_buf, pending.plain_next if pending.back else None, column)
         else:
             out = self.decode_step(tok, pos)
         host = out.tolist()

@@ -56,18 +56,21 @@ class Costs:
     def __init__(self, window: int = 8, calibration: dict | None = None):
         self.samples = collections.defaultdict(lambda: collections.deque(maxlen=window))
         self.medians = {}                                   # each timed kind's median, until its next timing
+        self.version = 0                                    # counts the changes (Policy.seconds recomputes on one)
         for k, s in (calibration or {}).items():
             self.samples[int(k)].append(float(s))
 
     def add(self, k: int, seconds: float) -> None:
         self.samples[k].append(seconds)
         self.medians.pop(k, None)
+        self.version += 1
 
     def charge(self, k: int, seconds: float) -> None:
         """Add `seconds` to kind k's last timing (a round's switch back to plain steps, paid by the plain step after it)."""
         if self.samples.get(k):
             self.samples[k][-1] += seconds
             self.medians.pop(k, None)
+            self.version += 1
 
     def timed(self, k: int) -> bool:
         return bool(self.samples.get(k))
@@ -97,6 +100,7 @@ class Rows:
         self.blocks, self.keep, self.prior_weight, self.p = blocks, keep, prior_weight, prior_p
         self.prior = {k: self.geometric(k) for k in blocks}
         self.sums, self.weights = {}, {}
+        self.version = 0                # counts the changes other than aging (Policy.probe_loss recomputes on one)
 
     def geometric(self, k: int) -> float:
         """The tokens of a round of k if each proposal were accepted with probability prior_p: 1 + p + .. + p^(k-1)."""
@@ -110,14 +114,7 @@ class Rows:
 
     def admit(self, b: int) -> None:
         self.sums[b], self.weights[b] = dict.fromkeys(self.blocks, 0.0), dict.fromkeys(self.blocks, 0.0)
-
-    def expected(self, b: int, k: int, prior_weight: float | None = None) -> float:
-        """Row b's expected tokens from a round of k: its evidence mixed with the prior (prior_weight 0: the evidence
-        alone, the prior where there is none)."""
-        w0 = self.prior_weight if prior_weight is None else prior_weight
-        if b not in self.sums or self.weights[b][k] + w0 <= 0:
-            return self.prior[k]
-        return (self.sums[b][k] + w0 * self.prior[k]) / (self.weights[b][k] + w0)
+        self.version += 1
 
     def add_round(self, b: int, K: int, committed: int) -> None:
         if b not in self.sums:
@@ -127,14 +124,30 @@ class Rows:
             tokens = min(committed, k) if k <= K or committed < K else self.censored(K, k)
             sums[k] = self.keep * sums[k] + tokens
             weights[k] = self.keep * weights[k] + 1
+        self.version += 1
 
-    def add_plain(self, live: list, age: float) -> None:
-        """A plain step: the live rows' evidence weighs `age` times as much."""
+    def add_plain(self, live, age: float) -> None:
+        """A plain step: the live rows' evidence weighs `age` times as much (its ratio, the evidence alone, is kept)."""
         for b in live:
-            if b in self.sums:
+            sums, weights = self.sums.get(b), self.weights.get(b)
+            if sums is not None:
                 for k in self.blocks:
-                    self.sums[b][k] *= age
-                    self.weights[b][k] *= age
+                    sums[k] *= age
+                    weights[k] *= age
+
+    def summed(self, live, prior_weight: float | None = None) -> dict:
+        """{k: the expected tokens from a round of k, summed over the rows `live`}: each row's evidence mixed with the
+        prior (prior_weight 0: the evidence alone, the prior where there is none)."""
+        w0 = self.prior_weight if prior_weight is None else prior_weight
+        prior, out = self.prior, dict.fromkeys(self.blocks, 0.0)
+        for b in live:
+            sums, weights = self.sums.get(b), self.weights.get(b)
+            for k in self.blocks:
+                if sums is None or weights[k] + w0 <= 0:
+                    out[k] += prior[k]
+                else:
+                    out[k] += (sums[k] + w0 * prior[k]) / (weights[k] + w0)
+        return out
 
 
 class Policy:
@@ -159,6 +172,7 @@ class Policy:
         them."""
         self.calibration = dict(calibration or {})
         self.costs = Costs(self.window, self.calibration)
+        self.table = self.loss = None       # seconds(), probe_loss(): (their inputs' versions, the value)
 
     def reset(self) -> None:
         self.rows = Rows(self.blocks, *self.params)
@@ -167,6 +181,7 @@ class Policy:
         self.basis = None                                # the round seconds that decision used
         self.probe, self.rate = False, self.budget       # whether the coming round is a probe; the aging's budget now
         self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, **dict.fromkeys(REASONS, 0)})
+        self.loss = None
 
     def admit(self, b: int) -> None:
         """A request admitted into slot b: its row starts from the prior."""
@@ -175,38 +190,37 @@ class Policy:
         self.admitted = True
 
     def tokens(self, prior_weight: float | None = None) -> dict:
-        """{k: the live rows' expected tokens from a round of k, summed} for every block (Rows.expected; no live row:
+        """{k: the live rows' expected tokens from a round of k, summed} for every block (Rows.summed; no live row:
         the prior's)."""
-        live = sorted(self.live) or [None]
-        return {k: sum(self.rows.expected(b, k, prior_weight) for b in live) for k in self.blocks}
+        return self.rows.summed(sorted(self.live) or (None,), prior_weight)
 
-    def choose(self, seconds) -> tuple:
-        """(k of the best round or 0 for a plain step, the best round's rate / the plain step's), seconds(k) giving
-        each kind's seconds."""
-        tokens = self.tokens()
-        rates = {k: tokens[k] / seconds(k) for k in self.blocks}
-        best = max(self.blocks, key=rates.get)
-        ratio = rates[best] * seconds(0) / max(1, len(self.live))
-        return (best if ratio > 1 else 0), ratio
+    def seconds(self) -> dict:
+        """{k: Costs.seconds(k)} for a plain step (0) and every block, as the costs stand (a new dict after a change)."""
+        if self.table is None or self.table[0] != self.costs.version:
+            self.table = (self.costs.version, {k: self.costs.seconds(k) for k in (0, *self.blocks)})
+        return self.table[1]
+
+    def choose(self, tokens: dict, seconds: dict) -> int:
+        """k of the best round, or 0 for a plain step: the round's tokens per second against the plain step's."""
+        best = max(self.blocks, key=lambda k: tokens[k] / seconds[k])
+        return best if tokens[best] / seconds[best] * seconds[0] / max(1, len(self.live)) > 1 else 0
 
     def speculate(self) -> int:
         """0 (a plain step) or the verify block k of a round."""
         if not self.costs.timed(0):
             k, reason = 0, "plain_untimed"
         else:
-            k, _ = self.choose(self.costs.seconds)
-            reason = None
+            seconds, tokens = self.seconds(), self.tokens()
+            k, reason = self.choose(tokens, seconds), None
             if self.last and not k:                 # rounds -> plain: would the costs of the last decision still
-                old = self.basis                    # take rounds on today's acceptance?
-                reason = "to_plain_costs" if self.choose(lambda j: old.get(j, self.costs.seconds(j)))[0] else \
-                    "to_plain_acceptance"
+                reason = "to_plain_costs" if self.choose(tokens, self.basis) else "to_plain_acceptance"   # take rounds?
             elif k and self.last == 0:
                 reason = "to_rounds_admission" if self.admitted else "to_rounds_aging"
+            if k:       # (only a switch from rounds reads it; seconds() makes a new dict when the costs change)
+                self.basis = seconds
         self.probe = reason == "to_rounds_aging"
         if reason:
             self.counts[reason] += 1
-        if k:           # (only a switch from rounds reads it)
-            self.basis = {j: self.costs.seconds(j) for j in (0, *self.blocks)}
         self.last, self.admitted = k, False
         return k
 
@@ -232,20 +246,24 @@ class Policy:
         elif not self.after_round:
             self.costs.add(0, seconds)
         self.counts["plain_steps"] += 1
-        self.rows.add_plain(sorted(self.live), math.exp(-self.rate / max(self.rate, self.probe_loss())))
+        self.rows.add_plain(self.live, math.exp(-self.rate / max(self.rate, self.probe_loss())))
         self.after_round = None
 
     def probe_loss(self) -> float:
-        """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (aging
-        leaves it as it is): the best block's seconds in plain steps, less the tokens per row it would commit."""
-        seconds, n = self.costs.seconds, max(1, len(self.live))
-        tokens = self.tokens(0)
-        k = max(self.blocks, key=lambda j: tokens[j] / seconds(j))
-        return seconds(k) / seconds(0) - tokens[k] / n
+        """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (which
+        aging leaves as it is: recomputed when a round, an admission, a departure or a timing changes its inputs):
+        the best block's seconds in plain steps, less the tokens per row it would commit."""
+        versions = (self.costs.version, self.rows.version, len(self.live))
+        if self.loss is None or self.loss[0] != versions:
+            seconds, n, tokens = self.seconds(), max(1, len(self.live)), self.tokens(0)
+            k = max(self.blocks, key=lambda j: tokens[j] / seconds[j])
+            self.loss = (versions, seconds[k] / seconds[0] - tokens[k] / n)
+        return self.loss[1]
 
     def leave(self, b: int) -> None:
         """Slot b's request finished."""
         self.live.discard(b)
+        self.loss = None
 
 
 class Alternate:
