@@ -38,6 +38,7 @@ import statistics
 
 from model import GenerationError
 
+PLAN = 16           # the most plain steps one decision of the rule takes (Policy.plan)
 REASONS = ("to_plain_acceptance", "to_plain_costs", "to_rounds_admission", "to_rounds_aging", "plain_untimed")
 
 
@@ -135,18 +136,19 @@ class Rows:
                     sums[k] *= age
                     weights[k] *= age
 
-    def summed(self, live, prior_weight: float | None = None) -> dict:
-        """{k: the expected tokens from a round of k, summed over the rows `live`}: each row's evidence mixed with the
-        prior (prior_weight 0: the evidence alone, the prior where there is none)."""
+    def summed(self, live, prior_weight: float | None = None, age: float = 1.0) -> dict:
+        """{k: the expected tokens from a round of k, summed over the rows `live`}: each row's evidence, weighing `age`
+        times as much (add_plain), mixed with the prior (prior_weight 0: the evidence alone, the prior where there is
+        none)."""
         w0 = self.prior_weight if prior_weight is None else prior_weight
         prior, out = self.prior, dict.fromkeys(self.blocks, 0.0)
         for b in live:
             sums, weights = self.sums.get(b), self.weights.get(b)
             for k in self.blocks:
-                if sums is None or weights[k] + w0 <= 0:
+                if sums is None or weights[k] * age + w0 <= 0:
                     out[k] += prior[k]
                 else:
-                    out[k] += (sums[k] + w0 * prior[k]) / (weights[k] + w0)
+                    out[k] += (sums[k] * age + w0 * prior[k]) / (weights[k] * age + w0)
         return out
 
 
@@ -182,17 +184,36 @@ class Policy:
         self.probe, self.rate = False, self.budget       # whether the coming round is a probe; the aging's budget now
         self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, **dict.fromkeys(REASONS, 0)})
         self.loss = None
+        self.ahead = 0                  # plain steps decided already (plan), taken without asking the rule again
+        self.aged, self.age = 0, None   # plain steps since the last decision, not yet applied; their aging (plan's)
 
     def admit(self, b: int) -> None:
-        """A request admitted into slot b: its row starts from the prior."""
+        """A request admitted into slot b: its row starts from the prior (and the rule is asked at the next step)."""
+        self.catch_up()
         self.rows.admit(b)
         self.live.add(b)
-        self.admitted = True
+        self.admitted, self.ahead = True, 0
 
-    def tokens(self, prior_weight: float | None = None) -> dict:
+    def tokens(self, prior_weight: float | None = None, age: float = 1.0) -> dict:
         """{k: the live rows' expected tokens from a round of k, summed} for every block (Rows.summed; no live row:
         the prior's)."""
-        return self.rows.summed(sorted(self.live) or (None,), prior_weight)
+        return self.rows.summed(sorted(self.live) or (None,), prior_weight, age)
+
+    def catch_up(self) -> None:
+        """The aging of the plain steps taken since the last decision, applied to the live rows at once."""
+        if self.aged:
+            age = self.age if self.age is not None else math.exp(-self.rate / max(self.rate, self.probe_loss()))
+            self.rows.add_plain(self.live, age ** self.aged)
+        self.aged, self.age = 0, None
+
+    def plan(self, seconds: dict) -> int:
+        """After the rule took a plain step: how many more it would take before a round, with the costs as they stand
+        and the live rows aged by each (at most PLAN), asked here once rather than at each of them."""
+        self.age = math.exp(-self.rate / max(self.rate, self.probe_loss()))
+        for n in range(1, PLAN + 1):
+            if self.choose(self.tokens(age=self.age ** n), seconds):
+                return n - 1
+        return PLAN
 
     def seconds(self) -> dict:
         """{k: Costs.seconds(k)} for a plain step (0) and every block, as the costs stand (a new dict after a change)."""
@@ -207,6 +228,10 @@ class Policy:
 
     def speculate(self) -> int:
         """0 (a plain step) or the verify block k of a round."""
+        if self.ahead:                  # decided by the plan of an earlier plain step
+            self.ahead -= 1
+            return 0
+        self.catch_up()
         if not self.costs.timed(0):
             k, reason = 0, "plain_untimed"
         else:
@@ -218,6 +243,8 @@ class Policy:
                 reason = "to_rounds_admission" if self.admitted else "to_rounds_aging"
             if k:       # (only a switch from rounds reads it; seconds() makes a new dict when the costs change)
                 self.basis = seconds
+            else:
+                self.ahead = self.plan(seconds)
         self.probe = reason == "to_rounds_aging"
         if reason:
             self.counts[reason] += 1
@@ -246,7 +273,7 @@ class Policy:
         elif not self.after_round:
             self.costs.add(0, seconds)
         self.counts["plain_steps"] += 1
-        self.rows.add_plain(self.live, math.exp(-self.rate / max(self.rate, self.probe_loss())))
+        self.aged += 1                  # (its aging: catch_up, at the next decision)
         self.after_round = None
 
     def probe_loss(self) -> float:
@@ -261,9 +288,10 @@ class Policy:
         return self.loss[1]
 
     def leave(self, b: int) -> None:
-        """Slot b's request finished."""
+        """Slot b's request finished (the rule is asked at the next step)."""
+        self.catch_up()
         self.live.discard(b)
-        self.loss = None
+        self.loss, self.ahead = None, 0
 
 
 class Alternate:

@@ -483,7 +483,7 @@ def policy_table_main(args, device) -> dict:
     goes first rotating), --repeat times, on one AR and one DFlash engine (compiled with --compile; the policy
     toggled on the DFlash engine, calibrated by its warm-up). Per set: the median over prompts of each prompt's
     default / pure rounds and default / AR (each the ratio of medians of tok/s), the whole set's (all tokens / all
-    decode seconds) ratios, and the policy's counts."""
+    decode seconds) ratios, the policy's counts, and each prompt's median tok/s per arm (the JSON's per_prompt_tokens_per_s)."""
     dtype = pick_dtype(args.dtype, device)
     target, _, _, proposer, block, _, stops, products = load_pair(args, dtype, device)
     tok = ckpt.load_tokenizer(target.path)
@@ -531,7 +531,8 @@ def policy_table_main(args, device) -> dict:
                "whole_default_over_pure": (tokens["default"] / seconds["default"]) / (tokens["pure"] / seconds["pure"]),
                "whole_default_over_ar": (tokens["default"] / seconds["default"]) / (tokens["ar"] / seconds["ar"]),
                **{f"{a}_tokens_per_s": statistics.median(per[a]) for a in arms},
-               "identical": identical, "policy": dict(counts), "untuned": name == P.UNTUNED}
+               "identical": identical, "policy": dict(counts), "untuned": name == P.UNTUNED,
+               "per_prompt_tokens_per_s": [{a: per[a][i] for a in arms} for i in range(len(ps))]}
         table[name] = row
         print(f"{name:12s}{' (untuned)' if row['untuned'] else '':10s} default / pure rounds {row['default_over_pure']:.3f}x "
               f"(whole set {row['whole_default_over_pure']:.3f}x)  default / AR {row['default_over_ar']:.3f}x (whole set "
