@@ -17,7 +17,11 @@ timings (a round's including what the plain step after it takes beyond a plain s
 from a calibration measured once per machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected
 by every step timed; a block not timed yet is estimated by interpolating linearly in k between the timed kinds (a
 plain step standing for k = 0: optimistic, so it is tried and timed), and with no plain step timed the policy takes
-one. Nothing else is kept: every decision is made afresh from the estimates of that moment.
+one. Nothing else is kept: every decision is made afresh from the estimates of that moment. A decision for a plain
+step also decides the plain steps after it, up to the first at which the rule, with the costs as they stand and the
+live rows aged by each step, would take a round (at most PLAN): those take no decision of their own unless a request
+is admitted or leaves (their timings count from the next decision), so a run of plain steps costs the rule's Python
+once per PLAN steps, not at every step.
 
 The output never depends on any of this: every kind of step commits the target's own tokens, and plain steps keep
 the drafter's context fed (engine.Pending), so a round can follow any step. Why: docs/method.md#adaptive-speculation.

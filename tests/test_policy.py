@@ -75,6 +75,45 @@ def test_policy_turns_to_plain_steps_when_acceptance_falls_and_probes_as_evidenc
     assert easy.find("R") <= max(gaps) and easy.count("R") > 150 and p.rate == p.budget
 
 
+def test_a_plain_decision_plans_the_plain_steps_after_it(monkeypatch):
+    """With steady step costs the planned policy (a decision for a plain step settling the plain steps after it,
+    Policy.plan) takes the steps the rule asked at every step takes (PLAN = 0), rounds and probes at the same
+    steps, for one row and for three with their own acceptance; through a run of plain steps the rule decides
+    about once per PLAN steps, where asked at every step it decides every step; and an admission in the middle of a
+    plan has the rule decide at the next step (a round for the new row's prior)."""
+    rng = random.Random(5)
+    script = [rng.choice([1, 1, 1, 1, 2, 9, 16]) for _ in range(400)]
+
+    def decisions(p) -> list:
+        """Counts, per step, whether the rule decided it (1) or the plan of an earlier plain step did (0)."""
+        decided, speculate = [], p.speculate
+        monkeypatch.setattr(p, "speculate", lambda: decided.append(int(p.ahead == 0)) or speculate())
+        return decided
+
+    planning = policy.PLAN
+    for rows in (1, 3):
+        runs = []
+        for plan in (planning, 0):
+            monkeypatch.setattr(policy, "PLAN", plan)
+            p = Policy(block=16, calibration=CALIBRATED)
+            decided = decisions(p)
+            runs.append(("".join(drive(p, 1, round_s=CALIBRATED.get, tokens=[t if b == 0 else 1 + b % 2 for b in range(rows)],
+                                       rows=rows) for t in script), sum(decided)))
+        (planned, decided_planned), (stepwise, decided_stepwise) = runs
+        assert planned == stepwise and "R" in planned and "...." in planned, rows
+        assert decided_stepwise == len(script) and decided_planned < len(script) - planned.count(".") // 2, rows
+    monkeypatch.setattr(policy, "PLAN", planning)
+    p = Policy(block=16, calibration=CALIBRATED)
+    drive(p, 300, round_s=CALIBRATED.get, tokens=1)                 # rounds lose: long runs of plain steps
+    decided = decisions(p)
+    steps = drive(p, 170, round_s=CALIBRATED.get, tokens=1)
+    assert steps.count(".") >= 160 and sum(decided) <= 170 // planning + 4, (steps, sum(decided))
+    while p.ahead == 0:                                              # into the middle of a plan
+        drive(p, 1, round_s=CALIBRATED.get, tokens=1)
+    p.admit(1)                                                       # a new request: its prior pays a round
+    assert p.ahead == 0 and p.speculate() > 0 and p.counts["to_rounds_admission"] == 1
+
+
 def test_policy_chooses_the_verify_block_that_pays_most():
     """A compute-bound verify (1 ms + 0.45 ms per token; a plain step 1 ms), 6 tokens accepted of any longer block:
     per second, 16 -> 6 tokens in 8.2 ms, 8 -> 6 in 4.6, 4 -> 4 in 2.8, 2 -> 2 in 1.9: rounds of 4 once measured.
