@@ -50,9 +50,15 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that wait for background work (helpers.Early's used_by) run last, in their order: by then that work
-    has had the whole suite's time on the other core, so no test sits waiting for it while the first core idles."""
+    """The tests that wait for background work (helpers.Early's used_by) run last: by then that work has had the
+    whole suite's time on the other core. They run in the reverse of the background's order (Early.start_for runs
+    the jobs in the registry's order), so that this core takes the jobs the background has not reached yet (a test
+    whose job has not started runs it itself, Early.result) while the background finishes the one in hand: the two
+    cores end together, not one idling while the other works through the queue."""
     from helpers import Early
-    waiting = {(j.module, t) for j in Early.registry for t in j.used_by}
-    items.sort(key=lambda item: (getattr(item, "module", None) is not None
-                                 and (item.module.__name__, item.originalname) in waiting))
+    order = {(j.module, t): i for i, j in enumerate(Early.registry) for t in j.used_by}
+
+    def key(item):
+        found = getattr(item, "module", None) is not None and order.get((item.module.__name__, item.originalname))
+        return (0, 0) if found is None or found is False else (1, -found)
+    items.sort(key=key)
