@@ -59,6 +59,7 @@ def pytest_collection_modifyitems(session, config, items):
     order = {(j.module, t): i for i, j in enumerate(Early.registry) for t in j.used_by}
 
     def key(item):
-        found = getattr(item, "module", None) is not None and order.get((item.module.__name__, item.originalname))
-        return (0, 0) if found is None or found is False else (1, -found)
+        module = getattr(item, "module", None)
+        i = None if module is None else order.get((module.__name__, item.originalname))
+        return (0, 0) if i is None else (1, -i)
     items.sort(key=key)
