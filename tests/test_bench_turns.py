@@ -143,7 +143,8 @@ def test_bench_vs_pure(capsys):
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_bench_policy_table(capsys):
     """tools/bench.py --policy-table: a row per prompt set (the held-out prompts and every outside set), AR, pure
-    rounds and the default with identical outputs, the ratios and the policy's counts; the untuned set marked."""
+    rounds and the default with identical outputs, the ratios (the medians of each prompt's, which the JSON gives) and
+    the policy's counts; the untuned set marked."""
     import prompts
     from tools import bench
     res = bench.main(["--policy-table", "--threads", "1", "--heldout", "1", "--max-new-tokens", "6"])
@@ -153,6 +154,8 @@ def test_bench_policy_table(capsys):
         assert row["identical"] == row["prompts"] == 1 and row["untuned"] == (name == prompts.UNTUNED)
         assert row["default_over_pure"] > 0 and row["default_over_ar"] > 0
         assert 1 <= row["policy"]["rounds"] + row["policy"]["plain_steps"] <= 5      # 5 tokens after the first
+        (one,) = row["per_prompt_tokens_per_s"]                                        # each prompt's tok/s per arm
+        assert row["default_over_ar"] == one["default"] / one["ar"] and row["pure_tokens_per_s"] == one["pure"]
     out = capsys.readouterr().out
     assert all(any(line.startswith(name + " ") for line in out.splitlines()) for name in sets)
     assert set(res["calibration"]) == {"0", "16", "8", "4", "2"}
