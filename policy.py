@@ -295,7 +295,7 @@ class Policy:
         """Slot b's request finished (the rule is asked at the next step)."""
         self.catch_up()
         self.live.discard(b)
-        self.loss, self.ahead = None, 0
+        self.ahead = 0
 
 
 class Alternate:
