@@ -14,15 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # between threads on purpose set their own count).
 torch.set_num_threads(1)
 
-# Inductor learns which vector instructions the C++ compiler can build by compiling a test program per instruction
-# set, once per process and cache folder (about 13 s on 2 cores). Tests that compile into a fresh cache folder (to see
-# the code generated, not a cached graph) would each pay it again; asked here once, in the default folder, before any
-# test changes it, the answer is kept for the process (and the spawned processes of helpers.Early, which import this
-# file first, find the test programs built on disk).
-from torch._inductor import cpu_vec_isa  # noqa: E402
-
-cpu_vec_isa.pick_vec_isa()
-
 # derandomize: the examples are drawn from a fixed seed, so CI cannot flake; the property still ranges
 # over many configs, prompts and block sizes.
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True,

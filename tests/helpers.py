@@ -92,6 +92,27 @@ def in_own_process(fn):
     return value
 
 
+@contextlib.contextmanager
+def fresh_inductor_cache():
+    """An empty inductor cache folder for this process while the block runs (fresh code, not a cached graph; removed
+    after), -> its path. Inductor first learns which vector instructions the C++ compiler builds by compiling a test
+    program for each (about 13 s on 2 cores), once per process and cache folder: asked here in the folder in use
+    before the switch, where it is built already, the answer is kept for the process instead of built again."""
+    import tempfile
+    from torch._inductor import cpu_vec_isa
+    cpu_vec_isa.pick_vec_isa()
+    with tempfile.TemporaryDirectory() as cache:
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            yield cache
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
 def property_cases(prop, cases: list) -> list:
     """The hypothesis search of `prop` (a @given function that pytest does not collect) once per case (a dict of the
     arguments @given does not draw), for an Early(process=True) job: the suite's hypothesis profile and one torch

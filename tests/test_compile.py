@@ -3,7 +3,6 @@
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import compiling
 from speed import cppwrapper
 import dflash
 import engine
-from helpers import HAS_EMBEDDED_PAIR, ROOT, Early, embedded_pair
+from helpers import HAS_EMBEDDED_PAIR, ROOT, Early, embedded_pair, fresh_inductor_cache
 
 
 def region_bodies_and_calls(code: str, wrapper: str) -> tuple:
@@ -32,12 +31,10 @@ def distinct_layers_compiled() -> tuple | None:
     the step allocated a buffer of)."""
     if not HAS_EMBEDDED_PAIR:
         return None
-    import tempfile
     from torch._inductor.utils import run_and_get_code
     import checkpoint as ckpt
     import model as M
     from helpers import EMBEDDED_TARGET
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()        # fresh code, not a cached graph
     wide, _, p1, _ = embedded_pair()
     target = ckpt.load_target(EMBEDDED_TARGET, torch.float32, weights="auto")
     assert target.lm_head.weight.dtype == torch.bfloat16 and target.dtype == torch.float32
@@ -45,8 +42,8 @@ def distinct_layers_compiled() -> tuple | None:
     wrapper = "cpp" if options.get("cpp_wrapper") else "python"
     eng = engine.Engine(target, None, 1, 1, 256, compile_mode="default", compile_options=options)
     request = [engine.Request(p1, 12)]
-    got, codes = run_and_get_code(eng.run, request)
-    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    with fresh_inductor_cache():
+        got, codes = run_and_get_code(eng.run, request)
     bodies, calls = region_bodies_and_calls(codes[0], wrapper)
     shapes = {tuple(p.shape) for p in target.parameters() if p.dim() == 2 and p.shape[0] > 1}
     allocated = {tuple(int(n) for n in re.findall(r"\d+", dims)) for dims in
@@ -227,11 +224,9 @@ def compiled_dflash2_batch() -> list:
     up, then run on later requests with recompiles raising; and the eager batch with the same history. -> per
     request (compiled output, compiled drafts, eager output, eager drafts, whether it verified)."""
     import random
-    import tempfile
     import torch._dynamo
     from helpers import kind_draft_config, random_drafter, random_target, tiny_target_config
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache                 # fresh code, not a cached graph
+    with fresh_inductor_cache():
         target = random_target(tiny_target_config(vocab_size=40), 11, torch.float32)
         dcfg = kind_draft_config(target.cfg, "dflash2", block_size=4, target_layer_ids=[0, 2], num_target_layers=None)
         drafter = random_drafter(dcfg, 12, torch.float32)
@@ -288,22 +283,19 @@ def two_prompt_lengths_compiled() -> dict | None:
     import contextlib
     import io
     import json
-    import tempfile
     from torch._dynamo.utils import counters
     import generate
-    cache = tempfile.mkdtemp()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     runs = []
-    for prompt in ("def f(x):", "class Stack:\n    def push(self, item):\n        self.items.append(item)"):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = generate.cli(["--prompt", prompt, *TWO_LENGTHS_FLAGS])
-        runs.append((rc, json.loads(out.getvalue().strip().splitlines()[-1]), err.getvalue(), dict(counters["inductor"])))
-    done = subprocess.run([sys.executable, "generate.py", "--prompt", "def f(x):", *TWO_LENGTHS_FLAGS,  # the suite's
-                           "--threads", str(torch.get_num_threads())], cwd=ROOT,      # 1 thread: threads shape the code
-                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}, capture_output=True, text=True, timeout=600)
+    with fresh_inductor_cache() as cache:
+        for prompt in ("def f(x):", "class Stack:\n    def push(self, item):\n        self.items.append(item)"):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = generate.cli(["--prompt", prompt, *TWO_LENGTHS_FLAGS])
+            runs.append((rc, json.loads(out.getvalue().strip().splitlines()[-1]), err.getvalue(), dict(counters["inductor"])))
+        done = subprocess.run([sys.executable, "generate.py", "--prompt", "def f(x):", *TWO_LENGTHS_FLAGS,  # the suite's
+                               "--threads", str(torch.get_num_threads())], cwd=ROOT,  # 1 thread: threads shape the code
+                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}, capture_output=True, text=True, timeout=600)
     third = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-    shutil.rmtree(cache, ignore_errors=True)
     return {"runs": runs, "third": (done.returncode, third, done.stderr)}
 
 

@@ -4,7 +4,6 @@ Eager flex_attention on CPU evaluates only the mask_mod (it ignores the BlockMas
 lists are checked directly here (test_step_masks_*): the mask a fused kernel applies is (tile listed) AND
 mask_mod, and it must equal the SDPA path's boolean mask for every start position and step width. The
 compiled test runs inductor's CPU flex kernel, which does skip unlisted tiles."""
-import os
 import warnings
 
 import pytest
@@ -15,8 +14,8 @@ import engine
 from speed import flex
 import model as M
 import policy
-from helpers import (Early, OracleProposer, kind_draft_config, random_drafter, random_target, tiny_draft_config,
-                     tiny_target_config)
+from helpers import (Early, OracleProposer, fresh_inductor_cache, kind_draft_config, random_drafter, random_target,
+                     tiny_draft_config, tiny_target_config)
 from test_spec_equals_ar import first_divergence_is_near_tie
 
 
@@ -200,12 +199,10 @@ def compiled_flex_batch() -> dict:
     raising; and the eager SDPA batch on those three."""
     import argparse
     import random
-    import tempfile
     import torch._dynamo
     from torch._dynamo.utils import counters
     import options as opts
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache                 # fresh code, not a cached graph
+    with fresh_inductor_cache():
         cfg = tiny_target_config(vocab_size=40)
         target = random_target(cfg, 4, torch.float32)
         drafter = random_drafter(kind_draft_config(cfg, "dflash", block_size=4, target_layer_ids=[0, 2],
