@@ -702,16 +702,23 @@ class Engine(Slots):
 
 def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
     """What an Engine's step seconds depend on (policy.load_costs' key): the machine, torch, threads, the models'
-    shapes, N, the capacity, the blocks, whether rows sample, the masks, the compile options."""
+    shapes, N, the capacity, the blocks, whether rows sample, the masks, the compile options, and the few-row
+    products each model runs (speed/packed.py's kind: a round's seconds differ by kind)."""
     t, dev = eng.target.cfg, eng.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else compiling.cpu_model()
-    proposer = None if eng.proposer is None else (type(eng.proposer).__name__, sum(
-        p.numel() for m in vars(eng.proposer).values() if isinstance(m, torch.nn.Module) and m is not eng.target
-        for p in m.parameters()))
+    drafters = [] if eng.proposer is None else [m for m in vars(eng.proposer).values()
+                                                if isinstance(m, torch.nn.Module) and m is not eng.target]
+    proposer = None if eng.proposer is None else (type(eng.proposer).__name__,
+                                                  sum(p.numel() for m in drafters for p in m.parameters()))
+    try:
+        from speed.packed import kind_of
+        products = [kind_of([m]) for m in (eng.target, *drafters)]
+    except ImportError:                 # (speed/ is optional: without it every product is plain)
+        products = None
     return json.dumps(["costs", where, torch.__version__, torch.get_num_threads(), t.hidden_size, t.num_hidden_layers,
                        t.vocab_size, str(eng.target.embed_tokens.weight.dtype), proposer, eng.slots, eng.capacity,
                        list(blocks), sampled, type(eng.masks).__name__,
-                       sorted((k, str(v)) for k, v in (eng._options or {}).items())])
+                       sorted((k, str(v)) for k, v in (eng._options or {}).items()), products])
 
 
 def draws(requests: list) -> tuple:

@@ -238,6 +238,13 @@ def test_warm_up_calibrates_the_policy_once_per_machine_and_shape(tmp_path, monk
     assert warmed(1).calibration == first.calibration and len(stored) == 1
     warmed(2)
     assert len(stored) == 2 and len(json.loads((tmp_path / "costs.json").read_text())) == 2
+    from speed import packed            # the same shape on other few-row products: timed again
+    target, d = target.float(), d.float()
+    warmed(1)
+    if "onednn" in packed.KINDS:
+        assert packed.swap_linears_(target, "onednn", 8) > 0
+        warmed(1)
+        assert len(stored) == 4
 
 
 def test_outside_prompt_sets_are_outside_the_training_and_held_out_files():
