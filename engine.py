@@ -340,6 +340,41 @@ class Pending:
         self.feat_pos, self.plain_run = start[:, None] + self.span, None
 
 
+class Shadows:
+    """Drafts taken while plain steps run (a shadow draft: Engine._hand_over), judged by the tokens the plain steps
+    after it commit. For a greedy row, and a sampled one under the coupled rule, a round of K at that position would
+    have accepted exactly the proposals those tokens confirm: a shadow draft's evidence is the round's own, for the
+    cost of a draft. Per slot b: [K, its K-1 proposals, how many the plain steps confirmed so far]."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def start(self, k: int, proposals: list) -> None:
+        """A draft of k-1 proposals per slot (proposals [N][k-1]; a free slot's are never judged: admit drops them)."""
+        self.rows = {b: [k, p, 0] for b, p in enumerate(proposals)}
+
+    def judge(self, b: int, token: int) -> tuple | None:
+        """Slot b committed `token` at the next position -> (K, the tokens a round of K would have committed) once its
+        draft is judged (a proposal refused, or all K-1 confirmed), else None."""
+        found = self.rows.get(b)
+        if found is None:
+            return None
+        k, proposals, confirmed = found
+        if proposals[confirmed] == token:
+            found[2] = confirmed = confirmed + 1
+            if confirmed < k - 1:
+                return None
+        del self.rows[b]
+        return k, confirmed + 1            # the confirmed proposals, and the target's own token after them
+
+    def drop(self, b: int | None = None) -> None:
+        """Forget slot b's draft (its request ended, or another came), or every slot's (a round measures them)."""
+        if b is None:
+            self.rows = {}
+        else:
+            self.rows.pop(b, None)
+
+
 class Slots:
     """N slots over one target (and optionally a Proposer), caches allocated once for `capacity` positions per row,
     and fixed-shape step functions, eager or compiled (torch.compile(fullgraph=True, dynamic=False), one set per N):
@@ -516,6 +551,7 @@ class Engine(Slots):
                  policy=None, masks=DenseMasks):
         super().__init__(target, proposer, block_size, slots, capacity, compile_mode, compile_options, masks)
         self.policy = policy
+        self.shadows = Shadows()          # shadow drafts being judged by plain steps (Policy.shadow)
         self.profile = False              # synchronise the device after each draft, so Step's timings are its own
         self.calibration = None           # each step kind's seconds as warm_up measured them (policy.Policy.calibrate)
 
@@ -636,6 +672,7 @@ class Engine(Slots):
             self.pending.join(b, feats, req.prompt_ids + [first], self.append_step, self.start, self.last)
         if self.policy is not None:
             self.policy.admit(b)
+        self.shadows.drop(b)
         self.last[b], self.start[b] = first, T0
         _sync(dev)
         return _Row(index, req, seed, first, T0, time.perf_counter() - t0, clock)
@@ -650,9 +687,9 @@ class Engine(Slots):
             if self.policy is not None:
                 self.policy.observe_round(committed, k, time.perf_counter() - t0)
         else:
-            self.plain(rows)
-            if self.policy is not None:
-                self.policy.observe_plain(time.perf_counter() - t0)
+            shadow = self.plain(rows)
+            if self.policy is not None:          # (a shadow draft is no part of a plain step's cost)
+                self.policy.observe_plain(time.perf_counter() - t0 - shadow)
         live = [r is not None and not r.done for r in rows]
         self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 0))
         self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 1))
@@ -662,6 +699,7 @@ class Engine(Slots):
         committed (None: a free slot) (docs/method.md#one-round)."""
         draft_step, verify_step = self.round_steps(k)
         pending, start = self.pending, self.start
+        self.shadows.drop()
         t0 = time.perf_counter()
         draft = Draft(torch.zeros(self.slots, 0, dtype=torch.long, device=self.device))
         if k > 1:                                                                     # DRAFT
@@ -682,13 +720,16 @@ class Engine(Slots):
         pending.after_round(start)
         return committed
 
-    def plain(self, rows: list) -> None:
+    def plain(self, rows: list) -> float:
         """One AR step for every row ("decode" without a proposer). With a proposer ("plain") the same target call
-        also keeps the tokens' features for the drafter's context (Pending), so that a round can follow."""
+        also keeps the tokens' features for the drafter's context (Pending), so that a round can follow; each token
+        judges the row's shadow draft, if any (Shadows; its verdict to the policy). -> the seconds of a shadow
+        draft taken at this step's hand-over (_hand_over), 0 if none."""
         t0 = time.perf_counter()
         tok, pos = self.last[:, None], self.start[:, None]
+        self._shadow_seconds = 0.0
         if self.proposer is not None:
-            column = self.pending.plain_column(self.append_step, self.start, self.last)
+            column = self.pending.plain_column(self._hand_over, self.start, self.last)
             pending = self.pending
             out = self.plain_step(tok, pos, pending.plain_buf, pending.plain_next if pending.back else None, column)
         else:
@@ -698,6 +739,24 @@ class Engine(Slots):
         for b, row in enumerate(rows):
             if row is not None:
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
+                judged = self.shadows.judge(b, host[b]) if not row.done else self.shadows.drop(b)
+                if judged:
+                    self.policy.observe_shadow(b, *judged)
+        return self._shadow_seconds
+
+    def _hand_over(self, feats, feat_pos, next_ids) -> None:
+        """The pending features into the drafter's context (Pending.take): appended, or, when the policy asks for a
+        shadow draft of k (Policy.shadow), taken in by a draft of k from each row's last token, as a round's draft
+        takes them, whose proposals the plain steps after it judge (Shadows)."""
+        k = self.policy.shadow() if self.policy is not None and hasattr(self.policy, "shadow") else 0
+        if not k:
+            self.append_step(feats, feat_pos, next_ids)
+            return
+        t0 = time.perf_counter()
+        draft_step, _ = self.round_steps(k)
+        draft = draft_step(self.last, self.start, feats, feat_pos, k - 1, next_ids, **self._draft_noise(k - 1))
+        self.shadows.start(k, draft.tokens.tolist())
+        self._shadow_seconds += time.perf_counter() - t0
 
 
 def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:

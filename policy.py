@@ -12,7 +12,11 @@ round would lose on the evidence alone (its seconds in plain steps less its toke
 made rounds lose drifts back to the prior, and a round (a probe) measures the rows again after a number of plain
 steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves with each probe that loses
 (down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more plain steps than its
-seconds); an admitted request starts from the prior. The seconds are the median of each step kind's last `window`
+seconds); an admitted request starts from the prior. While plain steps run, every SHADOW_EVERY-th hand-over of their
+features to the drafter's context (the first plain step after a round, then one per block of plain steps) is a
+shadow draft (`shadow`): a draft of the longest block whose proposals the plain steps after it judge
+(engine.Shadows), which tells exactly what a round there would have committed; that counts as a round's evidence
+(`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step kind's last `window`
 timings (a round's including what the plain step after it takes beyond a plain step's: the switch back), starting
 from a calibration measured once per machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected
 by every step timed; a block not timed yet is estimated by interpolating linearly in k between the timed kinds (a
@@ -28,8 +32,9 @@ the drafter's context fed (engine.Pending), so a round can follow any step. Why:
 
     Costs      each step kind's measured seconds: seconds(k), k = 0 for a plain step
     Rows       each row's decayed acceptance evidence: expected(b, k)
-    Policy     the decisions: speculate() -> 0 (a plain step) or k; admit / observe_round / observe_plain; its
-               per-run counts of rounds, plain steps and switches by reason (`counts`)
+    Policy     the decisions: speculate() -> 0 (a plain step) or k, shadow() -> 0 or the block of a shadow draft;
+               admit / observe_round / observe_plain / observe_shadow; its per-run counts of rounds, plain steps,
+               shadow drafts and switches by reason (`counts`)
     Alternate  a cycle through every step kind (Engine.warm_up: compiles them all, then times them: `medians`)
     PerRun     a fresh policy for every run (a benchmark's single requests, each as its own generate.py run)
 """
@@ -43,7 +48,9 @@ import statistics
 from model import GenerationError
 
 PLAN = 16           # the most plain steps one decision of the rule takes (Policy.plan)
-REASONS = ("to_plain_acceptance", "to_plain_costs", "to_rounds_admission", "to_rounds_aging", "plain_untimed")
+SHADOW_EVERY = 2    # while plain steps run, every this many hand-overs of the drafter's context is a shadow draft
+REASONS = ("to_plain_acceptance", "to_plain_costs", "to_rounds_admission", "to_rounds_shadow", "to_rounds_aging",
+           "plain_untimed")
 
 
 def verify_blocks(block: int) -> tuple:
@@ -183,10 +190,12 @@ class Policy:
     def reset(self) -> None:
         self.rows = Rows(self.blocks, *self.params)
         self.live, self.admitted = set(), False
+        self.shadowed = False                           # a shadow draft judged since the last decision
         self.last, self.after_round = None, None        # the last decision (0 or k); the k of a round just before
         self.basis = None                                # the round seconds that decision used
         self.probe, self.rate = False, self.budget       # whether the coming round is a probe; the aging's budget now
-        self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, **dict.fromkeys(REASONS, 0)})
+        self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, "shadow_drafts": 0, **dict.fromkeys(REASONS, 0)})
+        self.hand_overs = 0             # hand-overs of the drafter's context during plain steps (shadow)
         self.loss = None
         self.ahead = 0                  # plain steps decided already (plan), taken without asking the rule again
         self.aged, self.age = 0, None   # plain steps since the last decision, not yet applied; their aging (plan's)
@@ -244,7 +253,8 @@ class Policy:
             if self.last and not k:                 # rounds -> plain: would the costs of the last decision still
                 reason = "to_plain_costs" if self.choose(tokens, self.basis) else "to_plain_acceptance"   # take rounds?
             elif k and self.last == 0:
-                reason = "to_rounds_admission" if self.admitted else "to_rounds_aging"
+                reason = ("to_rounds_admission" if self.admitted else "to_rounds_shadow" if self.shadowed
+                          else "to_rounds_aging")
             if k:       # (only a switch from rounds reads it; seconds() makes a new dict when the costs change)
                 self.basis = seconds
             else:
@@ -252,7 +262,7 @@ class Policy:
         self.probe = reason == "to_rounds_aging"
         if reason:
             self.counts[reason] += 1
-        self.last, self.admitted = k, False
+        self.last, self.admitted, self.shadowed = k, False, False
         return k
 
     def observe_round(self, committed: list, k: int, seconds: float) -> None:
@@ -279,6 +289,25 @@ class Policy:
         self.counts["plain_steps"] += 1
         self.aged += 1                  # (its aging: catch_up, at the next decision)
         self.after_round = None
+
+    def shadow(self) -> int:
+        """At a hand-over of the drafter's context during plain steps: the block K of a shadow draft to take with it
+        (engine.Shadows: the plain steps after it judge its proposals, the evidence of a round of K for the price of a
+        draft), every SHADOW_EVERY-th hand-over, or 0."""
+        if self.last != 0 or self.blocks[0] < 2:        # (a block of 1 drafts nothing)
+            return 0
+        self.hand_overs += 1
+        if self.hand_overs % SHADOW_EVERY:
+            return 0
+        self.counts["shadow_drafts"] += 1
+        return self.blocks[0]
+
+    def observe_shadow(self, b: int, k: int, committed: int) -> None:
+        """Slot b's shadow draft of k judged: a round of k there would have committed `committed` tokens. Evidence as
+        a round's (the rule is asked again at the next step)."""
+        self.catch_up()
+        self.rows.add_round(b, k, committed)
+        self.ahead, self.shadowed = 0, True
 
     def probe_loss(self) -> float:
         """What a probe round is expected to lose, in plain steps per live row, on the rows' evidence alone (which
@@ -385,17 +414,18 @@ def store_costs(key: str, costs: dict) -> None:
 
 
 def counts_of(policy) -> dict | None:
-    """A policy's counts for its last run ({"rounds", "plain_steps", and one per switch reason in REASONS}), or None
-    (no adaptive policy)."""
+    """A policy's counts for its last run ({"rounds", "plain_steps", "shadow_drafts", and one per switch reason in
+    REASONS}), or None (no adaptive policy)."""
     counts = getattr(policy, "counts", None)
-    return None if counts is None else {k: int(counts[k]) for k in ("rounds", "plain_steps", *REASONS)}
+    return None if counts is None else {k: int(counts[k]) for k in ("rounds", "plain_steps", "shadow_drafts", *REASONS)}
 
 
 def describe(counts: dict) -> str:
-    """The counts in words, for a statistics line: "policy: R rounds, P plain steps; switches: <reason> <n>, ..." with
-    each nonzero reason (to plain steps: acceptance, costs; to rounds: admission, aging; untimed: plain steps taken
-    to time one), or "no switch"."""
-    return f"policy: {counts['rounds']} rounds, {counts['plain_steps']} plain steps; {switches(counts)}"
+    """The counts in words, for a statistics line: "policy: R rounds, P plain steps, S shadow drafts; switches:
+    <reason> <n>, ..." with each nonzero reason (to plain steps: acceptance, costs; to rounds: admission, shadow,
+    aging; untimed: plain steps taken to time one), or "no switch"."""
+    return (f"policy: {counts['rounds']} rounds, {counts['plain_steps']} plain steps, {counts['shadow_drafts']} shadow "
+            f"drafts; {switches(counts)}")
 
 
 def switches(counts: dict) -> str:

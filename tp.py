@@ -382,6 +382,15 @@ class Synced:
         dist.broadcast(t, src=0, group=self.parallel.group)
         return int(t.item())
 
+    def shadow(self) -> int:
+        """Rank 0's shadow draft (Policy.shadow) on every rank: the block K, or 0."""
+        t = torch.tensor([self.policy.shadow()], dtype=torch.long, device=self.parallel.device)
+        dist.broadcast(t, src=0, group=self.parallel.group)
+        return int(t.item())
+
+    def observe_shadow(self, b: int, k: int, committed: int) -> None:
+        self.policy.observe_shadow(b, k, committed)
+
     def admit(self, b: int) -> None:
         self.policy.admit(b)
 

@@ -14,6 +14,7 @@ import dflash
 import engine
 import generate
 import prompts
+import sampling
 from helpers import embedded_pair, EMBEDDED_TARGET, HAS_EMBEDDED_PAIR, kind_draft_config, random_drafter, random_target, tiny_target_config
 import policy
 from policy import Policy, verify_blocks
@@ -112,6 +113,22 @@ def test_a_plain_decision_plans_the_plain_steps_after_it(monkeypatch):
         drive(p, 1, round_s=CALIBRATED.get, tokens=1)
     p.admit(1)                                                       # a new request: its prior pays a round
     assert p.ahead == 0 and p.speculate() > 0 and p.counts["to_rounds_admission"] == 1
+
+
+def test_shadow_drafts_come_while_plain_steps_run_and_their_evidence_turns_the_rule():
+    """While the rule takes plain steps, every SHADOW_EVERY-th hand-over of the drafter's context is a shadow draft of
+    the longest block (none while rounds run); a shadow draft judged to commit a whole block is a round's evidence,
+    and the rule takes rounds again at the next step, for that reason."""
+    p = Policy(block=16, calibration=CALIBRATED)
+    assert drive(p, 30, 0.004, 1).endswith(".")                     # rounds commit 1: plain steps
+    asked = [p.shadow() for _ in range(2 * policy.SHADOW_EVERY)]
+    assert asked == [16 if (i + 1) % policy.SHADOW_EVERY == 0 else 0 for i in range(len(asked))]
+    aging = p.counts["to_rounds_aging"]
+    assert p.counts["shadow_drafts"] == 2 and p.speculate() == 0
+    p.observe_shadow(0, 16, 16)
+    p.observe_shadow(0, 16, 16)
+    assert p.speculate() == 16 and p.counts["to_rounds_shadow"] == 1 and p.counts["to_rounds_aging"] == aging
+    assert p.shadow() == 0
 
 
 def test_policy_chooses_the_verify_block_that_pays_most():
@@ -217,6 +234,55 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
     assert {"plain", "verify"} <= {k for got in res for k in got.step_kinds}
 
 
+class Scripted:
+    """A policy for the Engine that takes plain steps, asks for a shadow draft of k at every hand-over of the drafter's
+    context (recording the row's position then), and takes one round of k when the row stands at position `round_at`
+    (recording what it committed)."""
+    counts = None
+
+    def __init__(self, eng, k, round_at=None):
+        self.eng, self.k, self.round_at = eng, k, round_at
+        self.shadows, self.judged, self.rounds = [], [], []
+
+    def speculate(self):
+        return self.k if int(self.eng.start[0]) == self.round_at else 0
+
+    def shadow(self):
+        self.shadows.append(int(self.eng.start[0]))
+        return self.k
+
+    def observe_shadow(self, b, k, committed):
+        self.judged.append((k, committed))
+
+    def observe_round(self, committed, k, seconds):
+        self.rounds.append(committed[0])
+
+    def reset(self): pass
+    def admit(self, b): pass
+    def leave(self, b): pass
+    def observe_plain(self, seconds): pass
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_shadow_draft_is_judged_as_a_round_there_would_commit(sampled):
+    """A shadow draft (taken with a hand-over of the drafter's context during plain steps, judged by the tokens the
+    plain steps after it commit) reports what a round of the same k at the same position commits: greedy, and
+    sampled under the coupled rule (the same seed); the output stays AR's."""
+    target, drafter, p1, _ = embedded_pair()
+    req = engine.Request(p1, 60, (), sampling.Sampling(0.3) if sampled else sampling.Sampling(), 11 if sampled else None)
+    eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 16, 1, 200)
+    eng.policy = shadowed = Scripted(eng, 8)
+    got = eng.run([req])[0]
+    ar = engine.Engine(target, None, 1, 1, 200).run([req])[0]
+    assert got.output_ids == ar.output_ids and set(got.step_kinds) == {"plain"}
+    assert len(shadowed.judged) >= 3 and max(c for _, c in shadowed.judged) > 1       # (some proposals accepted)
+    for at, (k, committed) in zip(shadowed.shadows, shadowed.judged):
+        eng.policy = one = Scripted(eng, k, round_at=at)
+        eng.run([req])
+        assert one.rounds[0] == committed, (at, one.rounds, committed)
+
+
 def test_warm_up_calibrates_the_policy_once_per_machine_and_shape(tmp_path, monkeypatch):
     """Engine.warm_up times every step kind (policy.Alternate) and hands the seconds to the policy; they are cached
     (policy.costs_path), so a second Engine of the same shape reads them instead of timing; another N times again."""
@@ -285,7 +351,7 @@ def test_adaptive_generate_equals_ar_on_a_long_prompt(capsys):
     assert all((a, d) == (1, []) for a, d, k in zip(sp["acceptance_lengths"], sp["draft_ids"], sp["step_kinds"]) if k == "plain")
     counts = sp["policy"]                   # what the policy did, and why it switched (one counter per reason)
     assert counts["rounds"] == sp["step_kinds"].count("verify") and counts["plain_steps"] == sp["step_kinds"].count("plain")
-    assert set(counts) == {"rounds", "plain_steps", *policy.REASONS}
+    assert set(counts) == {"rounds", "plain_steps", "shadow_drafts", *policy.REASONS}
     switches = sum(a != b for a, b in zip(sp["step_kinds"], sp["step_kinds"][1:]))
     assert sum(counts[r] for r in policy.REASONS if r.startswith("to_")) == switches
     assert generate.main(["--prompt-ids", "5,6,7", "--max-new-tokens", "8"]) == 0

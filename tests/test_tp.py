@@ -283,6 +283,12 @@ class Recording:
     def observe_plain(self, seconds):
         self.inner.observe_plain(seconds)
 
+    def shadow(self):
+        return self.inner.shadow()
+
+    def observe_shadow(self, b, k, committed):
+        self.inner.observe_shadow(b, k, committed)
+
     def admit(self, b):
         self.inner.admit(b)
 
