@@ -4,7 +4,6 @@ output is AR's whichever steps it takes. And the default draft window: from the 
 overriding it."""
 import json
 import random
-import statistics
 
 import pytest
 import torch
