@@ -341,24 +341,46 @@ class Pending:
 
 
 class Shadows:
-    """Drafts taken while plain steps run (a shadow draft: Engine._hand_over), judged by the tokens the plain steps
+    """Drafts taken while plain steps run (shadow drafts: hand_over), judged by the tokens the plain steps
     after it commit. For a greedy row, and a sampled one under the coupled rule, a round of K at that position would
     have accepted exactly the proposals those tokens confirm: a shadow draft's evidence is the round's own, for the
     cost of a draft. Per slot b: [K, its K-1 proposals, how many the plain steps confirmed so far]."""
 
     def __init__(self):
         self.rows = {}
+        self.seconds = 0.0          # the time of the shadow drafts taken since the engine last reset it
+
+    def hand_over(self, eng, feats, feat_pos, next_ids) -> None:
+        """Engine eng's pending features into the drafter's context (Pending.take's `append`): appended, or, when the
+        policy asks for a shadow draft of k (Policy.shadow), taken in by a draft of k from each row's last token, as
+        a round's draft takes them, whose proposals the plain steps after it judge."""
+        k = eng.policy.shadow() if eng.policy is not None and hasattr(eng.policy, "shadow") else 0
+        if not k:
+            eng.append_step(feats, feat_pos, next_ids)
+            return
+        t0 = time.perf_counter()
+        draft_step, _ = eng.round_steps(k)
+        draft = draft_step(eng.last, eng.start, feats, feat_pos, k - 1, next_ids, **eng._draft_noise(k - 1))
+        self.start(k, draft.tokens.tolist())
+        self.seconds += time.perf_counter() - t0
 
     def start(self, k: int, proposals: list) -> None:
         """A draft of k-1 proposals per slot (proposals [N][k-1]; a free slot's are never judged: admit drops them)."""
         self.rows = {b: [k, p, 0] for b, p in enumerate(proposals)}
 
-    def judge(self, b: int, token: int) -> tuple | None:
+    def judge(self, rows: list, tokens: list, policy) -> None:
+        """A plain step committed tokens[b] in each live row (rows[b] an engine._Row, None: a free slot): each draft
+        that is judged now goes to policy.observe_shadow; a finished row's is dropped."""
+        for b, row in enumerate(rows):
+            if row is not None and b in self.rows:
+                verdict = self.verdict(b, tokens[b]) if not row.done else self.drop(b)
+                if verdict:
+                    policy.observe_shadow(b, *verdict)
+
+    def verdict(self, b: int, token: int) -> tuple | None:
         """Slot b committed `token` at the next position -> (K, the tokens a round of K would have committed) once its
         draft is judged (a proposal refused, or all K-1 confirmed), else None."""
-        found = self.rows.get(b)
-        if found is None:
-            return None
+        found = self.rows[b]
         k, proposals, confirmed = found
         if proposals[confirmed] == token:
             found[2] = confirmed = confirmed + 1
@@ -687,9 +709,10 @@ class Engine(Slots):
             if self.policy is not None:
                 self.policy.observe_round(committed, k, time.perf_counter() - t0)
         else:
-            shadow = self.plain(rows)
+            self.shadows.seconds = 0.0
+            self.plain(rows)
             if self.policy is not None:          # (a shadow draft is no part of a plain step's cost)
-                self.policy.observe_plain(time.perf_counter() - t0 - shadow)
+                self.policy.observe_plain(time.perf_counter() - t0 - self.shadows.seconds)
         live = [r is not None and not r.done for r in rows]
         self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 0))
         self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 1))
@@ -720,16 +743,14 @@ class Engine(Slots):
         pending.after_round(start)
         return committed
 
-    def plain(self, rows: list) -> float:
+    def plain(self, rows: list) -> None:
         """One AR step for every row ("decode" without a proposer). With a proposer ("plain") the same target call
-        also keeps the tokens' features for the drafter's context (Pending), so that a round can follow; each token
-        judges the row's shadow draft, if any (Shadows; its verdict to the policy). -> the seconds of a shadow
-        draft taken at this step's hand-over (_hand_over), 0 if none."""
+        also keeps the tokens' features for the drafter's context (Pending), so that a round can follow; its tokens
+        judge the rows' shadow drafts (Shadows)."""
         t0 = time.perf_counter()
         tok, pos = self.last[:, None], self.start[:, None]
-        self._shadow_seconds = 0.0
         if self.proposer is not None:
-            column = self.pending.plain_column(self._hand_over, self.start, self.last)
+            column = self.pending.plain_column(lambda *feats: self.shadows.hand_over(self, *feats), self.start, self.last)
             pending = self.pending
             out = self.plain_step(tok, pos, pending.plain_buf, pending.plain_next if pending.back else None, column)
         else:
@@ -739,24 +760,7 @@ class Engine(Slots):
         for b, row in enumerate(rows):
             if row is not None:
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
-                judged = self.shadows.judge(b, host[b]) if not row.done else self.shadows.drop(b)
-                if judged:
-                    self.policy.observe_shadow(b, *judged)
-        return self._shadow_seconds
-
-    def _hand_over(self, feats, feat_pos, next_ids) -> None:
-        """The pending features into the drafter's context (Pending.take): appended, or, when the policy asks for a
-        shadow draft of k (Policy.shadow), taken in by a draft of k from each row's last token, as a round's draft
-        takes them, whose proposals the plain steps after it judge (Shadows)."""
-        k = self.policy.shadow() if self.policy is not None and hasattr(self.policy, "shadow") else 0
-        if not k:
-            self.append_step(feats, feat_pos, next_ids)
-            return
-        t0 = time.perf_counter()
-        draft_step, _ = self.round_steps(k)
-        draft = draft_step(self.last, self.start, feats, feat_pos, k - 1, next_ids, **self._draft_noise(k - 1))
-        self.shadows.start(k, draft.tokens.tolist())
-        self._shadow_seconds += time.perf_counter() - t0
+        self.shadows.judge(rows, host, self.policy)
 
 
 def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
@@ -769,11 +773,7 @@ def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
                                                 if isinstance(m, torch.nn.Module) and m is not eng.target]
     proposer = None if eng.proposer is None else (type(eng.proposer).__name__,
                                                   sum(p.numel() for m in drafters for p in m.parameters()))
-    try:
-        from speed.packed import kind_of
-        products = [kind_of([m]) for m in (eng.target, *drafters)]
-    except ImportError:                 # (speed/ is optional: without it every product is plain)
-        products = None
+    products = [getattr(m, "few_row_products", "plain") for m in (eng.target, *drafters)]    # (packed.swap_linears_)
     return json.dumps(["costs", where, torch.__version__, torch.get_num_threads(), t.hidden_size, t.num_hidden_layers,
                        t.vocab_size, str(eng.target.embed_tokens.weight.dtype), proposer, eng.slots, eng.capacity,
                        list(blocks), sampled, type(eng.masks).__name__,

@@ -395,10 +395,11 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
     embed_tokens.weight; state_dict keys do not change). Changes nothing when the kind is unavailable in this torch
     or when no linear is float32 on the CPU. The copies may take half of the memory available now: where all of them
     would take more, the largest products are swapped first, as many as fit (a big model keeps F.linear for the rest
-    rather than run out of memory; _within). The linears of a layer's SHARED_INPUT groups are
-    joined into one PackedGroup each (model.linears runs it), packed once as one product; their Parameters become
-    views of the joined weight. `module` itself is not replaced: wrap a lone linear with PackedLinear.from_linear.
-    Apply after the weights are final (module docstring). -> bytes of copies made."""
+    rather than run out of memory; _within). The linears of a layer's SHARED_INPUT groups are joined into one
+    PackedGroup each (model.linears runs it), packed once as one product; their Parameters become views of the
+    joined weight. `module.few_row_products` then names the kind (engine.cost_key reads it). `module` itself is not
+    replaced: wrap a lone linear with PackedLinear.from_linear. Apply after the weights are final (module docstring).
+    -> bytes of copies made."""
     if not AVAILABLE.get(kind):
         return 0
     narrow_ok = _narrow_ok(module, kind)
@@ -424,6 +425,7 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
     for layer, names in groups:               # (the layers are the swapped ones now)
         members = tuple(getattr(layer, n) for n in names)
         members[0].group = PackedGroup(members, kind, rows)
+    module.few_row_products = kind
     return need
 
 
