@@ -13,19 +13,19 @@ made rounds lose drifts back to the prior, and a round (a probe) measures the ro
 steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves with each probe that loses
 (down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more plain steps than its
 seconds); an admitted request starts from the prior. While plain steps run, every SHADOW_EVERY-th hand-over of their
-features to the drafter's context (the first plain step after a round, then one per block of plain steps) is a
-shadow draft (`shadow`): a draft of the longest block whose proposals the plain steps after it judge
+features to the drafter's context (one at the first plain step after a round, then one per block of plain steps) is
+a shadow draft (`shadow`): a draft of the longest block whose proposals the plain steps after it judge
 (engine.Shadows), which tells exactly what a round there would have committed; that counts as a round's evidence
-(`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step kind's last `window`
-timings (a round's including what the plain step after it takes beyond a plain step's: the switch back), starting
-from a calibration measured once per machine and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected
-by every step timed; a block not timed yet is estimated by interpolating linearly in k between the timed kinds (a
-plain step standing for k = 0: optimistic, so it is tried and timed), and with no plain step timed the policy takes
-one. Nothing else is kept: every decision is made afresh from the estimates of that moment. A decision for a plain
-step also decides the plain steps after it, up to the first at which the rule, with the costs as they stand and the
-live rows aged by each step, would take a round (at most PLAN): those take no decision of their own unless a request
-is admitted or leaves (their timings count from the next decision), so a run of plain steps costs the rule's Python
-once per PLAN steps, not at every step.
+(`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step kind's
+last `window` timings (a round's including what the plain step after it takes beyond a plain step's: the switch
+back), starting from a calibration measured once per machine and shape (Engine.warm_up; cached on disk,
+`load_costs`) and corrected by every step timed; a block not timed yet is estimated by interpolating linearly in k
+between the timed kinds (a plain step standing for k = 0: optimistic, so it is tried and timed), and with no plain
+step timed the policy takes one. Nothing else is kept: every decision is made afresh from the estimates of that
+moment. A decision for a plain step also decides the plain steps after it, up to the first at which the rule, with
+the costs as they stand and the live rows aged by each step, would take a round (at most PLAN): those take no
+decision of their own unless a request is admitted or leaves (their timings count from the next decision), so a run
+of plain steps costs the rule's Python once per PLAN steps, not at every step.
 
 The output never depends on any of this: every kind of step commits the target's own tokens, and plain steps keep
 the drafter's context fed (engine.Pending), so a round can follow any step. Why: docs/method.md#adaptive-speculation.
