@@ -48,7 +48,7 @@ import compiling
 import noise
 from dflash import check_block_size, check_inputs, cut
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
-from policy import Alternate, load_costs, store_costs
+from policy import SHADOW_SURE, Alternate, load_costs, store_costs
 from sampling import Sampling, choose, speculative_accept
 
 
@@ -379,13 +379,18 @@ class Shadows:
 
     def verdict(self, b: int, token: int) -> tuple | None:
         """Slot b committed `token` at the next position -> (K, the tokens a round of K would have committed) once its
-        draft is judged (a proposal refused, or all K-1 confirmed), else None."""
+        draft is judged (a proposal refused, or all K-1 confirmed), or, as soon as its first SHADOW_SURE proposals
+        are confirmed, (SHADOW_SURE + 1, the same): a round that shorter would have committed its whole block, read
+        as a round's whole block is (policy.Rows.censored), while the stretch that drafts well lasts. Else None."""
         found = self.rows[b]
         k, proposals, confirmed = found
         if proposals[confirmed] == token:
             found[2] = confirmed = confirmed + 1
-            if confirmed < k - 1:
+            if confirmed < min(k - 1, SHADOW_SURE):
                 return None
+            if confirmed < k - 1:
+                del self.rows[b]
+                return confirmed + 1, confirmed + 1
         del self.rows[b]
         return k, confirmed + 1            # the confirmed proposals, and the target's own token after them
 

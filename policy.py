@@ -15,8 +15,9 @@ steps that keeps such probes near `rate` of the time; `rate` starts at `budget`,
 seconds); an admitted request starts from the prior. While plain steps run, every SHADOW_EVERY-th hand-over of their
 features to the drafter's context (one at the first plain step after a round, then one per block of plain steps) is
 a shadow draft (`shadow`): a draft of the longest block whose proposals the plain steps after it judge
-(engine.Shadows), which tells exactly what a round there would have committed; that counts as a round's evidence
-(`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step kind's
+(engine.Shadows), which tells exactly what a round there would have committed, or, as soon as its first SHADOW_SURE
+proposals are confirmed, that a round of SHADOW_SURE + 1 would have committed its whole block; that counts as a
+round's evidence (`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step kind's
 last `window` timings (a round's including what the plain step after it takes beyond a plain step's: the switch
 back), starting from a calibration measured once per machine and shape (Engine.warm_up; cached on disk,
 `load_costs`) and corrected by every step timed; a block not timed yet is estimated by interpolating linearly in k
@@ -48,7 +49,9 @@ import statistics
 from model import GenerationError
 
 PLAN = 16           # the most plain steps one decision of the rule takes (Policy.plan)
-SHADOW_EVERY = 2    # while plain steps run, every this many hand-overs of the drafter's context is a shadow draft
+SHADOW_EVERY = 1    # while plain steps run, every this many hand-overs of the drafter's context is a shadow draft
+#                   (0: none)
+SHADOW_SURE = 3     # a shadow draft whose first this many proposals are confirmed is reported at once (engine.Shadows)
 REASONS = ("to_plain_acceptance", "to_plain_costs", "to_rounds_admission", "to_rounds_shadow", "to_rounds_aging",
            "plain_untimed")
 
@@ -195,7 +198,7 @@ class Policy:
         self.basis = None                                # the round seconds that decision used
         self.probe, self.rate = False, self.budget       # whether the coming round is a probe; the aging's budget now
         self.counts = collections.Counter({"rounds": 0, "plain_steps": 0, "shadow_drafts": 0, **dict.fromkeys(REASONS, 0)})
-        self.hand_overs = 0             # hand-overs of the drafter's context during plain steps (shadow)
+        self.hand_overs = 0             # hand-overs of the drafter's context during plain steps (shadow())
         self.loss = None
         self.ahead = 0                  # plain steps decided already (plan), taken without asking the rule again
         self.aged, self.age = 0, None   # plain steps since the last decision, not yet applied; their aging (plan's)
@@ -294,7 +297,7 @@ class Policy:
         """At a hand-over of the drafter's context during plain steps: the block K of a shadow draft to take with it
         (engine.Shadows: the plain steps after it judge its proposals, the evidence of a round of K for the price of a
         draft), every SHADOW_EVERY-th hand-over, or 0."""
-        if self.last != 0 or self.blocks[0] < 2:        # (a block of 1 drafts nothing)
+        if self.last != 0 or self.blocks[0] < 2 or not SHADOW_EVERY:        # (a block of 1 drafts nothing)
             return 0
         self.hand_overs += 1
         if self.hand_overs % SHADOW_EVERY:

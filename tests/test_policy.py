@@ -266,8 +266,9 @@ class Scripted:
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_shadow_draft_is_judged_as_a_round_there_would_commit(sampled):
     """A shadow draft (taken with a hand-over of the drafter's context during plain steps, judged by the tokens the
-    plain steps after it commit) reports what a round of the same k at the same position commits: greedy, and
-    sampled under the coupled rule (the same seed); the output stays AR's."""
+    plain steps after it commit) reports what a round of the same k at the same position commits, or, once its
+    first SHADOW_SURE proposals are confirmed, a round of SHADOW_SURE + 1 committing all (the real round commits at
+    least that): greedy, and sampled under the coupled rule (the same seed); the output stays AR's."""
     target, drafter, p1, _ = embedded_pair()
     req = engine.Request(p1, 60, (), sampling.Sampling(0.3) if sampled else sampling.Sampling(), 11 if sampled else None)
     eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 16, 1, 200)
@@ -277,9 +278,14 @@ def test_a_shadow_draft_is_judged_as_a_round_there_would_commit(sampled):
     assert got.output_ids == ar.output_ids and set(got.step_kinds) == {"plain"}
     assert len(shadowed.judged) >= 3 and max(c for _, c in shadowed.judged) > 1       # (some proposals accepted)
     for at, (k, committed) in zip(shadowed.shadows, shadowed.judged):
-        eng.policy = one = Scripted(eng, k, round_at=at)
+        eng.policy = one = Scripted(eng, 8, round_at=at)
         eng.run([req])
-        assert one.rounds[0] == committed, (at, one.rounds, committed)
+        if k == 8:
+            assert one.rounds[0] == committed, (at, one.rounds, committed)
+        else:               # reported once its first SHADOW_SURE proposals were confirmed: the round commits more
+            assert k == committed == policy.SHADOW_SURE + 1 and one.rounds[0] >= committed, (at, one.rounds, k)
+    if not sampled:                                                             # (both kinds of verdict met)
+        assert {k for k, _ in shadowed.judged} == {8, policy.SHADOW_SURE + 1}
 
 
 def test_warm_up_calibrates_the_policy_once_per_machine_and_shape(tmp_path, monkeypatch):

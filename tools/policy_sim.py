@@ -6,6 +6,7 @@ seconds (docs/method.md#adaptive-speculation).
     python tools/policy_sim.py --costs "{0: 1, 16: 5, 8: 3.5, 4: 2.7, 2: 2.2}"     # rounds dear (many rows, a slow CPU)
     python tools/policy_sim.py maps MAPS.json --heldout 16      # the embedded pair's acceptance maps, every prompt set
     python tools/policy_sim.py replay MAPS.json --costs "{...}" [--budget 0.15 --keep 0.9 --prior-weight 0.5]
+    python tools/policy_sim.py replay MAPS.json --costs "{..., 'shadow': 0.9}" --shadow-every 0   # no shadow drafts
 
 Drawn: a round commits its whole block one time in `p`, else 1-3 tokens (uniformly), one request of 128 tokens at a
 time, 200 requests per p; printed per p: the policy's tokens per second over pure rounds' and over AR's.
@@ -16,7 +17,8 @@ would commit (its proposals matched against the output, plus the target's own to
 only on the context's features, which plain steps and rounds feed alike, so A[j] is what any step sequence meets at
 j; a round of k commits min(A[j], k) (a shorter block's proposals are taken as the whole block's first k - 1).
 Replay: the policy decides on each map as the engine would, at the given costs (a plain step costs the key 0, AR's
-decode step `ar`, default equal to a plain step), every decision's seconds reported to it; per set, the medians over
+decode step `ar`, default equal to a plain step, what a shadow draft adds to its plain step `shadow`, default a
+plain step), every decision's seconds reported to it, shadow drafts judged as the engine judges them (run); per set, the medians over
 prompts of policy / pure rounds and policy / AR. Tune on some sets and judge on prompts.UNTUNED.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import policy as policy_module   # noqa: E402
 from policy import Policy   # noqa: E402
 
 DRAWN_COSTS = "{0: 1.0, 16: 3.0, 8: 2.1, 4: 1.8, 2: 1.6}"
@@ -38,30 +41,51 @@ DRAWN_COSTS = "{0: 1.0, 16: 3.0, 8: 2.1, 4: 1.8, 2: 1.6}"
 
 def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 16) -> float:
     """One request of `tokens` tokens (the first from the prefill) -> its seconds: pure rounds of `block` (policy
-    None) or the policy's steps; commits(j, k): the tokens a round of k commits with j tokens committed."""
+    None) or the policy's steps; commits(j, k): the tokens a round of k commits with j tokens committed. As in the
+    engine, plain steps hand their features over to the drafter's context at the first plain step after a round and
+    then every `block` plain steps; a hand-over the policy makes a shadow draft (Policy.shadow) costs costs["shadow"]
+    more, and its verdict (what a round there would commit) reaches the policy when the plain steps after it have
+    judged it (a proposal refused, or all confirmed, or the first SHADOW_SURE confirmed: engine.Shadows.verdict)."""
     if policy is not None:
         policy.reset()
         policy.admit(0)
     t, got = 0.0, 1
-    while got < tokens:
+    since, judging = 0, None        # plain steps since the last hand-over (None: a round came last); a shadow draft
+    while got < tokens:             # being judged: [K, its verdict, plain steps until it is judged]
         k = block if policy is None else policy.speculate()
         if k:
             c = min(commits(got - 1, k), k, tokens - got)
             got, t = got + c, t + costs[k]
+            since, judging = None, None
             if policy is not None:
                 policy.observe_round([c], k, costs[k])
-        else:
-            got, t = got + 1, t + costs[0]
-            if policy is not None:
-                policy.observe_plain(costs[0])
+            continue
+        if policy is not None and (since is None or since == block):
+            since, shadow = 0, policy.shadow()
+            if shadow:
+                c, sure = min(commits(got - 1, shadow), shadow), policy_module.SHADOW_SURE
+                judging, t = [shadow, c, min(c, shadow - 1)], t + costs["shadow"]
+                if sure <= c - 1 and sure < shadow - 1:     # its first `sure` proposals confirmed: reported then
+                    judging = [sure + 1, sure + 1, sure]
+        got, t = got + 1, t + costs[0]
+        if policy is not None:
+            since += 1
+            if judging:
+                judging[2] -= 1
+                if not judging[2]:
+                    policy.observe_shadow(0, judging[0], judging[1])
+                    judging = None
+            policy.observe_plain(costs[0])
     return t
 
 
 def drawn(costs: dict, params: dict) -> None:
+    costs = {**{"shadow": costs[0]}, **costs}
+    step_costs = {k: v for k, v in costs.items() if k != "shadow"}     # (the policy's calibration)
     for p_long in (0.0, 0.05, 0.1, 0.17, 0.25, 0.35):
         pol, pure = [], []
         for s in range(200):
-            for out, policy in ((pol, Policy(block=16, calibration=costs, **params)), (pure, None)):
+            for out, policy in ((pol, Policy(block=16, calibration=step_costs, **params)), (pure, None)):
                 rng = random.Random(s)
                 out.append(128 / run(lambda j, k: 16 if rng.random() < p_long else rng.randint(1, 3), costs, policy, 128))
         print(f"p {p_long}: policy / pure rounds {statistics.mean(pol) / statistics.mean(pure):.2f}, "
@@ -74,6 +98,8 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
     set's prompts."""
     costs = dict(costs)
     ar = costs.pop("ar", costs[0])
+    costs.setdefault("shadow", costs[0])
+    step_costs = {k: v for k, v in costs.items() if k != "shadow"}     # (the policy's calibration)
     table = {}
     for name, prompts in maps.items():
         ratios = {"policy_over_pure": [], "policy_over_ar": [], "pure_over_ar": []}
@@ -81,7 +107,7 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
             A, n, block = m["A"], m["tokens"], m["block"]
             commits = lambda j, k: A[j]                       # noqa: E731
             pure = run(commits, costs, None, n, block)
-            pol = run(commits, costs, Policy(block=block, calibration=costs, **params), n, block)
+            pol = run(commits, costs, Policy(block=block, calibration=step_costs, **params), n, block)
             ratios["policy_over_pure"].append(pure / pol)
             ratios["policy_over_ar"].append((n - 1) * ar / pol)
             ratios["pure_over_ar"].append((n - 1) * ar / pure)
@@ -137,7 +163,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", choices=("drawn", "maps", "replay"), default="drawn")
     p.add_argument("file", nargs="?", help="maps: where to write the maps; replay: the maps to replay")
-    p.add_argument("--costs", default=None, help="{k: seconds} (0: a plain step; 'ar': AR's decode step, replay only)")
+    p.add_argument("--costs", default=None, help="{k: seconds} (0: a plain step; 'ar': AR's decode step, replay only; "
+                   "'shadow': what a shadow draft adds to its plain step, default a plain step's)")
+    p.add_argument("--shadow-every", type=int, default=None, help="policy.SHADOW_EVERY (0: no shadow drafts)")
     p.add_argument("--keep", type=float, default=None)
     p.add_argument("--budget", type=float, default=None)
     p.add_argument("--prior-weight", type=float, default=None)
@@ -149,8 +177,13 @@ def main(argv=None) -> None:
     if args.mode != "drawn" and not args.file:
         p.error(f"{args.mode} needs a file: python tools/policy_sim.py {args.mode} MAPS.json")
     params = {k: v for k, v in (("keep", args.keep), ("budget", args.budget), ("prior_weight", args.prior_weight)) if v is not None}
+    if args.shadow_every is not None:
+        if args.shadow_every < 0:
+            p.error(f"--shadow-every must be >= 0, got {args.shadow_every}")
+        policy_module.SHADOW_EVERY = args.shadow_every
     try:
-        costs = {(k if k == "ar" else int(k)): float(v) for k, v in ast.literal_eval(args.costs or DRAWN_COSTS).items()}
+        costs = {(k if k in ("ar", "shadow") else int(k)): float(v)
+                 for k, v in ast.literal_eval(args.costs or DRAWN_COSTS).items()}
     except (ValueError, SyntaxError, AttributeError):
         p.error(f"--costs {args.costs!r} is not a dict such as {DRAWN_COSTS}")
     if args.mode == "drawn" and "ar" in costs:
