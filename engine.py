@@ -23,6 +23,7 @@ near-ties only; float64: the same tokens in every test).
     Proposer         what drafts for every row at once (typing.Protocol): DrafterProposer (DFlash, DFlash2),
                      mtp.MTPProposer (Qwen3.5's MTP head); trees plug in through tree.TreeEngine's round
     Pending          the target features the drafter's context has not taken yet, per row
+    Shadows          drafts taken while plain steps run, judged by the tokens those steps commit (policy.py)
     Slots            the N slots' caches and fixed-shape step functions (decode, plain, draft, verify)
     Engine           the loop: admit requests into free slots, then rounds or plain steps until each ends
     Observer         what a benchmark hooks in: the clock requests are timed on, and a call after each step
@@ -341,8 +342,8 @@ class Pending:
 
 
 class Shadows:
-    """Drafts taken while plain steps run (shadow drafts: hand_over), judged by the tokens the plain steps
-    after it commit. For a greedy row, and a sampled one under the coupled rule, a round of K at that position would
+    """Drafts taken while plain steps run (shadow drafts: hand_over), each judged by the tokens the plain steps after
+    it commit. For a greedy row, and a sampled one under the coupled rule, a round of K at that position would
     have accepted exactly the proposals those tokens confirm: a shadow draft's evidence is the round's own, for the
     cost of a draft. Per slot b: [K, its K-1 proposals, how many the plain steps confirmed so far]."""
 
