@@ -49,7 +49,7 @@ import compiling
 import noise
 from dflash import check_block_size, check_inputs, cut
 from model import AttnCache, DenseMasks, DFlashDrafter, DraftCache, GenerationError, Qwen35, TargetCache
-from policy import SHADOW_SURE, Alternate, load_costs, store_costs
+from policy import Alternate, load_costs, shadow_verdict, store_costs
 from sampling import Sampling, choose, speculative_accept
 
 
@@ -379,21 +379,16 @@ class Shadows:
                     policy.observe_shadow(b, *verdict)
 
     def verdict(self, b: int, token: int) -> tuple | None:
-        """Slot b committed `token` at the next position -> (K, the tokens a round of K would have committed) once its
-        draft is judged (a proposal refused, or all K-1 confirmed), or, as soon as its first SHADOW_SURE proposals
-        are confirmed, (SHADOW_SURE + 1, the same): a round that shorter would have committed its whole block, read
-        as a round's whole block is (policy.Rows.censored), while the stretch that drafts well lasts. Else None."""
+        """Slot b committed `token` at the next position -> its draft's verdict once it is reported
+        (policy.shadow_verdict: (K, the tokens a round of K would have committed)), else None."""
         found = self.rows[b]
         k, proposals, confirmed = found
-        if proposals[confirmed] == token:
-            found[2] = confirmed = confirmed + 1
-            if confirmed < min(k - 1, SHADOW_SURE):
-                return None
-            if confirmed < k - 1:
-                del self.rows[b]
-                return confirmed + 1, confirmed + 1
-        del self.rows[b]
-        return k, confirmed + 1            # the confirmed proposals, and the target's own token after them
+        refused = proposals[confirmed] != token
+        found[2] = confirmed = confirmed + (not refused)
+        verdict = shadow_verdict(k, confirmed, refused)
+        if verdict:
+            del self.rows[b]
+        return verdict
 
     def drop(self, b: int | None = None) -> None:
         """Forget slot b's draft (its request ended, or another came), or every slot's (a round measures them)."""

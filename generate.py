@@ -290,7 +290,8 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
     """The statistics of one generation as one short bracketed stderr line: tokens, load, first-token latency, decode
     tok/s; with a drafter its draft-verify rounds and their mean acceptance length, and the plain steps adaptive
     speculation took (why: --no-adaptive's help), and with the policy's `counts` (policy.counts_of) the shadow drafts
-    taken while plain steps ran and its switches by reason; the kind of packed few-row products (use_products' record `products`); the seed. Per-round detail is --json's (acceptance_lengths, step_kinds)."""
+    taken while plain steps ran and its switches by reason; the kind of packed few-row products (use_products'
+    record `products`); the seed. Per-round detail is --json's (acceptance_lengths, step_kinds)."""
     n_decode = len(res.output_ids) - 1
     tps = n_decode / res.decode_seconds if res.decode_seconds > 0 and n_decode else 0.0
     line = (f"[{label}{len(res.output_ids)} tokens; load {load_seconds:.1f} s, first token {res.prefill_seconds * 1e3:.0f} ms, "
@@ -305,10 +306,9 @@ def stats_line(res, block_size: int, proposer, load_seconds: float, label: str =
             line += "; no draft-verify round"
         if plain:
             line += f"; {plain} plain step{'s' * (plain != 1)}"
-        if counts is not None and counts["shadow_drafts"]:
-            line += f", {counts['shadow_drafts']} shadow draft{'s' * (counts['shadow_drafts'] != 1)}"
         if counts is not None:
-            line += "; " + switches(counts)
+            shadows = counts["shadow_drafts"]
+            line += (f", {shadows} shadow draft{'s' * (shadows != 1)}" if shadows else "") + "; " + switches(counts)
     if products and products["products"] != "plain":
         line += f"; {products['products']} packed products"
     if res.seed is not None:

@@ -416,6 +416,19 @@ def store_costs(key: str, costs: dict) -> None:
     compiling.write_record(path, saved)
 
 
+def shadow_verdict(k: int, confirmed: int, refused: bool) -> tuple | None:
+    """A shadow draft of k (k - 1 proposals), `confirmed` of them confirmed by the plain steps so far, the latest
+    refused or not -> (K, the tokens a round of K there would have committed) once it is reported, else None: at a
+    refused proposal or the last one confirmed, a round of k; as soon as SHADOW_SURE are confirmed (and more
+    remain), a round of SHADOW_SURE + 1 that committed its whole block (read as a round's whole block is,
+    Rows.censored), while the stretch that drafts well lasts. engine.Shadows and tools/policy_sim.py judge by it."""
+    if refused or confirmed == k - 1:
+        return k, confirmed + 1             # the confirmed proposals, and the target's own token after them
+    if confirmed == SHADOW_SURE:
+        return confirmed + 1, confirmed + 1
+    return None
+
+
 def counts_of(policy) -> dict | None:
     """A policy's counts for its last run ({"rounds", "plain_steps", "shadow_drafts", and one per switch reason in
     REASONS}), or None (no adaptive policy)."""

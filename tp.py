@@ -376,17 +376,18 @@ class Synced:
     def reset(self) -> None:
         self.policy.reset()
 
-    def speculate(self) -> int:
-        """Rank 0's decision on every rank: 0 (a plain step) or the block k of a round."""
-        t = torch.tensor([self.policy.speculate()], dtype=torch.long, device=self.parallel.device)
+    def _rank_0s(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long, device=self.parallel.device)
         dist.broadcast(t, src=0, group=self.parallel.group)
         return int(t.item())
 
+    def speculate(self) -> int:
+        """Rank 0's decision on every rank: 0 (a plain step) or the block k of a round."""
+        return self._rank_0s(self.policy.speculate())
+
     def shadow(self) -> int:
         """Rank 0's shadow draft (Policy.shadow) on every rank: the block K, or 0."""
-        t = torch.tensor([self.policy.shadow()], dtype=torch.long, device=self.parallel.device)
-        dist.broadcast(t, src=0, group=self.parallel.group)
-        return int(t.item())
+        return self._rank_0s(self.policy.shadow())
 
     def observe_shadow(self, b: int, k: int, committed: int) -> None:
         self.policy.observe_shadow(b, k, committed)

@@ -45,13 +45,13 @@ def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 1
     engine, plain steps hand their features over to the drafter's context at the first plain step after a round and
     then every `block` plain steps; a hand-over the policy makes a shadow draft (Policy.shadow) costs costs["shadow"]
     more, and its verdict (what a round there would commit) reaches the policy when the plain steps after it have
-    judged it (a proposal refused, or all confirmed, or the first SHADOW_SURE confirmed: engine.Shadows.verdict)."""
+    judged it far enough (policy.shadow_verdict, as in the engine)."""
     if policy is not None:
         policy.reset()
         policy.admit(0)
     t, got = 0.0, 1
-    since, judging = 0, None        # plain steps since the last hand-over (None: a round came last); a shadow draft
-    while got < tokens:             # being judged: [K, its verdict, plain steps until it is judged]
+    since, judging = 0, None        # plain steps since the last hand-over (None: a round came last); the shadow draft
+    while got < tokens:             # being judged
         k = block if policy is None else policy.speculate()
         if k:
             c = min(commits(got - 1, k), k, tokens - got)
@@ -62,18 +62,17 @@ def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 1
             continue
         if policy is not None and (since is None or since == block):
             since, shadow = 0, policy.shadow()
-            if shadow:
-                c, sure = min(commits(got - 1, shadow), shadow), policy_module.SHADOW_SURE
-                judging, t = [shadow, c, min(c, shadow - 1)], t + costs["shadow"]
-                if sure <= c - 1 and sure < shadow - 1:     # its first `sure` proposals confirmed: reported then
-                    judging = [sure + 1, sure + 1, sure]
+            if shadow:          # [K, the proposals a round of K there accepts, how many plain steps confirmed]
+                judging, t = [shadow, min(commits(got - 1, shadow), shadow) - 1, 0], t + costs["shadow"]
         got, t = got + 1, t + costs[0]
         if policy is not None:
             since += 1
             if judging:
-                judging[2] -= 1
-                if not judging[2]:
-                    policy.observe_shadow(0, judging[0], judging[1])
+                refused = judging[2] == judging[1]
+                judging[2] += not refused
+                verdict = policy_module.shadow_verdict(judging[0], judging[2], refused)
+                if verdict:
+                    policy.observe_shadow(0, *verdict)
                     judging = None
             policy.observe_plain(costs[0])
     return t
