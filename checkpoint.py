@@ -6,6 +6,8 @@ the tensor-name layouts of Qwen3.5 and of z-lab drafters, tokenizer and stop ids
     load_drafter(path, cfg)      z-lab DFlashDraftModel -> model.DFlashDrafter, checked against the target
     save_target / save_drafter   the same formats back (transformers and the z-lab package load them)
     save_target_in_parts         a target too large to hold, written a layer at a time into shards
+    Stored                       one tensor of a file, read when asked: whole (fill) or only some rows and
+                                 columns (read_part: tp.py's ranks read their slices)
     target_bytes, cache_bytes,   the memory a run needs, from the configs alone, against what the device has
     check_memory
 
@@ -13,6 +15,7 @@ Tensor names: docs/qwen35.md#checkpoint-tensor-names.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -440,23 +443,60 @@ class Stored:
         each chunk's pages unmapped from this process once copied (MADV_DONTNEED: they stay in the page cache), so the
         process holds `out` and at most one chunk of the file."""
         flat, size = out.view(-1), self.dtype.itemsize
-        if flat.numel() == 0:
-            return
-        step, page = max(1, CHUNK // size), mmap.PAGESIZE
-        with open(self.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        step = max(1, CHUNK // size)
+        with self._mapped() as view:
             for i in range(0, flat.numel(), step):
-                part, at = flat[i:i + step], self.start + i * size
-                src = torch.frombuffer(mapped, dtype=self.dtype, count=part.numel(), offset=at)
-                part.copy_(src)
-                problem = None if all_finite(part) else (
+                part = flat[i:i + step]
+                view(i, part.numel(), lambda src: part.copy_(src))
+
+    def read_part(self, rows: torch.Tensor | None, inner: tuple, dtype) -> torch.Tensor:
+        """Only some elements, in `dtype`: the rows `rows` (a 1-D index tensor over dim 0; None: all of them) and
+        within each the positions `inner` (one 1-D index tensor or None, all, per later dim) -> a tensor of the
+        selected shape. Only the runs of consecutive rows asked for are copied out of the file, at most a CHUNK at a
+        time (as fill): tp.py's ranks read their slices of a weight this way."""
+        rows = torch.arange(self.shape[0]) if rows is None else rows
+        row_shape = self.shape[1:]
+        out = torch.empty((len(rows), *(n if ix is None else len(ix) for n, ix in zip(row_shape, inner))), dtype=dtype)
+        per_row = math.prod(row_shape)
+        step = max(1, CHUNK // max(1, per_row * self.dtype.itemsize))
+        breaks = [0, *((rows[1:] != rows[:-1] + 1).nonzero().flatten() + 1).tolist(), len(rows)]
+        with self._mapped() as view:
+            for a, b in zip(breaks, breaks[1:]):              # a run of consecutive rows, a chunk at a time
+                for i in range(a, b, step):
+                    j = min(b, i + step)
+
+                    def take(src, i=i, j=j):
+                        src = src.view(j - i, *row_shape)
+                        for d, ix in enumerate(inner):
+                            src = src if ix is None else src.index_select(d + 1, ix)
+                        out[i:j].copy_(src)
+                        return out[i:j]
+                    view(int(rows[i]) * per_row, (j - i) * per_row, take)
+        return out
+
+    @contextlib.contextmanager
+    def _mapped(self):
+        """The file mapped, as view(first, n, use): use(the tensor's elements first .. first + n - 1, a view of the
+        map) -> what it copied them into, which is refused with the tensor's and the file's names when it holds NaN
+        or infinity (or a value beyond its dtype's range); their pages are then unmapped from this process."""
+        size, page = self.dtype.itemsize, mmap.PAGESIZE
+        with open(self.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+            def view(first, n, use):
+                if n == 0:
+                    return
+                at = self.start + first * size
+                src = torch.frombuffer(mapped, dtype=self.dtype, count=n, offset=at)
+                got = use(src)
+                problem = None if all_finite(got) else (
                     not_finite(self.name, self.file) if not all_finite(src) else
-                    f"tensor {self.name} in {self.file} holds values beyond {str(out.dtype).replace('torch.', '')}'s "
+                    f"tensor {self.name} in {self.file} holds values beyond {str(got.dtype).replace('torch.', '')}'s "
                     "range; keep the weights in a wider dtype (--weight-dtype auto or float32)")
-                del src                              # (the map cannot close while a tensor views it)
+                del src, got                         # (the map cannot close while a tensor views it)
                 if problem:
                     raise CheckpointError(problem)
                 if hasattr(mmap, "MADV_DONTNEED"):
-                    mapped.madvise(mmap.MADV_DONTNEED, at - at % page, at % page + part.numel() * size)
+                    mapped.madvise(mmap.MADV_DONTNEED, at - at % page, at % page + n * size)
+            yield view
 
 
 class Joined:
@@ -485,6 +525,33 @@ class Joined:
             else:
                 part.fill(dst)
             i += n
+
+
+    def read_part(self, rows: torch.Tensor | None, inner: tuple, dtype) -> torch.Tensor:
+        """Stored.read_part's selection for a parameter fused from per-expert tensors ([E, R, ...], each expert's
+        R rows its parts' rows one after another): each selected expert's selected rows read from the parts that
+        hold them, nothing else."""
+        per = len(self.parts) // self.shape[0]
+        experts = range(self.shape[0]) if rows is None else rows.tolist()
+        sub, rest = inner[0], inner[1:]
+        out = torch.empty((len(experts), *(n if ix is None else len(ix) for n, ix in zip(self.shape[1:], inner))), dtype=dtype)
+        for i, e in enumerate(experts):
+            got, where, first = [], [], 0
+            for part in self.parts[e * per:(e + 1) * per]:
+                n = part.shape[0]
+                pick = torch.arange(n) + first if sub is None else ((sub >= first) & (sub < first + n)).nonzero().flatten()
+                local = pick - first if sub is None else sub[pick] - first
+                if isinstance(part, torch.Tensor):
+                    t = part[local]
+                    for d, ix in enumerate(rest):
+                        t = t if ix is None else t.index_select(d + 1, ix)
+                    got.append(t.to(dtype))
+                else:
+                    got.append(part.read_part(local, rest, dtype))
+                where.append(pick)
+                first += n
+            out[i] = torch.cat(got)[torch.cat(where).argsort()]       # back in the order asked for
+        return out
 
 
 def stored_dtype(t) -> torch.dtype:
@@ -575,6 +642,19 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=(), 
     """Copy checkpoint tensors (tensors, or Stored / Joined ones: each read straight into its parameter) into
     `module`, every parameter must be present with its shape. dtype: the arithmetic's; each weight is kept in
     kept_dtype(its stored dtype, dtype, weights), those named in keep_fp32 in state_dtype(dtype)."""
+    with torch.no_grad():
+        for name, p, t, kept in matched(module, tensors, dtype, what, keep_fp32, weights):
+            if isinstance(t, torch.Tensor):
+                p.data = t.to(kept)
+            else:
+                p.data = torch.empty(p.shape, dtype=kept, device=p.device)
+                t.fill(p.data)
+
+
+def matched(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=(), weights=None) -> list:
+    """module's parameters paired with their checkpoint tensors: [(name, parameter, tensor, the dtype it is kept
+    in)], a conv1d weight [C, 1, K] seen as [C, K]. A parameter missing from the checkpoint, a tensor the module
+    has no parameter for, or a shape that differs from the config's is refused with its name (load_into's checks)."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(tensors))
     if missing:
@@ -583,19 +663,16 @@ def load_into(module: nn.Module, tensors: dict, dtype, what: str, keep_fp32=(), 
     unexpected = sorted(set(tensors) - set(params))
     if unexpected:
         raise CheckpointError(f"{what} checkpoint has tensors this architecture does not use: {', '.join(unexpected[:3])}")
-    with torch.no_grad():
-        for name, p in params.items():
-            t = tensors[name]
-            if name.endswith("conv_weight") and t.dim() == 3:         # conv1d's [C, 1, K] -> [C, K]
-                t = t.reshape(t.shape[0], t.shape[2]) if t.shape[1] == 1 else (t if isinstance(t, torch.Tensor) else t.read())[:, 0, :]
-            if tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
-            kept = state_dtype(dtype) if name.endswith(keep_fp32) else kept_dtype(stored_dtype(t), dtype, weights)
-            if isinstance(t, torch.Tensor):
-                p.data = t.to(kept)
-            else:
-                p.data = torch.empty(p.shape, dtype=kept, device=p.device)
-                t.fill(p.data)
+    out = []
+    for name, p in params.items():
+        t = tensors[name]
+        if name.endswith("conv_weight") and t.dim() == 3:         # conv1d's [C, 1, K] -> [C, K]
+            t = t.reshape(t.shape[0], t.shape[2]) if t.shape[1] == 1 else (t if isinstance(t, torch.Tensor) else t.read())[:, 0, :]
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{what} tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
+        kept = state_dtype(dtype) if name.endswith(keep_fp32) else kept_dtype(stored_dtype(t), dtype, weights)
+        out.append((name, p, t, kept))
+    return out
 
 
 # Kept in float32 whatever the dtype: exp(A_log) in bf16 loses the decay's precision (docs/qwen35.md#gated-deltanet).

@@ -1,7 +1,7 @@
 """Tensor and expert parallelism for the Qwen3.5 target on torch.distributed (docs/method.md#past-one-device).
 
 `torchrun --nproc-per-node N generate.py ...` (and tools/bench.py) runs N processes. Each reads the checkpoint one layer
-at a time and cuts each layer into the part its rank holds before reading the next (`Parallel.load_target`), as
+at a time, and of each layer only the slices its rank holds (`Parallel.load_target`, `Unread`), cut as
 gpt-fast's `tp.py` cuts a built model in place: model.py is unchanged, and the cut layers are model.py's own
 classes with fewer heads. The ranks' partial sums meet in all-reduces issued by `AllReduce` through torch's
 functional collectives (traceable by torch.compile), on the gloo backend on a CPU and NCCL on CUDA. No transport
@@ -21,7 +21,8 @@ rank 0 for every rank (`Synced`): ranks whose steps differed would issue differe
     shard_moe(moe, rank, world, ep)      -> SparseMoE with 1/world of every expert, or of the experts
     shard_target(target, rank, world, reduce)   in place, with the all-reduces; target.cfg becomes the shard's
     launch(device)                       -> Parallel (torchrun's environment read, the process group up) or None
-    Parallel.load_target(path, ...)      -> the target read layer by layer, each cut as it is read
+    Parallel.load_target(path, ...)      -> the target read layer by layer, only this rank's slices of each
+    Unread                               a checkpoint tensor a shard function indexes before any of it is read
 """
 from __future__ import annotations
 
@@ -51,11 +52,11 @@ def _part(n: int, rank: int, world: int, what: str) -> slice:
 
 
 def _rows(t: torch.Tensor, idx) -> torch.nn.Parameter:
-    return torch.nn.Parameter(t.detach()[idx].clone(), requires_grad=False)
+    return torch.nn.Parameter(t[idx].detach().clone(), requires_grad=False)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
-    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device=weight.device)
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device="meta")
     lin.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
     if bias is not None:
         lin.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -69,7 +70,7 @@ def _column(lin: nn.Linear, rows) -> nn.Linear:
 
 def _row(lin: nn.Linear, cols, rank: int) -> nn.Linear:
     """Row-parallel: this rank's input columns; a bias is added once, on rank 0 (the ranks' outputs are summed)."""
-    bias = None if lin.bias is None else (lin.bias if rank == 0 else torch.zeros_like(lin.bias))
+    bias = None if lin.bias is None else (lin.bias if rank == 0 else torch.zeros(lin.bias.shape, dtype=lin.bias.dtype))
     return _linear(lin.weight[:, cols], bias)
 
 
@@ -95,6 +96,42 @@ def _copy(module: nn.Module) -> nn.Module:
     out = copy.copy(module)
     out._modules, out._parameters = dict(module._modules), dict(module._parameters)
     return out
+
+
+class Unread:
+    """A checkpoint tensor not read yet (checkpoint.Stored or Joined), standing in for a layer's parameter while
+    Parallel.load_target cuts the layer: indexing it as the shard functions index a weight (a slice or a 1-D index
+    tensor per dimension) narrows what will be read, and only those elements are read, in `dtype`
+    (Stored.read_part) into a tensor of its own on clone(), where the shard functions copy a weight's rows with
+    .detach().clone(). shape, dtype, device and dim() as the tensor's."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, stored, dtype, index: tuple | None = None):
+        self.stored, self.dtype = stored, dtype
+        self.index = index or (None,) * stored.dim()        # per dimension: a 1-D index tensor, or None (all)
+        self.shape = torch.Size(n if ix is None else len(ix) for n, ix in zip(stored.shape, self.index))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, key) -> "Unread":
+        index = list(self.index)
+        for d, k in enumerate(key if isinstance(key, tuple) else (key,)):
+            if isinstance(k, slice) and k == slice(None):
+                continue
+            if not isinstance(k, (slice, torch.Tensor)):
+                raise TypeError(f"an Unread weight is indexed by slices and 1-D index tensors, not {type(k).__name__}")
+            at = torch.arange(self.shape[d])[k]                  # positions within what is selected so far
+            index[d] = at if index[d] is None else index[d][at]
+        return Unread(self.stored, self.dtype, tuple(index))
+
+    def detach(self) -> "Unread":
+        return self
+
+    def clone(self) -> torch.Tensor:
+        """The selected elements read from the file (what a tensor's detach().clone() gives: a tensor of its own)."""
+        return self.stored.read_part(self.index[0], self.index[1:], self.dtype)
 
 
 @torch.no_grad()
@@ -299,8 +336,11 @@ class Parallel:
 
     def load_target(self, path: str, dtype, device) -> Qwen35:
         """The target read one layer at a time, each layer cut to this rank's part and moved to `device` before the
-        next is read: a process holds at most one whole layer (a 122B-A10B layer: about 5 GB of bf16), never the
-        whole checkpoint. target.cfg stays the whole model's until `shard` (the proposer is built from it)."""
+        next is read. The cut weights are never read whole: each parameter of a layer starts as an Unread handle on
+        its checkpoint tensor, the shard functions index it as they would the weight, and only the rows and columns
+        they keep are read from the file (checkpoint.Stored.read_part). So a rank reads its slices (and the
+        replicated embedding, head, norms and routers), never the whole checkpoint or a whole layer. target.cfg stays
+        the whole model's until `shard` (the proposer is built from it)."""
         path = ckpt.resolve_dir(path)
         raw = ckpt.read_config(path)
         cfg = ckpt.target_config(raw)
@@ -311,16 +351,22 @@ class Parallel:
         outer.embed_tokens, outer.norm = model.embed_tokens, model.norm
         if not cfg.tie_word_embeddings:
             outer.lm_head = model.lm_head
-        groups = [(outer, "", lambda k: not k.startswith("layers."))]
-        groups += [(layer, f"layers.{i}.", lambda k, p=f"layers.{i}.": k.startswith(p)) for i, layer in enumerate(model.layers)]
-        for module, prefix, keep in groups:
-            module.to_empty(device="cpu")
-            tensors = {k[len(prefix):]: t for k, t in ckpt.target_tensors(path, cfg, keep).items()}
-            ckpt.load_into(module, tensors, dtype, f"target {prefix.rstrip('.') or 'embedding and head'}",
-                           keep_fp32=ckpt.TARGET_FP32)
-            if prefix:
-                shard_layer(module, self.rank, self.world, self.wrap, self.expert_parallel)
-            module.to(device)
+        outer.to_empty(device="cpu")
+        tensors = ckpt.target_tensors(path, cfg, lambda k: not k.startswith("layers."))
+        ckpt.load_into(outer, tensors, dtype, "target embedding and head", keep_fp32=ckpt.TARGET_FP32)
+        outer.to(device)
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}."
+            tensors = {k[len(prefix):]: t for k, t in ckpt.target_tensors(path, cfg, lambda k: k.startswith(prefix)).items()}
+            for name, p, t, kept in ckpt.matched(layer, tensors, dtype, f"target layers.{i}", keep_fp32=ckpt.TARGET_FP32):
+                owner, _, leaf = name.rpartition(".")
+                layer.get_submodule(owner)._parameters[leaf] = Unread(t, kept)
+            shard_layer(layer, self.rank, self.world, self.wrap, self.expert_parallel)
+            for module in layer.modules():          # what no cut read (norms, the router): read whole
+                for leaf, p in module._parameters.items():
+                    if isinstance(p, Unread):
+                        module._parameters[leaf] = nn.Parameter(p.clone(), requires_grad=False)
+            layer.to(device)
         for name, buf in model.named_buffers(recurse=False):
             setattr(model, name, torch.empty_like(buf, device=device))
         model.tie_weights_()

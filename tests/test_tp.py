@@ -7,6 +7,7 @@
   outputs identical, every acceptance length), the bytes all-reduced, compiled steps, the policies' shared times.
 - The refusals. (The command lines under torchrun: test_torchrun.py.)"""
 import datetime
+import re
 
 import pytest
 import torch
@@ -469,17 +470,25 @@ def test_compiled_steps_under_tp(ranks):
 @pytest.mark.parametrize("kind", ["dense", "moe", "moe-expert-parallel", "tied"])
 def test_reading_layer_by_layer_equals_cutting_the_loaded_model(kind, tmp_path, monkeypatch):
     """Parallel.load_target (each layer read, cut and placed before the next is read) == ckpt.load_target then
-    Parallel.shard, tensor for tensor, on every rank; and no read holds two layers' tensors."""
+    Parallel.shard, tensor for tensor, on every rank; no read holds two layers' tensors; and a rank copies out of
+    the files exactly the elements it keeps (its slices of the cut weights, the replicated ones whole): per-expert
+    files (moe) included."""
     import checkpoint as ckpt
     cfg = moe_config(**WIDE) if kind.startswith("moe") else tiny_target_config(**WIDE, tie_word_embeddings=kind == "tied")
     ckpt.save_target(random_target(cfg, 14, torch.float32), str(tmp_path), dtype=torch.float32)
     reads = []
     real = ckpt.read_safetensors
     monkeypatch.setattr(ckpt, "read_safetensors", lambda *a, **kw: reads.append(real(*a, **kw)) or reads[-1])
+    copied = []                 # every tensor copied out of a file: what Stored.fill filled, what read_part returned
+    fill, read_part = ckpt.Stored.fill, ckpt.Stored.read_part
+    monkeypatch.setattr(ckpt.Stored, "fill", lambda self, out: copied.append(out.numel()) or fill(self, out))
+    monkeypatch.setattr(ckpt.Stored, "read_part", lambda self, *a: copied.append(read_part(self, *a)) or copied[-1])
     for rank in range(2):
         par = tp.Parallel(rank, 2, None, "cpu", expert_parallel=kind == "moe-expert-parallel")
-        reads.clear()
+        reads.clear(), copied.clear()
         streamed = par.load_target(str(tmp_path), torch.float64, "cpu")
+        held = sum(p.numel() for p in streamed.parameters())       # (a tied head counted once)
+        assert sum(c if isinstance(c, int) else c.numel() for c in copied) == held
         layers_per_read = [{n.split(".")[2] for n in r if n.startswith("model.layers.")} for r in reads]
         assert max(len(l) for l in layers_per_read) == 1 and len(reads) == cfg.num_hidden_layers + 1
         par.shard(streamed, None)
@@ -491,3 +500,20 @@ def test_reading_layer_by_layer_equals_cutting_the_loaded_model(kind, tmp_path, 
         assert (streamed.lm_head.weight is streamed.embed_tokens.weight) == (kind == "tied")
         pos = torch.arange(3)
         torch.testing.assert_close(streamed.rope(pos, torch.float64), whole.rope(pos, torch.float64))
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.experts.3.up_proj.weight",      # a per-expert file's part
+                                  "model.layers.3.self_attn.o_proj.weight"])           # a row-parallel slice
+def test_a_rank_finds_a_nan_in_the_slice_it_reads(name, tmp_path):
+    """A NaN in a cut weight is found by the rank whose slice holds it, reading only its slice, and named with its
+    tensor and file (as a whole read names it); the other rank, which never reads that element, loads."""
+    import checkpoint as ckpt
+    from safetensors.torch import load_file, save_file
+    ckpt.save_target(random_target(moe_config(**WIDE), 15, torch.float32), str(tmp_path), dtype=torch.float32)
+    f = str(tmp_path / "model.safetensors")
+    tensors = load_file(f)
+    tensors[name][-1, -1] = float("nan")            # the last row and column: rank 1's slice either way
+    save_file(tensors, f, metadata={"format": "pt"})
+    tp.Parallel(0, 2, None, "cpu").load_target(str(tmp_path), torch.float32, "cpu")
+    with pytest.raises(ckpt.CheckpointError, match=f"tensor {re.escape(name)} in {re.escape(f)} holds NaN or infinite values"):
+        tp.Parallel(1, 2, None, "cpu").load_target(str(tmp_path), torch.float32, "cpu")
