@@ -4,6 +4,9 @@ queries) on weights packed once for them, applied to a loaded model by swapping 
     KINDS             the packed products: "mkl" (MKL's packed sgemm: the weight packed for products of exactly
                       `rows` rows; any other row count stays F.linear) and "onednn" (oneDNN's linear on the weight
                       reordered into its blocked layout, for products of 2..FEW_ROWS rows). "plain" is F.linear.
+                      A weight kept narrower than the float32 arithmetic (model.kept_product) is packed widened;
+                      for "mkl" it also keeps the widened float32 weight (`wide`: MKL's kernel takes it beside the
+                      packed one), and its products of other row counts, 2..FEW_ROWS, are F.linear over that.
     PackedLinear      an nn.Linear (the same Parameters, the same state-dict names) that also keeps a packed copy of
                       its weight and uses it for the float32 CPU products it applies to, outside autograd.
     PackedGroup       the linears of a layer that read one input (its SHARED_INPUT: q/k/v, gate/up, the GDN input
@@ -41,6 +44,7 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import checkpoint
 import model as M
@@ -58,9 +62,21 @@ PACK_ROWS = 16           # the default row count weights are packed for (the ver
 MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
 NARROW = (torch.bfloat16, torch.float16)   # weights kept narrower than float32 arithmetic (model.kept_product):
 #                                            packed as widened float32 copies, by the kinds in KEPT_KINDS only
-KEPT_KINDS = ("onednn",)   # MKL's packed product also takes the float32 weight itself, which a kept one is not
+KEPT_KINDS = ("onednn", "mkl")   # mkl keeps a widened float32 weight beside its packed copy (two copies)
 PASS_BYTES = 1 << 29     # `measure`'s pass reads at most about this many bytes of weights (their packed copies are
 #                          alive at once), and one layer of every shape past them
+
+
+def widened(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """The float32 weight a copy of `kind` keeps beside its packed one: for "mkl" over a weight kept narrower, the
+    weight widened (MKL's kernel takes the float32 weight too, and products of other row counts use it); else None
+    (the weight itself serves)."""
+    return weight.detach().float() if kind == "mkl" and weight.dtype in NARROW else None
+
+
+def copy_bytes(weight: torch.Tensor, kind: str) -> int:
+    """The bytes of the copies a weight of `kind` takes: its packed float32 copy, and its widened one (widened)."""
+    return weight.numel() * 4 * (2 if kind == "mkl" and weight.dtype in NARROW else 1)
 
 
 def pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
@@ -192,6 +208,7 @@ class PackedLinear(nn.Linear):
     repack a copy whose weight changed since it was made (module docstring); compiled calls do not check."""
 
     packed: torch.Tensor | None = None     # pack(weight, kind, rows), or None: always F.linear
+    wide: torch.Tensor | None = None       # widened(weight, kind): the kept weight widened, for "mkl"
     _packed_for = None                     # (weakref to the weight, its data_ptr, its _version or None)
     narrow_ok = False                      # its weight may be kept narrower (NARROW): packed widened
     grouped = False                        # a PackedGroup's member: the group holds the packed copy, not the layer
@@ -232,7 +249,8 @@ class PackedLinear(nn.Linear):
 
     def _pack(self) -> torch.Tensor:
         w = self.weight
-        self.packed = pack(w, self.kind, self.rows)
+        self.wide = widened(w, self.kind)
+        self.packed = pack(w if self.wide is None else self.wide, self.kind, self.rows)
         self._packed_for = _made_from(w)
         return self.packed
 
@@ -243,23 +261,23 @@ class PackedLinear(nn.Linear):
             return 0
         w = self.weight
         if not _packable(w, self.narrow_ok):
-            self.packed = self._packed_for = None
+            self.packed = self.wide = self._packed_for = None
             return 0
         if self.packed is not None and not self._stale(unversioned_stale=True):
             return 0
         self._pack()
-        return w.numel() * 4
+        return copy_bytes(w, self.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The cheap tests first: this runs for every product of an eager step.
-        if self.packed is None or torch.is_grad_enabled() or not _serves(x, self.kind, self.rows):
+        if self.packed is None or torch.is_grad_enabled() or not _serves(x, self.kind, self.rows, self.wide):
             return M.kept_product(x, self.weight, self.bias)
         if not torch.compiler.is_compiling() and self._stale(unversioned_stale=False):   # (not traced: docstring)
             if not _packable(self.weight, self.narrow_ok):     # converted to another dtype or device since it was packed
-                self.packed = self._packed_for = None
+                self.packed = self.wide = self._packed_for = None
                 return M.kept_product(x, self.weight, self.bias)
             self._pack()
-        return _packed_product(x, self.packed, self.weight, _wide(self.bias), self.kind, self.rows)
+        return _copy_product(x, self.packed, self.wide, self.weight, _wide(self.bias), self.kind, self.rows)
 
 
 def _wide(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -267,11 +285,20 @@ def _wide(bias: torch.Tensor | None) -> torch.Tensor | None:
     return bias if bias is None or bias.dtype == torch.float32 else bias.float()
 
 
-def _serves(x: torch.Tensor, kind: str, rows: int) -> bool:
-    """Whether a copy of `kind` packed for `rows` serves the product of x [..., K]: float32 on the CPU, a row count
-    the kind applies to."""
+def _serves(x: torch.Tensor, kind: str, rows: int, wide: torch.Tensor | None = None) -> bool:
+    """Whether a copy of `kind` packed for `rows` (with `wide`, its widened weight, or None) serves the product of
+    x [..., K]: float32 on the CPU, a row count the kind applies to, or with a widened weight any of 2..FEW_ROWS."""
+    n = x.numel() // max(x.shape[-1], 1)
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and applies(kind, x.numel() // max(x.shape[-1], 1), rows))
+            and (applies(kind, n, rows) or wide is not None and 1 < n <= FEW_ROWS))
+
+
+def _copy_product(x, packed, wide, weight, bias, kind: str, rows: int) -> torch.Tensor:
+    """A product _serves: over the packed copy where the kind applies to x's rows, else F.linear over the widened
+    weight `wide`."""
+    if applies(kind, x.numel() // x.shape[-1], rows):
+        return _packed_product(x, packed, weight if wide is None else wide, bias, kind, rows)
+    return F.linear(x, wide, bias)
 
 
 def _packed_product(x, packed, weight, bias, kind: str, rows: int) -> torch.Tensor:
@@ -286,13 +313,14 @@ class PackedGroup:
     of it: the same names, values and memory), packed once; `__call__` splits the product back into each member's
     output, in order. The members keep no packed copy of their own. Eager calls check each member's weight as
     PackedLinear checks its own (a member's weight replaced, moved or changed in place) and join and pack again;
-    products the kind does not apply to (one row, another row count) are F.linear over the joined weight. Not an
+    products the kind does not apply to (one row, another row count) are F.linear over the joined weight (for mkl
+    over kept weights, 2..FEW_ROWS rows over the joined weight widened: `wide`). Not an
     nn.Module: it adds no parameters."""
 
     def __init__(self, members: tuple, kind: str, rows: int):
         self.members, self.kind, self.rows = tuple(members), kind, rows
         self.sizes = [m.out_features for m in self.members]
-        self.weight = self.bias = self.packed = None
+        self.weight = self.bias = self.packed = self.wide = None
         for m in self.members:
             m.grouped, m.packed = True, None
         self.refresh_()
@@ -305,7 +333,7 @@ class PackedGroup:
         time (always, for inference-mode weights); no copy when a weight is no longer float32 on the CPU. -> bytes
         packed now."""
         if not all(_packable(m.weight, m.narrow_ok) for m in self.members):
-            self.weight = self.bias = self.packed = None
+            self.weight = self.bias = self.packed = self.wide = None
             return 0
         if not self._stale(unversioned_stale=True):
             return 0
@@ -318,10 +346,11 @@ class PackedGroup:
             for name, joined in parts:                 # the members' Parameters become views of the joined tensor
                 for m, view in zip(self.members, joined.split(self.sizes)):
                     getattr(m, name).data = view
-        self.packed = pack(self.weight, self.kind, self.rows)
+        self.wide = widened(self.weight, self.kind)
+        self.packed = pack(self.weight if self.wide is None else self.wide, self.kind, self.rows)
         for m in self.members:
             m._packed_for = _made_from(m.weight)
-        return self.weight.numel() * 4
+        return copy_bytes(self.weight, self.kind)
 
     def __call__(self, x: torch.Tensor) -> tuple:
         """x [..., K] -> each member's output [..., N_i], in order: one product over the joined weight (packed where
@@ -334,8 +363,8 @@ class PackedGroup:
             self.refresh_()
             if self.packed is None:
                 return tuple(m(x) for m in self.members)
-        if _serves(x, self.kind, self.rows):
-            out = _packed_product(x, self.packed, self.weight, _wide(self.bias), self.kind, self.rows)
+        if _serves(x, self.kind, self.rows, self.wide):
+            out = _copy_product(x, self.packed, self.wide, self.weight, _wide(self.bias), self.kind, self.rows)
         else:
             out = M.kept_product(x, self.weight, self.bias)
         return out.split(self.sizes, -1)
@@ -365,10 +394,10 @@ def _swappable(m: nn.Module, narrow_ok: bool = False) -> bool:
             and not torch.nn.utils.parametrize.is_parametrized(m) and _packable(m.weight, narrow_ok))
 
 
-def _within(todo: list, groups: list, budget: int | None) -> tuple:
-    """The (parent, name, linear) entries of `todo` and the SHARED_INPUT `groups` whose float32 copies fit in `budget`
-    bytes (None: all): each group, and each other weight with every linear that shares it, one unit, taken largest
-    first while the total fits -> (todo, groups) kept, and the bytes of their copies."""
+def _within(todo: list, groups: list, budget: int | None, kind: str) -> tuple:
+    """The (parent, name, linear) entries of `todo` and the SHARED_INPUT `groups` whose copies of `kind` (copy_bytes)
+    fit in `budget` bytes (None: all): each group, and each other weight with every linear that shares it, one unit,
+    taken largest first while the total fits -> (todo, groups) kept, and the bytes of their copies."""
     members = {id(getattr(layer, n)): i for i, (layer, names) in enumerate(groups) for n in names}
     units = {}                  # ("group", its index) or ("weight", id) -> ({id: weight}, {id: linear})
     for _, _, child in todo:
@@ -376,7 +405,7 @@ def _within(todo: list, groups: list, budget: int | None) -> tuple:
         weights, linears = units.setdefault(key, ({}, set()))
         weights[id(child.weight)] = child.weight
         linears.add(id(child))
-    size = {key: sum(w.numel() * 4 for w in weights.values()) for key, (weights, _) in units.items()}
+    size = {key: sum(copy_bytes(w, kind) for w in weights.values()) for key, (weights, _) in units.items()}
     kept = set(units)
     if budget is not None and sum(size.values()) > budget:
         kept, total = set(), 0
@@ -407,7 +436,7 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
             if child is not None and _swappable(child, narrow_ok)]     # (named_children would skip a second name)
     groups = _groups(module, narrow_ok)
     free = _available_memory()
-    todo, groups, need = _within(todo, groups, None if free is None else free // 2)     # need: float32 copies' bytes
+    todo, groups, need = _within(todo, groups, None if free is None else free // 2, kind)     # need: the copies' bytes
     if not todo:
         return 0
     joined = {id(getattr(layer, n)) for layer, names in groups for n in names}    # packed by their group only
@@ -419,8 +448,8 @@ def swap_linears_(module: nn.Module, kind: str = "onednn", rows: int = PACK_ROWS
             if id(child) not in joined:
                 if id(w) not in copies:
                     new._pack()
-                    copies[id(w)] = (new.packed, new._packed_for)
-                new.packed, new._packed_for = copies[id(w)]
+                    copies[id(w)] = (new.packed, new.wide, new._packed_for)
+                new.packed, new.wide, new._packed_for = copies[id(w)]
         setattr(parent, name, made[id(child)])
     for layer, names in groups:               # (the layers are the swapped ones now)
         members = tuple(getattr(layer, n) for n in names)
@@ -501,24 +530,24 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
     that inverts the verdict. One warm-up pass per kind, then `trials` rounds of the kinds in turn (so all see the
     same moments of a noisy machine), each timing passes for about `batch_seconds`; the median round. Random rows,
     the layers' own weights (copies packed for the measurement, dropped afterwards). Where weights are kept narrower
-    than the float32 arithmetic, plain is model.kept_product (each weight widened at the call), and only the kinds of
-    KEPT_KINDS are timed.
+    than the float32 arithmetic, plain is model.kept_product (each weight widened at the call), and the kinds timed are
+    those `_weighed` admits.
     -> {kind: seconds}, all 0 when nothing is swappable."""
     lins = _pass_layers(_linears(modules))
-    narrow = any(lin.weight.dtype in NARROW for lin in lins)
-    kinds = ["plain"] + [k for k in KINDS if applies(k, rows, rows) and (not narrow or k in KEPT_KINDS)]
+    kinds = ["plain"] + _weighed(modules, rows)
     if not lins:
         return dict.fromkeys(kinds, 0.0)
     xs = [torch.randn(rows, lin.in_features) for lin in lins]
-    copies = {k: [pack(lin.weight, k, rows) for lin in lins] for k in kinds[1:]}
+    wides = {k: [widened(lin.weight, k) for lin in lins] for k in kinds[1:]}
+    copies = {k: [pack(lin.weight if w is None else w, k, rows) for lin, w in zip(lins, wides[k])] for k in kinds[1:]}
 
     def one_pass(kind):
         if kind == "plain":
             for lin, x in zip(lins, xs):
                 M.kept_product(x, lin.weight, lin.bias)
         else:
-            for lin, x, copy in zip(lins, xs, copies[kind]):
-                linear(x, copy, lin.weight, _wide(lin.bias), kind, rows)
+            for lin, x, copy, w in zip(lins, xs, copies[kind], wides[kind]):
+                linear(x, copy, lin.weight if w is None else w, _wide(lin.bias), kind, rows)
     runs = {k: (lambda k=k: one_pass(k)) for k in kinds}
     for run in runs.values():                                       # the first calls set things up
         run()
@@ -528,6 +557,18 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
         for k, run in runs.items():
             times[k].append(_seconds(run, reps))
     return {k: statistics.median(t) for k, t in times.items()}
+
+
+def _weighed(modules, rows: int) -> list:
+    """The packed kinds `measure` and `choose` weigh for `rows`-row products of `modules`: those available that apply
+    to `rows`; where weights are kept narrower, those of KEPT_KINDS, and "mkl" (two float32 copies of each weight)
+    only where all its copies fit in half the memory available (else the products it would leave unpacked could
+    cost more than it saves)."""
+    lins = _linears(modules)
+    narrow = any(lin.weight.dtype in NARROW for lin in lins)
+    free = _available_memory()
+    return [k for k in KINDS if applies(k, rows, rows) and (not narrow or k in KEPT_KINDS and (
+        k != "mkl" or free is None or sum(copy_bytes(lin.weight, k) for lin in lins) <= free // 2))]
 
 
 def cache_path() -> str:
@@ -540,8 +581,10 @@ def _key(modules, rows: int) -> str:
     # a layer kept narrower (NARROW) is told by its dtype too: it measures other products
     shapes = sorted(Counter((*_shape(lin), *([str(lin.weight.dtype)] if lin.weight.dtype in NARROW else []))
                             for lin in _linears(modules)).items())
-    # "passes": how `measure` times (a verdict measured another way, or by an older version, is measured again)
-    return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes])
+    # "passes": how `measure` times (a verdict measured another way, or by an older version, is measured again);
+    # the kinds it weighs (a verdict reached among other kinds is measured again)
+    return json.dumps(["passes", cpu_model(), torch.__version__, torch.get_num_threads(), rows, shapes,
+                       _weighed(modules, rows)])
 
 
 def choose(modules, rows: int) -> tuple:
@@ -558,8 +601,7 @@ def choose(modules, rows: int) -> tuple:
         v = verdicts[key]
         return v["kind"], v["measured"], True
     times = measure(modules, rows)
-    narrow = any(lin.weight.dtype in NARROW for lin in _linears(modules))      # kept weights: KEPT_KINDS only
-    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain" and (not narrow or k in KEPT_KINDS)}
+    measured = {k: t / times["plain"] for k, t in times.items() if k != "plain"}
     best = min(measured, key=measured.get, default=None)
     kind = best if best is not None and measured[best] <= 1 - MARGIN else "plain"
     verdicts[key] = {"kind": kind, "measured": measured, "date": time.strftime("%Y-%m-%d")}

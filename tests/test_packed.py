@@ -519,3 +519,65 @@ def test_a_group_packs_again_when_a_member_changes(kind):
         m.a.weight.add_(1.0)
     assert packed.refresh_(m) == (64 + 8 + 40) * 48 * 4        # the group's joined weight, packed again
     assert packed.refresh_(m) == 0
+
+
+def kept_shared():
+    """Shared's linears with their weights kept in bfloat16 under float32 arithmetic (model.kept_product's case; the
+    model's `dtype` says the arithmetic, as model.Qwen35's does)."""
+    m = Shared(False)
+    for lin in (m.a, m.b, m.c, m.d):
+        lin.weight.data = lin.weight.data.bfloat16()
+    m.dtype = torch.float32
+    return m
+
+
+@pytest.mark.parametrize("kept_kind", [k for k in packed.KEPT_KINDS if k in packed.KINDS])
+def test_kept_weights_are_served_by_widened_copies(kept_kind, spy):
+    """Weights kept in bfloat16 under float32 arithmetic: the copies are widened (mkl also keeps the widened weight
+    beside its packed copy: twice the bytes), the Parameters stay bfloat16, and every product of 1 to FEW_ROWS + 1
+    rows (a packed copy where the kind applies, mkl's other few-row counts F.linear over the widened weight, the
+    rest model.kept_product) is the product over the weights widened at load, to float32 rounding, eager and
+    compiled; a weight changed in place is widened again before its next product."""
+    m = kept_shared()
+    lins = (m.a, m.b, m.c, m.d)
+    wide = kept_kind == "mkl"
+    assert packed.swap_linears_(m, kept_kind, 16) == sum(l.weight.numel() for l in lins) * 4 * (2 if wide else 1)
+    assert all(l.weight.dtype == torch.bfloat16 for l in lins)
+    assert (m.a.group.wide is not None, m.d.wide is not None) == (wide, wide)
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 16, packed.FEW_ROWS, packed.FEW_ROWS + 1):
+        x = torch.randn(rows, 48, generator=g)
+        spy["linear"] = 0
+        with torch.inference_mode():
+            got = m(x)
+        assert spy["linear"] == (2 if packed.applies(kept_kind, rows, 16) else 0)
+        for out, lin in zip(got, lins):
+            assert out.dtype == torch.float32 and (out.double() - reference(lin, x)).abs().max() < TOL * 48
+    for rows in (2, 16):
+        x = torch.randn(rows, 48, generator=g)
+        with torch.inference_mode():
+            eager = m(x)
+            torch._dynamo.reset()
+            compiled = torch.compile(m, fullgraph=True, dynamic=False)(x)
+        for e, c in zip(eager, compiled):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m.d.weight.mul_(-2.0)                               # (exact in bfloat16)
+    x = torch.randn(3, 48, generator=g)
+    with torch.inference_mode():
+        got = m(x)[3]
+    assert (got.double() - reference(m.d, x)).abs().max() < TOL * 48 * 2
+
+
+def test_mkl_is_weighed_for_kept_weights_only_where_both_its_copies_fit(monkeypatch):
+    """mkl over kept weights holds two float32 copies of each: `choose` weighs it only where all of them fit in half
+    the memory available (as swap_linears_ budgets), onednn's single copies either way; float32 weights unchanged."""
+    if not {"mkl", "onednn"} <= set(packed.KINDS):
+        pytest.skip("needs both kinds")
+    m = kept_shared()
+    need = sum(l.weight.numel() for l in (m.a, m.b, m.c, m.d)) * 8
+    monkeypatch.setattr(packed, "_available_memory", lambda: 2 * need)
+    assert set(packed._weighed([m], 16)) == {"mkl", "onednn"}
+    monkeypatch.setattr(packed, "_available_memory", lambda: 2 * need - 2)
+    assert packed._weighed([m], 16) == ["onednn"]
+    assert set(packed._weighed([Shared(False)], 16)) == {"mkl", "onednn"}
