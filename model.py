@@ -179,8 +179,8 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
       2..FEW_ROWS rows (a     on a CPU, a weight over WIDEN_CHUNK elements is widened a chunk of output rows at a
       verify, a draft, N      time, each chunk's product taken while its float32 copy is in the cache
       rows in flight)         (few_row_product: one opaque op in compiled code), instead of a whole float32 copy
-                              written to memory and read back; speed/packed.py gives these products a packed
-                              float32 copy instead where it measures that faster and the memory allows.
+                              written to memory and read back; speed/packed.py gives these products packed
+                              float32 copies instead where it measures them faster and the memory allows.
       more rows               F.linear over the weight widened at the call (its cost shared by many rows). Eager,
                               a weight over WIDEN_SLICE elements (a 9B's lm_head: 1G) is widened a slice of output
                               rows at a time, so the float32 copy alive at once stays near WIDEN_SLICE x 4 bytes,
