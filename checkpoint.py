@@ -526,7 +526,6 @@ class Joined:
                 part.fill(dst)
             i += n
 
-
     def read_part(self, rows: torch.Tensor | None, inner: tuple, dtype) -> torch.Tensor:
         """Stored.read_part's selection for a parameter fused from per-expert tensors ([E, R, ...], each expert's
         R rows its parts' rows one after another): each selected expert's selected rows read from the parts that

@@ -70,7 +70,7 @@ def _column(lin: nn.Linear, rows) -> nn.Linear:
 
 def _row(lin: nn.Linear, cols, rank: int) -> nn.Linear:
     """Row-parallel: this rank's input columns; a bias is added once, on rank 0 (the ranks' outputs are summed)."""
-    bias = None if lin.bias is None else (lin.bias if rank == 0 else torch.zeros(lin.bias.shape, dtype=lin.bias.dtype))
+    bias = None if lin.bias is None else (lin.bias if rank == 0 else torch.zeros(lin.bias.shape, dtype=lin.bias.dtype, device=lin.bias.device))
     return _linear(lin.weight[:, cols], bias)
 
 
