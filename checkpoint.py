@@ -466,10 +466,7 @@ class Stored:
                     j = min(b, i + step)
 
                     def take(src, i=i, j=j):
-                        src = src.view(j - i, *row_shape)
-                        for d, ix in enumerate(inner):
-                            src = src if ix is None else src.index_select(d + 1, ix)
-                        out[i:j].copy_(src)
+                        out[i:j].copy_(_within_rows(src.view(j - i, *row_shape), inner))
                         return out[i:j]
                     view(int(rows[i]) * per_row, (j - i) * per_row, take)
         return out
@@ -497,6 +494,13 @@ class Stored:
                 if hasattr(mmap, "MADV_DONTNEED"):
                     mapped.madvise(mmap.MADV_DONTNEED, at - at % page, at % page + n * size)
             yield view
+
+
+def _within_rows(t: torch.Tensor, inner: tuple) -> torch.Tensor:
+    """t [rows, ...] with the positions `inner` (one 1-D index tensor or None, all, per dim after the first) taken."""
+    for d, ix in enumerate(inner):
+        t = t if ix is None else t.index_select(d + 1, ix)
+    return t
 
 
 class Joined:
@@ -541,10 +545,7 @@ class Joined:
                 pick = torch.arange(n) + first if sub is None else ((sub >= first) & (sub < first + n)).nonzero().flatten()
                 local = pick - first if sub is None else sub[pick] - first
                 if isinstance(part, torch.Tensor):
-                    t = part[local]
-                    for d, ix in enumerate(rest):
-                        t = t if ix is None else t.index_select(d + 1, ix)
-                    got.append(t.to(dtype))
+                    got.append(_within_rows(part[local], rest).to(dtype))
                 else:
                     got.append(part.read_part(local, rest, dtype))
                 where.append(pick)
