@@ -562,13 +562,26 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
 def _weighed(modules, rows: int) -> list:
     """The packed kinds `measure` and `choose` weigh for `rows`-row products of `modules`: those available that apply
     to `rows`; where weights are kept narrower, those of KEPT_KINDS, and "mkl" (two float32 copies of each weight)
-    only where all its copies fit in half the memory available (else the products it would leave unpacked could
-    cost more than it saves)."""
+    only where all its copies fit in a quarter of the machine's memory (else the products it would leave unpacked
+    could cost more than it saves). The machine's total, not what is free now: the verdict's cache key names these
+    kinds, and a key that moved with the free memory would measure again, and perhaps choose otherwise, run to run."""
     lins = _linears(modules)
     narrow = any(lin.weight.dtype in NARROW for lin in lins)
-    free = _available_memory()
+    total = _total_memory()
     return [k for k in KINDS if applies(k, rows, rows) and (not narrow or k in KEPT_KINDS and (
-        k != "mkl" or free is None or sum(copy_bytes(lin.weight, k) for lin in lins) <= free // 2))]
+        k != "mkl" or total is None or sum(copy_bytes(lin.weight, k) for lin in lins) <= total // 4))]
+
+
+def _total_memory() -> int | None:
+    """Bytes of memory the machine has (MemTotal of /proc/meminfo), or None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def cache_path() -> str:
