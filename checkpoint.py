@@ -792,10 +792,15 @@ def available_memory(device) -> int | None:
     file: the check is then skipped), on a GPU the free memory of the current CUDA device."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info()[0]
+    return meminfo("MemAvailable")
+
+
+def meminfo(field: str) -> int | None:
+    """A field of /proc/meminfo in bytes ("MemAvailable", "MemTotal"), or None where it cannot be read."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -573,15 +573,8 @@ def _weighed(modules, rows: int) -> list:
 
 
 def _total_memory() -> int | None:
-    """Bytes of memory the machine has (MemTotal of /proc/meminfo), or None where that cannot be read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """Bytes of memory the machine has (MemTotal), or None where that cannot be read."""
+    return checkpoint.meminfo("MemTotal")
 
 
 def cache_path() -> str:
