@@ -460,6 +460,17 @@ class Shared(nn.Module):
         return (*linears(x, self.a, self.b, self.c), self.d(x))
 
 
+def assert_compiled_equals_eager(m, x):
+    """m's outputs for x, compiled (fullgraph, static shapes, from a reset dynamo), equal its eager ones to float32
+    rounding."""
+    with torch.inference_mode():
+        eager = m(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(m, fullgraph=True, dynamic=False)(x)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_group_is_its_members_products(kind, bias, spy):
     """swap_linears_ groups a layer's SHARED_INPUT linears (packed.PackedGroup): one packed product over their
@@ -487,12 +498,7 @@ def test_a_group_is_its_members_products(kind, bias, spy):
             assert out.shape == (*shape[:-1], lin.out_features)
             assert (out.double() - reference(lin, x)).abs().max() < TOL * 48
     x = torch.randn(1, 16, 48, generator=g)
-    with torch.inference_mode():
-        eager = m(x)
-        torch._dynamo.reset()
-        compiled = torch.compile(m, fullgraph=True, dynamic=False)(x)
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+    assert_compiled_equals_eager(m, x)
     assert m.b(x).shape == (1, 16, 8)                            # a member alone: its own F.linear
     out = m(x)                                                   # grad enabled: each member's own, through autograd
     out[1].sum().backward()
@@ -554,13 +560,7 @@ def test_kept_weights_are_served_by_widened_copies(kept_kind, spy):
         for out, lin in zip(got, lins):
             assert out.dtype == torch.float32 and (out.double() - reference(lin, x)).abs().max() < TOL * 48
     for rows in (2, 16):
-        x = torch.randn(rows, 48, generator=g)
-        with torch.inference_mode():
-            eager = m(x)
-            torch._dynamo.reset()
-            compiled = torch.compile(m, fullgraph=True, dynamic=False)(x)
-        for e, c in zip(eager, compiled):
-            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+        assert_compiled_equals_eager(m, torch.randn(rows, 48, generator=g))
     with torch.no_grad():
         m.d.weight.mul_(-2.0)                               # (exact in bfloat16)
     x = torch.randn(3, 48, generator=g)
