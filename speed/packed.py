@@ -71,12 +71,17 @@ def widened(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
     """The float32 weight a copy of `kind` keeps beside its packed one: for "mkl" over a weight kept narrower, the
     weight widened (MKL's kernel takes the float32 weight too, and products of other row counts use it); else None
     (the weight itself serves)."""
-    return weight.detach().float() if kind == "mkl" and weight.dtype in NARROW else None
+    return weight.detach().float() if _keeps_wide(weight, kind) else None
 
 
 def copy_bytes(weight: torch.Tensor, kind: str) -> int:
     """The bytes of the copies a weight of `kind` takes: its packed float32 copy, and its widened one (widened)."""
-    return weight.numel() * 4 * (2 if kind == "mkl" and weight.dtype in NARROW else 1)
+    return weight.numel() * 4 * (2 if _keeps_wide(weight, kind) else 1)
+
+
+def _keeps_wide(weight: torch.Tensor, kind: str) -> bool:
+    """Whether a copy of `kind` keeps a widened float32 weight beside its packed one: mkl over a weight kept narrower."""
+    return kind == "mkl" and weight.dtype in NARROW
 
 
 def pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
