@@ -403,3 +403,24 @@ def test_policy_sim_replays_acceptance_maps():
     assert costs == {0: 1.0, 16: 4.0, 8: 3.5, 4: 3.0, 2: 2.5}               # (the caller's costs left as they were)
     assert table["easy"]["pure_over_ar"] == pytest.approx(127 / 32) and table["easy"]["policy_over_pure"] == 1.0
     assert table["hard"]["pure_over_ar"] == pytest.approx(0.25) and 0.85 < table["hard"]["policy_over_ar"] < 1.0
+
+
+def test_policy_sim_reads_each_blocks_own_acceptance():
+    """A map of each verify block's own acceptance ({k: [..]}, as `maps` writes it: a shorter block drafts other
+    proposals than the whole block's first k - 1) is read per block; a single list stands for the whole block, a
+    round of k committing min(A[j], k); a map lacking a block the policy chooses among is refused."""
+    from tools import policy_sim
+    own = policy_sim.committer({"16": [5, 3], "8": [2, 8], "4": [1, 4], "2": [2, 1]})
+    assert [own(0, 16), own(1, 16), own(0, 8), own(1, 8), own(0, 4), own(1, 2)] == [5, 3, 2, 8, 1, 1]
+    whole = policy_sim.committer([5, 3])
+    assert [whole(0, 16), whole(0, 4), whole(1, 8), whole(1, 2)] == [5, 4, 3, 2]
+    costs = {0: 1.0, 16: 4.0, 8: 3.5, 4: 3.0, 2: 2.5}
+    A = [1, 3, 16, 5, 2, 16, 16, 9] * 16
+    as_list = {"s": [{"tokens": 128, "block": 16, "A": A[:127]}]}
+    as_dict = {"s": [{"tokens": 128, "block": 16, "A": {str(k): [min(a, k) for a in A[:127]] for k in (16, 8, 4, 2)}}]}
+    assert policy_sim.replay(as_dict, costs, {}) == policy_sim.replay(as_list, costs, {})
+    worse = {"s": [{"tokens": 128, "block": 16, "A": {**as_dict["s"][0]["A"], "8": [1] * 127}}]}
+    assert policy_sim.replay(worse, costs, {})["s"]["pure_over_ar"] == policy_sim.replay(as_list, costs, {})["s"]["pure_over_ar"]
+    del worse["s"][0]["A"]["4"]
+    with pytest.raises(ValueError, match=r"verify blocks \[4\]"):
+        policy_sim.replay(worse, costs, {})

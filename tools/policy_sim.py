@@ -12,10 +12,14 @@ Drawn: a round commits its whole block one time in `p`, else 1-3 tokens (uniform
 time, 200 requests per p; printed per p: the policy's tokens per second over pure rounds' and over AR's.
 
 Maps: for each prompt of each set (prompts.py: the held-out prompts and prompts.OUTSIDE), the greedy output of
---max-new-tokens tokens and, at every output position j, A[j]: the tokens a round of the whole block drafting there
-would commit (its proposals matched against the output, plus the target's own token). A round's proposals depend
-only on the context's features, which plain steps and rounds feed alike, so A[j] is what any step sequence meets at
-j; a round of k commits min(A[j], k) (a shorter block's proposals are taken as the whole block's first k - 1).
+--max-new-tokens tokens and, at every output position j and for every verify block k the policy chooses among
+(policy.verify_blocks), A[k][j]: the tokens a round of k drafting there commits (the drafter run on a block of k,
+its k - 1 proposals matched against the output, plus the target's own token). A round's proposals depend only on
+the context's features, which plain steps and rounds feed alike, so A[k][j] is what any step sequence meets at j.
+A shorter block's proposals are not the whole block's first k - 1: the drafter attends across its block, and on the
+embedded pair a round of 8 commits 5-19% fewer tokens than the first 8 of a round of 16 would
+(docs/measurements.md#adaptive-speculation-against-pure-rounds). A map whose A is one list (written by hand, or by
+an older version) stands for the whole block, and a round of k is read as committing min(A[j], k).
 Replay: the policy decides on each map as the engine would, at the given costs (a plain step costs the key 0, AR's
 decode step `ar`, default equal to a plain step, what a shadow draft adds to its plain step `shadow`, default a
 plain step), every decision's seconds reported to it, shadow drafts judged as the engine judges them (run); per set, the medians over
@@ -92,9 +96,10 @@ def drawn(costs: dict, params: dict) -> None:
 
 
 def replay(maps: dict, costs: dict, params: dict) -> dict:
-    """maps: {set: [{"tokens", "block", "A"}]} (acceptance_maps); costs: {k: seconds}, AR's decode step under "ar"
-    (default: a plain step's) -> {set: {"policy_over_pure", "policy_over_ar", "pure_over_ar"}}: medians over the
-    set's prompts."""
+    """maps: {set: [{"tokens", "block", "A"}]} (acceptance_maps; A as committer reads it); costs: {k: seconds}, AR's
+    decode step under "ar" (default: a plain step's) -> {set: {"policy_over_pure", "policy_over_ar",
+    "pure_over_ar"}}: medians over the set's prompts. A map of each block's own acceptance that lacks a block the
+    policy chooses among: ValueError."""
     costs = dict(costs)
     ar = costs.pop("ar", costs[0])
     costs.setdefault("shadow", costs[0])
@@ -103,8 +108,11 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
     for name, prompts in maps.items():
         ratios = {"policy_over_pure": [], "policy_over_ar": [], "pure_over_ar": []}
         for m in prompts:
-            A, n, block = m["A"], m["tokens"], m["block"]
-            commits = lambda j, k: A[j]                       # noqa: E731
+            n, block, commits = m["tokens"], m["block"], committer(m["A"])
+            missing = sorted(set(policy_module.verify_blocks(block)) - {int(k) for k in m["A"]}) if isinstance(m["A"], dict) else []
+            if missing:
+                raise ValueError(f"the maps of set {name} have no acceptance for verify blocks {missing}; write them "
+                                 "again: python tools/policy_sim.py maps MAPS.json")
             pure = run(commits, costs, None, n, block)
             pol = run(commits, costs, Policy(block=block, calibration=step_costs, **params), n, block)
             ratios["policy_over_pure"].append(pure / pol)
@@ -116,9 +124,19 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
     return table
 
 
+def committer(A):
+    """A map's A -> commits(j, k): the tokens a round of k commits at output position j. A: {k: [..]} (each verify
+    block's own acceptance, as acceptance_maps writes it; JSON keys as strings), or one list for the whole block,
+    read as min(A[j], k)."""
+    if isinstance(A, dict):
+        own = {int(k): v for k, v in A.items()}
+        return lambda j, k: own[k][j]
+    return lambda j, k: min(A[j], k)
+
+
 def acceptance_maps(args) -> dict:
-    """{set: [{"tokens": n, "block": B, "A": [..]}]} for the pair of --target / --draft (the embedded pair by
-    default): each prompt's output length, the drafter's block and the acceptance map."""
+    """{set: [{"tokens": n, "block": B, "A": {k: [..]}}]} for the pair of --target / --draft (the embedded pair by
+    default): each prompt's output length, the drafter's block and each verify block's acceptance map."""
     import torch
     import checkpoint as ckpt
     import dflash
@@ -127,6 +145,7 @@ def acceptance_maps(args) -> dict:
     target = ckpt.load_target(args.target, torch.float32)
     drafter = ckpt.load_drafter(args.draft, target.cfg, torch.float32)
     block, layers = drafter.cfg.block_size, tuple(drafter.cfg.target_layer_ids)
+    blocks = policy_module.verify_blocks(block)
     tok, stops = ckpt.load_tokenizer(target.path), ckpt.stop_token_ids(target.path, target.cfg)
     sets = {"heldout": P.heldout_prompts(tok, args.heldout)}
     sets.update({name: P.outside_prompts(name, tok, args.heldout) for name in P.OUTSIDE})
@@ -141,20 +160,22 @@ def acceptance_maps(args) -> dict:
                 _, feats = target(torch.tensor([seq]), pos, None, feature_layers=layers)
                 context, masks = DraftCache(drafter.cfg, len(seq) + block, drafter.dtype, "cpu"), DenseMasks(len(seq) + block)
                 drafter.append_context(feats[:, :T0], pos[:T0], context)
-                A = []
-                for j in range(len(out) - 1):               # a round drafting at out[j], position T0 + j
+                A = {k: [] for k in blocks}
+                for j in range(len(out) - 1):               # rounds drafting at out[j], position T0 + j
                     if j:
                         drafter.append_context(feats[:, T0 + j - 1:T0 + j], pos[T0 + j - 1:T0 + j], context)
                     last = torch.tensor([out[j]])
-                    hidden = drafter.draft_block(last, torch.tensor([T0 + j]), block - 1, target.embed_tokens, context, masks)
-                    proposals = drafter.propose(hidden[0], last, target.lm_head)[0].tolist()
-                    a = 0
-                    while a < block - 1 and j + 1 + a < len(out) and proposals[a] == out[j + 1 + a]:
-                        a += 1
-                    A.append(a + 1)
+                    for k in blocks:                        # each block drafted as a round of k drafts it
+                        hidden = drafter.draft_block(last, torch.tensor([T0 + j]), k - 1, target.embed_tokens, context,
+                                                     masks)
+                        proposals = drafter.propose(hidden[0], last, target.lm_head)[0].tolist()
+                        a = 0
+                        while a < k - 1 and j + 1 + a < len(out) and proposals[a] == out[j + 1 + a]:
+                            a += 1
+                        A[k].append(a + 1)
                 maps[name].append({"tokens": len(out), "block": block, "A": A})
-            print(f"{name}: {len(prompts)} prompts, mean A {statistics.mean(a for m in maps[name] for a in m['A']):.2f}",
-                  file=sys.stderr)
+            means = ", ".join(f"{k} {statistics.mean(a for m in maps[name] for a in m['A'][k]):.2f}" for k in blocks)
+            print(f"{name}: {len(prompts)} prompts, mean tokens per round of {means}", file=sys.stderr)
     return maps
 
 
@@ -194,7 +215,11 @@ def main(argv=None) -> None:
             json.dump(acceptance_maps(args), f)
     elif args.mode == "replay":
         with open(args.file) as f:
-            print(json.dumps(replay(json.load(f), costs, params)))
+            maps = json.load(f)
+        try:
+            print(json.dumps(replay(maps, costs, params)))
+        except ValueError as e:
+            p.error(str(e))
     else:
         drawn(costs, params)
 
