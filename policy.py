@@ -64,6 +64,15 @@ def verify_blocks(block: int) -> tuple:
     return tuple(out)
 
 
+def engine_blocks(block: int, slots: int) -> tuple:
+    """The verify blocks the policy of an Engine of `slots` slots chooses among: with one slot the whole block alone,
+    with several every verify_blocks. A shorter block's draft is not the whole block's first proposals (the drafter
+    attends across its block, and drafts worse at a length it was not trained at), which the rows' evidence, read
+    from rounds of other blocks, cannot see; a shorter round pays where it costs much less than the whole block's,
+    which is where many rows' verify products grow with the block (docs/method.md#adaptive-speculation)."""
+    return (block,) if slots == 1 else verify_blocks(block)
+
+
 class Costs:
     """Each step kind's seconds (k = 0: a plain step, else a round of k): the median of its last `window` timings,
     the calibration's seconds counted as the first."""
@@ -111,8 +120,11 @@ class Costs:
 class Rows:
     """Each slot's acceptance evidence per verify block: decayed sums of min(committed, k) and of their weights."""
 
-    def __init__(self, blocks: tuple, keep: float, prior_p: float, prior_weight: float):
+    def __init__(self, blocks: tuple, keep: float, prior_p: float, prior_weight: float, prior_floor: float):
         self.blocks, self.keep, self.prior_weight, self.p = blocks, keep, prior_weight, prior_p
+        self.prior_floor = min(prior_floor, prior_weight)
+        self.prior_weights = {}         # each row's prior weight now: prior_weight at admission, fading by keep per
+        #                                 round of evidence to prior_floor
         self.prior = {k: self.geometric(k) for k in blocks}
         self.sums, self.weights = {}, {}
         self.version = 0                # counts the changes other than aging (Policy.probe_loss recomputes on one)
@@ -129,6 +141,7 @@ class Rows:
 
     def admit(self, b: int) -> None:
         self.sums[b], self.weights[b] = dict.fromkeys(self.blocks, 0.0), dict.fromkeys(self.blocks, 0.0)
+        self.prior_weights[b] = self.prior_weight
         self.version += 1
 
     def add_round(self, b: int, K: int, committed: int) -> None:
@@ -139,6 +152,7 @@ class Rows:
             tokens = min(committed, k) if k <= K or committed < K else self.censored(K, k)
             sums[k] = self.keep * sums[k] + tokens
             weights[k] = self.keep * weights[k] + 1
+        self.prior_weights[b] = max(self.prior_floor, self.keep * self.prior_weights[b])
         self.version += 1
 
     def add_plain(self, live, age: float) -> None:
@@ -154,10 +168,10 @@ class Rows:
         """{k: the expected tokens from a round of k, summed over the rows `live`}: each row's evidence, weighing `age`
         times as much (add_plain), mixed with the prior (prior_weight 0: the evidence alone, the prior where there is
         none)."""
-        w0 = self.prior_weight if prior_weight is None else prior_weight
         prior, out = self.prior, dict.fromkeys(self.blocks, 0.0)
         for b in live:
             sums, weights = self.sums.get(b), self.weights.get(b)
+            w0 = self.prior_weights.get(b, self.prior_weight) if prior_weight is None else prior_weight
             for k in self.blocks:
                 if sums is None or weights[k] * age + w0 <= 0:
                     out[k] += prior[k]
@@ -173,12 +187,13 @@ class Policy:
     the step timings are kept (they depend on N, which an Engine fixes)."""
 
     def __init__(self, block: int = 16, blocks: tuple | None = None, calibration: dict | None = None,
-                 keep: float = 0.9, budget: float = 0.1, prior_p: float = 0.9, prior_weight: float = 0.5,
+                 keep: float = 0.9, budget: float = 0.1, prior_p: float = 0.9, prior_weight: float = 2.0,
+                 prior_floor: float = 0.5,
                  window: int = 8):
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
-        self.params, self.budget = (keep, prior_p, prior_weight), budget
+        self.params, self.budget = (keep, prior_p, prior_weight, prior_floor), budget
         self.window = window
         self.calibrate(calibration)
         self.reset()

@@ -20,7 +20,7 @@ A shorter block's proposals are not the whole block's first k - 1: the drafter a
 embedded pair a round of 8 commits 5-19% fewer tokens than the first 8 of a round of 16 would
 (docs/measurements.md#adaptive-speculation-against-pure-rounds). A map whose A is one list (written by hand, or by
 an older version) stands for the whole block, and a round of k is read as committing min(A[j], k).
-Replay: the policy decides on each map as the engine would, at the given costs (a plain step costs the key 0, AR's
+Replay: the policy of an Engine of one slot (one_slot_policy) decides on each map as the engine would, at the given costs (a plain step costs the key 0, AR's
 decode step `ar`, default equal to a plain step, what a shadow draft adds to its plain step `shadow`, default a
 plain step), every decision's seconds reported to it, shadow drafts judged as the engine judges them (run); per set, the medians over
 prompts of policy / pure rounds and policy / AR. Tune on some sets and judge on prompts.UNTUNED.
@@ -82,13 +82,19 @@ def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 1
     return t
 
 
+def one_slot_policy(block: int, calibration: dict, params: dict) -> Policy:
+    """The policy an Engine of one slot runs (its blocks: policy.engine_blocks), calibrated with the given step
+    costs; params: Policy's other settings (and `blocks`, to try others)."""
+    return Policy(block=block, **{"blocks": policy_module.engine_blocks(block, 1), **params}, calibration=calibration)
+
+
 def drawn(costs: dict, params: dict) -> None:
     costs = {**{"shadow": costs[0]}, **costs}
     step_costs = {k: v for k, v in costs.items() if k != "shadow"}     # (the policy's calibration)
     for p_long in (0.0, 0.05, 0.1, 0.17, 0.25, 0.35):
         pol, pure = [], []
         for s in range(200):
-            for out, policy in ((pol, Policy(block=16, calibration=step_costs, **params)), (pure, None)):
+            for out, policy in ((pol, one_slot_policy(16, step_costs, params)), (pure, None)):
                 rng = random.Random(s)
                 out.append(128 / run(lambda j, k: 16 if rng.random() < p_long else rng.randint(1, 3), costs, policy, 128))
         print(f"p {p_long}: policy / pure rounds {statistics.mean(pol) / statistics.mean(pure):.2f}, "
@@ -109,12 +115,13 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
         ratios = {"policy_over_pure": [], "policy_over_ar": [], "pure_over_ar": []}
         for m in prompts:
             n, block, commits = m["tokens"], m["block"], committer(m["A"])
-            missing = sorted(set(policy_module.verify_blocks(block)) - {int(k) for k in m["A"]}) if isinstance(m["A"], dict) else []
+            policy = one_slot_policy(block, step_costs, params)
+            missing = sorted(set(policy.blocks) - {int(k) for k in m["A"]}) if isinstance(m["A"], dict) else []
             if missing:
                 raise ValueError(f"the maps of set {name} have no acceptance for verify blocks {missing}; write them "
                                  "again: python tools/policy_sim.py maps MAPS.json")
             pure = run(commits, costs, None, n, block)
-            pol = run(commits, costs, Policy(block=block, calibration=step_costs, **params), n, block)
+            pol = run(commits, costs, policy, n, block)
             ratios["policy_over_pure"].append(pure / pol)
             ratios["policy_over_ar"].append((n - 1) * ar / pol)
             ratios["pure_over_ar"].append((n - 1) * ar / pure)

@@ -33,7 +33,7 @@ import engine
 import prompts as P
 from compiling import cpu_model
 import tree
-from policy import PerRun, Policy
+from policy import PerRun, Policy, engine_blocks
 
 
 def method_proposers(args, target, dtype, device, weights=None) -> dict:
@@ -86,7 +86,8 @@ def adapt_(eng, on: bool, parallel=None) -> None:
     """An engine's next runs with a fresh adaptive policy each (on; under torchrun rank 0's decides: tp.Synced),
     calibrated by the engine's warm-up when it had one, or pure rounds (off)."""
     def make():
-        policy = Policy(block=eng.block, calibration=getattr(eng, "calibration", None))
+        policy = Policy(block=eng.block, blocks=engine_blocks(eng.block, eng.slots),
+                        calibration=getattr(eng, "calibration", None))
         return parallel.synced(policy) if parallel else policy
     eng.policy = PerRun(make) if on else None
 
