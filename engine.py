@@ -703,20 +703,20 @@ class Engine(Slots):
     def step(self, rows: list) -> None:
         """One step of every live row: a round of the policy's k (the whole block without a policy), or a plain step;
         then every row's last token and position to the device (a free or finished row: token 0 at position 0)."""
+        t0 = time.perf_counter()                # a step's seconds: from the decision to the rows' next inputs
         k = 0 if self.proposer is None else self.block if self.policy is None else self.policy.speculate()
-        t0 = time.perf_counter()
         if k:
             committed = self.round(rows, k)
-            if self.policy is not None:
-                self.policy.observe_round(committed, k, time.perf_counter() - t0)
         else:
             self.shadows.seconds = 0.0
             self.plain(rows)
-            if self.policy is not None:          # (a shadow draft is no part of a plain step's cost)
-                self.policy.observe_plain(time.perf_counter() - t0 - self.shadows.seconds)
         live = [r is not None and not r.done for r in rows]
         self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 0))
         self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 1))
+        if self.policy is not None and k:
+            self.policy.observe_round(committed, k, time.perf_counter() - t0)
+        elif self.policy is not None:           # (a shadow draft is no part of a plain step's cost)
+            self.policy.observe_plain(time.perf_counter() - t0 - self.shadows.seconds)
 
     def round(self, rows: list, k: int) -> list:
         """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each slot
@@ -767,7 +767,8 @@ class Engine(Slots):
 def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
     """What an Engine's step seconds depend on (policy.load_costs' key): the machine, torch, threads, the models'
     shapes, N, the capacity, the blocks, whether rows sample, the masks, the compile options, and the few-row
-    products each model runs (speed/packed.py's kind: a round's seconds differ by kind)."""
+    products each model runs (speed/packed.py's kind: a round's seconds differ by kind); "step" names what a timing
+    spans (Engine.step: from the decision to the rows' next inputs), so that timings of another span are not read."""
     t, dev = eng.target.cfg, eng.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else compiling.cpu_model()
     drafters = [] if eng.proposer is None else [m for m in vars(eng.proposer).values()
@@ -775,7 +776,7 @@ def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:
     proposer = None if eng.proposer is None else (type(eng.proposer).__name__,
                                                   sum(p.numel() for m in drafters for p in m.parameters()))
     products = [getattr(m, "few_row_products", "plain") for m in (eng.target, *drafters)]    # (packed.swap_linears_)
-    return json.dumps(["costs", where, torch.__version__, torch.get_num_threads(), t.hidden_size, t.num_hidden_layers,
+    return json.dumps(["costs", "step", where, torch.__version__, torch.get_num_threads(), t.hidden_size, t.num_hidden_layers,
                        t.vocab_size, str(eng.target.embed_tokens.weight.dtype), proposer, eng.slots, eng.capacity,
                        list(blocks), sampled, type(eng.masks).__name__,
                        sorted((k, str(v)) for k, v in (eng._options or {}).items()), products])
