@@ -2,31 +2,32 @@
 
 The rule. Before every step the policy compares what each step kind is expected to commit per second: a plain step
 commits one token per live row in `plain` seconds; a round of k commits the sum over live rows of E_r(k) tokens in
-`round(k)` seconds; the best k's round is taken when its rate is higher, else a plain step. E_r(k) is row r's
-expected tokens from a round of k: a decayed average (weight `keep` per round) of what its rounds committed,
-min(committed, k) (a round of K also tells what a round of any k <= K would have committed, and of any longer k when
-it stopped short of K; one that committed all K counts k, optimistically, until a round of k measures it), mixed
-with a prior worth `prior_weight` rounds (`prior_p`: the tokens of a round of k if each proposal were accepted with
-that probability). Every plain step ages the live rows' evidence by exp(-rate / loss), loss being what the best
-round would lose on the evidence alone (its seconds in plain steps less its tokens per row), so an estimate that
-made rounds lose drifts back to the prior, and a round (a probe) measures the rows again after a number of plain
-steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves with each probe that loses
-(down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more plain steps than its
-seconds); an admitted request starts from the prior. While plain steps run, every SHADOW_EVERY-th hand-over of their
-features to the drafter's context (one at the first plain step after a round, then one per block of plain steps) is
-a shadow draft (`shadow`): a draft of the longest block whose proposals the plain steps after it judge
+`round(k)` seconds; the best k's round is taken when its rate is higher, else a plain step. E_r(k) is row r's expected
+tokens from a round of k: a decayed average (weight `keep` per round) of what its rounds committed, min(committed, k) (a
+round of K is read as telling what a round of any k <= K would have committed, and of any longer k when it stopped short
+of K; one that committed all K counts k, optimistically, until a round of k measures it), mixed with a prior (`prior_p`:
+the tokens of a round of k if each proposal were accepted with that probability) worth `prior_weight` rounds at
+admission and fading by `keep` with each round of the row's evidence, down to `prior_floor` rounds. The blocks:
+engine_blocks (the whole block alone for an Engine of one slot). Every plain step ages the live rows' evidence by
+exp(-rate / loss), loss being what the best round would lose on the evidence alone (its seconds in plain steps less its
+tokens per row), so an estimate that made rounds lose drifts back to the prior, and a round (a probe) measures the rows
+again after a number of plain steps that keeps such probes near `rate` of the time; `rate` starts at `budget`, halves
+with each probe that loses (down to budget / 8) and returns to `budget` with any round that pays (its tokens worth more
+plain steps than its seconds); an admitted request starts from the prior. While plain steps run, every SHADOW_EVERY-th
+hand-over of their features to the drafter's context (one at the first plain step after a round, then one per block of
+plain steps) is a shadow draft (`shadow`): a draft of the longest block whose proposals the plain steps after it judge
 (engine.Shadows), which tells exactly what a round there would have committed, or, as soon as its first SHADOW_SURE
-proposals are confirmed, that a round of SHADOW_SURE + 1 would have committed its whole block; that counts as a
-round's evidence (`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step kind's
-last `window` timings (a round's including what the plain step after it takes beyond a plain step's: the switch
-back), starting from a calibration measured once per machine and shape (Engine.warm_up; cached on disk,
-`load_costs`) and corrected by every step timed; a block not timed yet is estimated by interpolating linearly in k
-between the timed kinds (a plain step standing for k = 0: optimistic, so it is tried and timed), and with no plain
-step timed the policy takes one. Nothing else is kept: every decision is made afresh from the estimates of that
-moment. A decision for a plain step also decides the plain steps after it, up to the first at which the rule, with
-the costs as they stand and the live rows aged by each step, would take a round (at most PLAN): those take no
-decision of their own unless a request is admitted or leaves (their timings count from the next decision), so a run
-of plain steps costs the rule's Python once per PLAN steps, not at every step.
+proposals are confirmed, that a round of SHADOW_SURE + 1 would have committed its whole block; that counts as a round's
+evidence (`observe_shadow`), and the rule is asked again at the next step. The seconds are the median of each step
+kind's last `window` timings (each from the decision to the rows' next inputs, Engine.step; a round's including what the
+plain step after it takes beyond a plain step's: the switch back), starting from a calibration measured once per machine
+and shape (Engine.warm_up; cached on disk, `load_costs`) and corrected by every step timed; a block not timed yet is
+estimated by interpolating linearly in k between the timed kinds (a plain step standing for k = 0: optimistic, so it is
+tried and timed), and with no plain step timed the policy takes one. Nothing else is kept: every decision is made afresh
+from the estimates of that moment. A decision for a plain step also decides the plain steps after it, up to the first at
+which the rule, with the costs as they stand and the live rows aged by each step, would take a round (at most PLAN):
+those take no decision of their own unless a request is admitted or leaves (their timings count from the next decision),
+so a run of plain steps costs the rule's Python once per PLAN steps, not at every step.
 
 The output never depends on any of this: every kind of step commits the target's own tokens, and plain steps keep
 the drafter's context fed (engine.Pending), so a round can follow any step. Why: docs/method.md#adaptive-speculation.
