@@ -713,10 +713,12 @@ class Engine(Slots):
         live = [r is not None and not r.done for r in rows]
         self.last.copy_(self._upload([r.result.output_ids[-1] if on else 0 for r, on in zip(rows, live)], 0))
         self.start.copy_(self._upload([r.start if on else 0 for r, on in zip(rows, live)], 1))
-        if self.policy is not None and k:
-            self.policy.observe_round(committed, k, time.perf_counter() - t0)
-        elif self.policy is not None:           # (a shadow draft is no part of a plain step's cost)
-            self.policy.observe_plain(time.perf_counter() - t0 - self.shadows.seconds)
+        if self.policy is not None:
+            seconds = time.perf_counter() - t0
+            if k:
+                self.policy.observe_round(committed, k, seconds)
+            else:                               # (a shadow draft is no part of a plain step's cost)
+                self.policy.observe_plain(seconds - self.shadows.seconds)
 
     def round(self, rows: list, k: int) -> list:
         """Draft, verify, accept and commit for every row, verifying k <= block tokens per row -> the tokens each slot
