@@ -980,7 +980,6 @@ def parting_main(args, device) -> dict:
     prompts = P.from_args(args, ckpt.load_tokenizer(target.path), target.path)
     stops = ckpt.stop_token_ids(target.path, target.cfg)
     capacity = max(len(p) for p in prompts) + args.max_new_tokens + block
-    import tables                  # generate.py's engine for single requests (eager)
     masks = options.ATTENTION[getattr(args, "attention", "sdpa")]          # eager engines, pure rounds
     ar_engine = engine.Engine(target, None, 1, 1, capacity, masks=masks)
     sp_engine = engine.Engine(target, proposer, block, 1, capacity, masks=masks)

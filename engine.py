@@ -654,15 +654,8 @@ class Engine(Slots):
         try:
             self.run(warm)
             if policy is not None and hasattr(policy, "calibrate"):
-                key = cost_key(self, blocks, sampled)
-                costs = load_costs(key)
-                if costs is None:
-                    self.policy = timer = Alternate(blocks)
-                    self.run(warm)
-                    costs = timer.medians()
-                    store_costs(key, costs)
-                policy.calibrate(costs)
-                self.calibration = costs
+                self.calibration = step_costs(self, warm, blocks, sampled)
+                policy.calibrate(self.calibration)
         finally:
             self.policy = policy
 
@@ -764,6 +757,20 @@ class Engine(Slots):
             if row is not None:
                 row.take(kind, [host[b]], times=(0.0, time.perf_counter() - t0))
         self.shadows.judge(rows, host, self.policy)
+
+
+def step_costs(eng: Engine, warm: list, blocks: tuple, sampled: bool) -> dict:
+    """Each step kind's seconds {k: s} (0: a plain step) for a warmed-up Engine: cached for this machine and shape
+    (policy.load_costs under cost_key), else the median of each kind in a run of `warm` under policy.Alternate,
+    stored for the next process."""
+    key = cost_key(eng, blocks, sampled)
+    costs = load_costs(key)
+    if costs is None:
+        eng.policy = timer = Alternate(blocks)
+        eng.run(warm)
+        costs = timer.medians()
+        store_costs(key, costs)
+    return costs
 
 
 def cost_key(eng: Engine, blocks: tuple, sampled: bool) -> str:

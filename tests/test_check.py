@@ -4,7 +4,6 @@ acceptance, is caught at the token where it leaves transformers' own greedy outp
 read; the layer dump equals transformers' hidden states; the conformance pack checks clean; bad input is one
 error line."""
 import json
-import math
 import os
 
 import pytest

@@ -279,7 +279,6 @@ def test_llama_cpp_logprobs_measure_the_engine_and_decide(cases, tmp_path, capsy
     """llama.cpp's n_probs answered with each token's top-8 log-probabilities: the engine's own discrepancy from our
     logits is the noise basis (reported with top-1 agreement and KL per request); a request whose logprobs are
     ours but whose token is our worst is diverged; one whose logits are ours to within rounding is identical."""
-    import checkpoint as ckpt
     target = embedded_pair()[0]
 
     def probs(prompt, out):
@@ -345,7 +344,7 @@ def test_json_holds_every_request_and_saved_traces_replay(cases, tmp_path, capsy
     wrong = tmp_path / "traces" / "request-1-concurrency-2.json"
     assert wrong.exists() and not (tmp_path / "traces" / "request-0-concurrency-2.json").exists()
     assert len((tmp_path / "traces" / "concurrency-1.jsonl").read_text().splitlines()) == 3
-    assert f"replay: python check.py --target " in out and str(wrong) in out
+    assert "replay: python check.py --target " in out and str(wrong) in out
     assert check.cli([str(wrong), "--json"]) == 1
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"][0]
     assert got["first_divergence"] == cases["_k"]
