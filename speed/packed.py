@@ -60,6 +60,10 @@ KINDS = tuple(k for k, ok in AVAILABLE.items() if ok)
 FEW_ROWS = M.FEW_ROWS      # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
 PACK_ROWS = 16           # the default row count weights are packed for (the verify block)
 MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
+KEPT_MARGIN = 0.0        # the same where weights are kept narrower (NARROW): `measure` times eager passes, and
+#                          compiled steps over kept weights gain more from the packed float32 copies than those show
+#                          (an AVX2 EPYC: oneDNN's pass 0.91x plain's, its rounds 1.5-1.8x faster end to end:
+#                          docs/measurements.md#packed-products-by-cpu), so there any packed kind that is not slower wins
 NARROW = (torch.bfloat16, torch.float16)   # weights kept narrower than float32 arithmetic (model.kept_product):
 #                                            packed as widened float32 copies, by the kinds in KEPT_KINDS only
 KEPT_KINDS = ("onednn", "mkl")   # mkl keeps a widened float32 weight beside its packed copy (two copies)
@@ -600,7 +604,7 @@ def _key(modules, rows: int) -> str:
 
 def choose(modules, rows: int) -> tuple:
     """The kind of `rows`-row products for `modules` on this machine: the fastest packed kind if it takes at most
-    (1 - MARGIN) of plain's time, else "plain"; measured once (`measure`) and cached (cache_path: the same CPU model,
+    (1 - MARGIN) of plain's time (`verdict`), else "plain"; measured once (`measure`) and cached (cache_path: the same CPU model,
     threads, rows, shapes and torch read the verdict, so every run chooses alike and hits its compiled graphs).
     Rows outside 2..FEW_ROWS and models with nothing swappable: ("plain", None, False), nothing measured.
     -> (kind, {kind: time / plain's time} as measured, whether the verdict came from the cache)."""
@@ -608,13 +612,20 @@ def choose(modules, rows: int) -> tuple:
         return "plain", None, False
     path, key = cache_path(), _key(modules, rows)
     verdicts = read_record(path)
-    if key in verdicts:
-        v = verdicts[key]
-        return v["kind"], v["measured"], True
+    narrow = any(lin.weight.dtype in NARROW for lin in _linears(modules))
+    if key in verdicts:             # (the measurement is what is kept; the verdict follows this rule)
+        measured = verdicts[key]["measured"]
+        return verdict(measured, narrow), measured, True
     times = measure(modules, rows)
     measured = {k: t / times["plain"] for k, t in times.items() if k != "plain"}
-    best = min(measured, key=measured.get, default=None)
-    kind = best if best is not None and measured[best] <= 1 - MARGIN else "plain"
+    kind = verdict(measured, narrow)
     verdicts[key] = {"kind": kind, "measured": measured, "date": time.strftime("%Y-%m-%d")}
     write_record(path, verdicts)
     return kind, measured, False
+
+
+def verdict(measured: dict, narrow: bool) -> str:
+    """{kind: time / plain's time} -> the fastest kind if it takes at most 1 - MARGIN of plain's time (1 - KEPT_MARGIN
+    where weights are kept narrower: `narrow`), else "plain"."""
+    best = min(measured, key=measured.get, default=None)
+    return best if best is not None and measured[best] <= 1 - (KEPT_MARGIN if narrow else MARGIN) else "plain"

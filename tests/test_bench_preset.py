@@ -108,7 +108,9 @@ def test_checkpoint_bench_reports_side_by_side(capsys):
     from speed import packed
     measured = last["products_measured"]
     if packed.KINDS and measured:
-        assert (last["products"] != "plain") == (min(measured.values()) <= 1 - packed.MARGIN), last
+        narrow = last["weight_dtype"] in ("bfloat16", "float16")       # kept as stored: packed.KEPT_MARGIN
+        assert last["products"] == packed.verdict(measured, narrow), last
+        assert (last["products"] != "plain") == (min(measured.values()) <= 1 - (packed.KEPT_MARGIN if narrow else packed.MARGIN))
     else:
         assert last["products"] == "plain", last
     assert any(line.startswith("warm-up ") and "few-row products: " in line for line in lines)

@@ -398,6 +398,29 @@ def test_measure_bounds_the_weights_a_pass_packs(monkeypatch):
     assert packed._pass_layers(packed._linears([m])) == [*shape_a, last]
 
 
+def test_kept_weights_take_a_packed_kind_that_is_not_slower(monkeypatch, tmp_path):
+    """Where weights are kept narrower than the arithmetic, choose takes the fastest packed kind as soon as it is not
+    slower than plain (KEPT_MARGIN), where float32 weights want MARGIN; a cached measurement is judged by that rule
+    too (a verdict cached by the old rule does not stick)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    near = 1.0 - packed.MARGIN / 2                      # faster than plain, within the margin
+    monkeypatch.setattr(packed, "measure", lambda modules, rows: {"plain": 1.0, **dict.fromkeys(packed.KINDS, near)})
+    wide, kept = random_linear(32, 48, False), random_linear(32, 48, False, dtype=torch.bfloat16)
+    kept.dtype = torch.float32                          # the arithmetic (a model's `dtype`, as model.Qwen35's)
+    if not packed.KINDS:
+        pytest.skip("no packed kind on this build")
+    assert packed.choose([wide], 16)[0] == "plain"
+    kind, measured, cached = packed.choose([kept], 16)
+    assert kind in packed.KEPT_KINDS and measured[kind] == near and not cached
+    with open(packed.cache_path()) as f:
+        saved = json.load(f)
+    for v in saved.values():
+        v["kind"] = "plain"                             # a verdict written by an older rule
+    with open(packed.cache_path(), "w") as f:
+        json.dump(saved, f)
+    assert packed.choose([kept], 16)[:3:2] == (kind, True)
+
+
 def test_choose_wants_a_margin_and_caches_its_verdict(monkeypatch, tmp_path):
     """choose takes the fastest kind only when it is at least MARGIN faster than plain; it measures once per
     machine, threads, rows and shapes and then reads the verdict from its file (so a second run chooses alike even
