@@ -43,6 +43,20 @@ def test_35b_a3b_preset_shapes():
     ckpt.check_fits(dcfg, tcfg)
 
 
+@pytest.mark.parametrize("extra", [[], ["--concurrency", "1,2"]])
+def test_a_preset_too_large_for_the_memory_is_refused_before_it_is_built(monkeypatch, capsys, extra):
+    """--preset checks the weights (target and drafter, as --weight-dtype keeps them) and the caches against the
+    memory available before building anything: one line naming the need, what the machine has and the options,
+    exit code 2."""
+    monkeypatch.setattr(ckpt, "available_memory", lambda device: 10 ** 6)      # 1 MB free
+    built = []
+    monkeypatch.setattr(presets, "random_models", lambda *a, **k: built.append(a))
+    assert bench.cli(["--preset", "tiny-9b-shape", "--random-weights", "--max-new-tokens", "4", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "this run needs about" in err and "this machine has 1.0 MB available" in err
+    assert "--weight-dtype bfloat16" in err and not built
+
+
 def test_tiny_moe_preset_runs(capsys):
     """The CPU variant of the mixture-of-experts preset end to end (one thread: the models are tiny)."""
     n = torch.get_num_threads()

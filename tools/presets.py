@@ -243,6 +243,23 @@ def preset_weights(args, dtype):
     return None if weights == "auto" else weights
 
 
+def check_preset_memory(args, device, dtype, slots: int = 1) -> None:
+    """Before a preset's random models are built: the target and drafter (kept as --weight-dtype says) and the caches
+    of `slots` rows within the memory `device` has (checkpoint.check_memory: one line naming the need and the
+    options). What compiling and packed copies take on top is not counted, so a run that passes may still not fit."""
+    tcfg, dcfg = preset_configs(args.preset)
+    weights = preset_weights(args, dtype) or dtype
+    block = args.block_size or dcfg.block_size
+    prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
+    capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
+    held = ckpt.target_bytes(tcfg, dtype, weights) + ckpt.drafter_bytes(dcfg, dtype, weights)
+    fixes = (["--weight-dtype bfloat16 (weights in half the bytes)"] if weights == torch.float32 else []) + \
+            (["--dtype bfloat16"] if dtype != torch.bfloat16 else []) + ["a smaller preset"]
+    where = "the GPU" if torch.device(device).type == "cuda" else "this machine"
+    ckpt.check_memory(held, ckpt.cache_bytes(tcfg, dtype, capacity, slots, block, dcfg), ckpt.available_memory(device),
+                      where, fixes)
+
+
 def preset_main(args, device) -> dict:
     """Time AR decode, verify and draft steps of a preset's shapes on generate.py's engine (tables.single_engine: the
     same steps and timings as the checkpoint benchmark). AR goes first: its engine is built, warmed up and timed,
@@ -253,6 +270,7 @@ def preset_main(args, device) -> dict:
     dtype = pick_dtype(args.dtype, device)
     if args.concurrency:
         return preset_concurrency(args, device, dtype)
+    check_preset_memory(args, device, dtype)
     peak = peak_copy_gb_s() if cuda else None              # before the model takes the memory
     t0 = time.perf_counter()
     target, drafter = random_models(args.preset, device, dtype, preset_weights(args, dtype))
@@ -332,6 +350,7 @@ def preset_concurrency(args, device, dtype) -> dict:
     --max-new-tokens and --prompt-len as a --preset run (the same cache capacity), the steps are the same
     fixed-shape graphs as that run's, so inductor's on-disk cache serves them to a later process (each row
     counts the graphs compiled and served: compiling.graph_counts)."""
+    check_preset_memory(args, device, dtype, max(args.concurrency))
     target, drafter = random_models(args.preset, device, dtype, preset_weights(args, dtype))
     block = args.block_size or drafter.cfg.block_size
     prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
