@@ -243,6 +243,11 @@ def preset_weights(args, dtype):
     return None if weights == "auto" else weights
 
 
+def prompt_length(args) -> int:
+    """A preset run's random prompt: --prompt-len, else 64 tokens for the tiny presets and 512 for the real shapes."""
+    return args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
+
+
 def check_preset_memory(args, device, dtype, slots: int = 1) -> None:
     """Before a preset's random models are built: the target and drafter (kept as --weight-dtype says) and the caches
     of `slots` rows within the memory `device` has (checkpoint.check_memory: one line naming the need and the
@@ -250,7 +255,7 @@ def check_preset_memory(args, device, dtype, slots: int = 1) -> None:
     tcfg, dcfg = preset_configs(args.preset)
     weights = preset_weights(args, dtype) or dtype
     block = args.block_size or dcfg.block_size
-    prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
+    prompt_len = prompt_length(args)
     capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
     held = ckpt.target_bytes(tcfg, dtype, weights) + ckpt.drafter_bytes(dcfg, dtype, weights)
     fixes = (["--weight-dtype bfloat16 (weights in half the bytes)"] if weights == torch.float32 else []) + \
@@ -276,7 +281,7 @@ def preset_main(args, device) -> dict:
     target, drafter = random_models(args.preset, device, dtype, preset_weights(args, dtype))
     build_seconds = time.perf_counter() - t0
     block = args.block_size or drafter.cfg.block_size
-    prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
+    prompt_len = prompt_length(args)
     new = args.max_new_tokens
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
@@ -353,7 +358,7 @@ def preset_concurrency(args, device, dtype) -> dict:
     check_preset_memory(args, device, dtype, max(args.concurrency))
     target, drafter = random_models(args.preset, device, dtype, preset_weights(args, dtype))
     block = args.block_size or drafter.cfg.block_size
-    prompt_len = args.prompt_len or (64 if args.preset.startswith("tiny") else 512)
+    prompt_len = prompt_length(args)
     products = use_products(args.products, block, target, drafter)
     mode = args.compile_mode if args.compile else None
     options = compile_options(args, target.embed_tokens.weight.device)
