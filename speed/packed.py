@@ -575,10 +575,15 @@ def _weighed(modules, rows: int) -> list:
     could cost more than it saves). The machine's total, not what is free now: the verdict's cache key names these
     kinds, and a key that moved with the free memory would measure again, and perhaps choose otherwise, run to run."""
     lins = _linears(modules)
-    narrow = any(lin.weight.dtype in NARROW for lin in lins)
+    narrow = _narrow(lins)
     total = _total_memory()
     return [k for k in KINDS if applies(k, rows, rows) and (not narrow or k in KEPT_KINDS and (
         k != "mkl" or total is None or sum(copy_bytes(lin.weight, k) for lin in lins) <= total // 4))]
+
+
+def _narrow(lins: list) -> bool:
+    """Whether any of the linears `lins` keeps its weight narrower than the float32 arithmetic (NARROW)."""
+    return any(lin.weight.dtype in NARROW for lin in lins)
 
 
 def _total_memory() -> int | None:
@@ -612,7 +617,7 @@ def choose(modules, rows: int) -> tuple:
         return "plain", None, False
     path, key = cache_path(), _key(modules, rows)
     verdicts = read_record(path)
-    narrow = any(lin.weight.dtype in NARROW for lin in _linears(modules))
+    narrow = _narrow(_linears(modules))
     if key in verdicts:             # (the measurement is what is kept; the verdict follows this rule)
         measured = verdicts[key]["measured"]
         return verdict(measured, narrow), measured, True
