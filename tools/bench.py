@@ -540,8 +540,9 @@ def policy_table_main(args, device) -> dict:
               f"{row['ar_tokens_per_s']:.1f}, pure {row['pure_tokens_per_s']:.1f}, default {row['default_tokens_per_s']:.1f}  "
               f"identical {identical}/{len(ps)}; {describe(counts)}", flush=True)
     decode_ms, plain_ms = tables.step_ms(done["ar"], "decode", "verify_seconds"), tables.step_ms(done["default"], "plain", "verify_seconds")
-    if decode_ms and plain_ms:           # what keeping the drafter's context fed costs a plain step
-        print(f"ms per step (median): AR decode {decode_ms:.3f}, the policy's plain step (decode + the drafter's context) "
+    if decode_ms and plain_ms:           # the default's plain steps against AR's decode steps, as the runs took them
+        print(f"ms per step (median): AR decode {decode_ms:.3f}, the policy's plain step (decode + the drafter's context; "
+              f"many follow a round, whose weights have taken the caches) "
               f"{plain_ms:.3f} ({plain_ms / decode_ms:.3f}x)")
     out = {"mode": "policy_table", "decode_ms": decode_ms, "plain_ms": plain_ms, "repeat": args.repeat, "compile": args.compile, "max_new_tokens": args.max_new_tokens,
            "device": device, "cpu": compiling.cpu_model(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
