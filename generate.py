@@ -38,7 +38,7 @@ import model as M
 import mtp
 import tp
 import vision
-from policy import Policy, counts_of, describe, engine_blocks, switches
+from policy import counts_of, describe, engine_policy, switches
 from sampling import DRAFT_RULES
 from options import (ATTENTION, DEFAULT_DRAFT, DEFAULT_TARGET, MAX_SEED, HelpFormatter, chat_template_of, compile_options,
                      parallel_fields, parse_ids, pick_dtype, pick_weights, read_requests, request_of, shared_flags,
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
     check_caches(args, target, proposer, capacity, 1, block_size, device, dtype)
     # adaptive speculation: the batch's policy (a draft tree's rounds are pure: its engine has no policy)
     adaptive = proposer is not None and not (args.no_adaptive or args.tree_size)
-    policy = Policy(block=block_size, blocks=engine_blocks(block_size, 1)) if adaptive else None
+    policy = engine_policy(block_size, 1) if adaptive else None
     policy = parallel.synced(policy) if parallel else policy     # rank 0 decides every step for every rank
     eng = make_engine(args, target, proposer, block_size, capacity, policy, device)
     seed = args.seed if args.seed is not None else secrets.randbits(63)    # recorded, so any run can be repeated
@@ -557,7 +557,7 @@ def run_requests(args, target, tokenizer, proposer, products, load_seconds, devi
         except dflash.GenerationError as e:
             raise dflash.GenerationError(f"request {i}: {e}") from None
     check_caches(args, target, proposer, capacity, slots, block, device, dtype)
-    policy = None if (proposer is None or args.no_adaptive) else Policy(block=block, blocks=engine_blocks(block, slots))
+    policy = None if (proposer is None or args.no_adaptive) else engine_policy(block, slots)
     if parallel is not None:          # rank 0 decides every step, and its seeds are every rank's (Parallel.synced, .same)
         policy = parallel.synced(policy)
         seeds = parallel.same([secrets.randbits(63) for _ in reqs])

@@ -74,6 +74,12 @@ def engine_blocks(block: int, slots: int) -> tuple:
     return (block,) if slots == 1 else verify_blocks(block)
 
 
+def engine_policy(block: int, slots: int, calibration: dict | None = None, **params) -> "Policy":
+    """The adaptive policy of an Engine of `slots` slots drafting blocks of `block`: choosing among
+    engine_blocks(block, slots) unless params name other `blocks`; params: Policy's other settings."""
+    return Policy(block=block, **{"blocks": engine_blocks(block, slots), **params}, calibration=calibration)
+
+
 class Costs:
     """Each step kind's seconds (k = 0: a plain step, else a round of k): the median of its last `window` timings,
     the calibration's seconds counted as the first."""

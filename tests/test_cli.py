@@ -343,7 +343,7 @@ def test_same_seed_same_text_whatever_the_step_pattern(tok_ckpt, capsys, monkeyp
             "--temperature", "0.9", "--top-p", "0.95", "--seed", "7"]
     texts, kinds = [], []
     for pattern in ([True], [False, 3, True, False], [False]):
-        monkeypatch.setattr(generate, "Policy", lambda block, blocks=None, pattern=pattern: Pattern(pattern, block))
+        monkeypatch.setattr(generate, "engine_policy", lambda block, slots, pattern=pattern: Pattern(pattern, block))
         assert generate.main(argv) == 0
         got = capsys.readouterr()
         texts.append(got.out)

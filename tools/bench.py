@@ -59,7 +59,7 @@ import prompts as P
 from tools import tables
 import tp
 from options import ATTENTION, DEFAULT_DRAFT, compile_options, pick_dtype, pick_weights, use_products
-from policy import Policy, counts_of, describe, engine_blocks
+from policy import counts_of, describe, engine_policy
 
 
 
@@ -296,9 +296,8 @@ def load_pair(args, dtype, device) -> tuple:
 
 
 def bench_capacity(prompts: list, max_new_tokens: int, block: int) -> int:
-    """The cache positions of the benchmark's engines: the longest prompt, its tokens (at least the warm-up's
-    3 blocks) and a block of slack."""
-    return max(len(p) for p in prompts) + max(max_new_tokens, 3 * block) + block
+    """The cache positions of the benchmark's engines (tables.warm_capacity) for its longest prompt."""
+    return tables.warm_capacity(max(len(p) for p in prompts), max_new_tokens, block)
 
 
 def main(argv=None) -> dict:
@@ -688,7 +687,7 @@ def concurrency_main(args, device) -> dict:
     for n in args.concurrency:
         reqs = [engine.Request(p, args.max_new_tokens, tuple(stops)) for p in (prompts * (3 * n))[:max(len(prompts), 3 * n)]]
         capacity = bench_capacity([r.prompt_ids for r in reqs], args.max_new_tokens, block)
-        policy = None if args.no_adaptive or args.aa else Policy(block=block, blocks=engine_blocks(block, n))
+        policy = None if args.no_adaptive or args.aa else engine_policy(block, n)
         ar = lambda: engine.Engine(target, None, 1, n, capacity, mode, inductor)     # (--aa: the second arm too)
         engines = {"ar": ar(), "dflash": ar() if args.aa else engine.Engine(
             target, engine.DrafterProposer(drafter, target, window), block, n, capacity, mode, inductor, policy)}

@@ -85,7 +85,7 @@ def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 1
 def one_slot_policy(block: int, calibration: dict, params: dict) -> Policy:
     """The policy an Engine of one slot runs (its blocks: policy.engine_blocks), calibrated with the given step
     costs; params: Policy's other settings (and `blocks`, to try others)."""
-    return Policy(block=block, **{"blocks": policy_module.engine_blocks(block, 1), **params}, calibration=calibration)
+    return policy_module.engine_policy(block, 1, calibration, **params)
 
 
 def drawn(costs: dict, params: dict) -> None:

@@ -256,7 +256,7 @@ def check_preset_memory(args, device, dtype, slots: int = 1) -> None:
     weights = preset_weights(args, dtype) or dtype
     block = args.block_size or dcfg.block_size
     prompt_len = prompt_length(args)
-    capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
+    capacity = tables.warm_capacity(prompt_len, args.max_new_tokens, block)
     held = ckpt.target_bytes(tcfg, dtype, weights) + ckpt.drafter_bytes(dcfg, dtype, weights)
     fixes = (["--weight-dtype bfloat16 (weights in half the bytes)"] if weights == torch.float32 else []) + \
             (["--dtype bfloat16"] if dtype != torch.bfloat16 else []) + ["a smaller preset"]
@@ -285,7 +285,7 @@ def preset_main(args, device) -> dict:
     new = args.max_new_tokens
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
-    capacity = prompt_len + max(new, 3 * block) + block       # the warm-up runs 3 blocks
+    capacity = tables.warm_capacity(prompt_len, new, block)
     mode = args.compile_mode if args.compile else None
     products = use_products(args.products, block, target, drafter)
     print(f"{args.preset}: target {sum(p.numel() for p in target.parameters()) / 1e9:.3f} B params, drafter "
@@ -367,7 +367,7 @@ def preset_concurrency(args, device, dtype) -> dict:
     for n in args.concurrency:
         reqs = [engine.Request(torch.randint(0, target.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist(),
                                  args.max_new_tokens) for _ in range(n)]
-        capacity = prompt_len + max(args.max_new_tokens, 3 * block) + block
+        capacity = tables.warm_capacity(prompt_len, args.max_new_tokens, block)
         before = compiling.graph_counts()
         ar = engine.Engine(target, None, 1, n, capacity, mode, options)
         sp = engine.Engine(target, engine.DrafterProposer(drafter, target), block, n, capacity, mode, options)

@@ -33,7 +33,7 @@ import engine
 import prompts as P
 from compiling import cpu_model
 import tree
-from policy import PerRun, Policy, engine_blocks
+from policy import PerRun, engine_policy
 
 
 def method_proposers(args, target, dtype, device, weights=None) -> dict:
@@ -68,6 +68,12 @@ def method_proposers(args, target, dtype, device, weights=None) -> dict:
     return out
 
 
+def warm_capacity(prompt_len: int, max_new_tokens: int, block: int) -> int:
+    """The cache positions of a benchmark's engine: its longest prompt, its tokens (at least the warm-up's 3 blocks,
+    warm_up) and a block of slack."""
+    return prompt_len + max(max_new_tokens, 3 * block) + block
+
+
 def single_engine(args, target, proposer, block: int, capacity: int, adapt: bool, parallel=None, eager: bool = False):
     """The engine a benchmark runs single requests on: generate.py's, an engine.Engine of one slot, with a fresh
     policy.Policy for every request when `adapt` (policy.PerRun), and the --attention masks. AR: proposer None.
@@ -86,8 +92,7 @@ def adapt_(eng, on: bool, parallel=None) -> None:
     """An engine's next runs with a fresh adaptive policy each (on; under torchrun rank 0's decides: tp.Synced),
     calibrated by the engine's warm-up when it had one, or pure rounds (off)."""
     def make():
-        policy = Policy(block=eng.block, blocks=engine_blocks(eng.block, eng.slots),
-                        calibration=getattr(eng, "calibration", None))
+        policy = engine_policy(eng.block, eng.slots, getattr(eng, "calibration", None))
         return parallel.synced(policy) if parallel else policy
     eng.policy = PerRun(make) if on else None
 
