@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 import checkpoint as ckpt
-from model import MLP, CheckpointError, GenerationError, Qwen35, RMSNorm, apply_rope, attention, inv_freq
+from model import MLP, CheckpointError, Embedding, GenerationError, Qwen35, RMSNorm, apply_rope, attention, inv_freq
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -121,7 +121,7 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: Eagle3Config, own_embedding: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

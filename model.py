@@ -277,6 +277,12 @@ class Embedding(nn.Embedding):
 
     out_dtype = None
 
+    def reset_parameters(self):
+        """nn.Embedding's random init, skipped on the meta device, where a model is built for its shapes only (a
+        load fills it, checkpoint.target_bytes counts it): torch's normal_ there imports torch._dynamo (~2 s a process)."""
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
     def forward(self, ids):
         x = super().forward(ids)
         return x if self.out_dtype is None else x.to(self.out_dtype)
@@ -417,7 +423,11 @@ def apply_rope(x, cos, sin):
 
 
 def inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
-    """theta^(-2i/R) for i < R/2, in float32 as transformers computes it (so the angles round the same)."""
+    """theta^(-2i/R) for i < R/2, in float32 as transformers computes it (so the angles round the same). On the meta
+    device (a model built for its shapes, filled by a load) an empty tensor of that length: arithmetic there would
+    import torch._dynamo (~2 s a process)."""
+    if torch.empty(0, device=device).is_meta:
+        return torch.empty((rotary_dim + 1) // 2, dtype=torch.float32, device=device)
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
@@ -848,7 +858,10 @@ class Qwen35(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_buffers_(self) -> None:
-        """The RoPE tables, computed (not stored in checkpoints): again after a meta-device build."""
+        """The RoPE tables, computed (not stored in checkpoints): again after a meta-device build. A build on the meta
+        device leaves them empty (a load calls this again; arithmetic there would import torch._dynamo, ~2 s)."""
+        if self.inv_freq.is_meta:
+            return
         self.inv_freq = inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, self.inv_freq.device)
         self.mrope_cols = mrope_columns(self.cfg.mrope_section, self.cfg.rotary_dim // 2).to(self.mrope_cols.device)
 
@@ -1011,8 +1024,8 @@ class CandidateSelector(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.top_k = cfg.selector_top_k
-        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.predecessor_codebook = Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = Embedding(cfg.vocab_size, cfg.selector_rank)
         self.hidden_projection = Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
     def select(self, hidden, logits, anchor, rows=None, temperature: float = 1.0):

@@ -158,8 +158,8 @@ def compile_options(args, device) -> dict:
     """Inductor options added to --compile-mode's: on a CPU the C++ wrapper (speed/cppwrapper.py), unless --no-cpp-wrapper;
     with --attention flex on a CPU no epilogue fusion (torch 2.13's CPU flex kernel refuses to take the
     one-query steps' following ops as epilogues: NotImplementedError in CppFlexAttentionTemplate)."""
-    if torch.device(device).type != "cpu":
-        return {}
+    if torch.device(device).type != "cpu" or not getattr(args, "compile", True):
+        return {}                     # (eager: nothing to add, and importing inductor would cost seconds)
     options = {"epilogue_fusion": False} if getattr(args, "attention", "sdpa") == "flex" else {}
     if not args.cpp_wrapper:
         return options

@@ -40,18 +40,26 @@ from dflash import GenerationError
 # ---- held-out Python: the embedded pair's prompts ------------------------------------------------
 
 
+SKIPPED = ("test", "idlelib", "lib2to3", "turtledemo")     # the standard library's own tests and tools: not prompts
+
+
 def stdlib_files(split: str) -> list:
-    """Sorted .py files of this Python's standard library; 1 in 20 (by a hash of the relative path) is held out."""
+    """Sorted .py files of this Python's standard library (site-packages, hidden folders and SKIPPED not walked); 1
+    in 20 (by a hash of the path relative to the library's root) is held out."""
     root = sysconfig.get_paths()["stdlib"]
     files = []
-    for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        rel = os.path.relpath(f, root)
-        if "site-packages" in rel or rel.startswith(("test", "idlelib", "lib2to3", "turtledemo")):
-            continue
-        held = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
-        if held == (split == "heldout"):
-            files.append(f)
-    return files
+    for folder, subfolders, names in os.walk(root):
+        rel_folder = os.path.relpath(folder, root)
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "site-packages"
+                         and not (rel_folder == "." and d.startswith(SKIPPED))]
+        for name in names:
+            rel = os.path.normpath(os.path.join(rel_folder, name))
+            if not name.endswith(".py") or name.startswith(".") or rel.startswith(SKIPPED):
+                continue
+            held = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
+            if held == (split == "heldout"):
+                files.append(os.path.join(root, rel))
+    return sorted(files)
 
 
 def read_text(f: str) -> str:

@@ -274,7 +274,7 @@ class PatchEmbed(nn.Module):
 def vision_inv_freq(cfg: VisionConfig, device=None) -> torch.Tensor:
     """The 2-D rotary's frequencies: angles are [row * inv | col * inv], each hd/4 wide, then doubled to hd."""
     half = cfg.head_dim // 2
-    return 1.0 / cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
+    return M.inv_freq(half, cfg.rope_theta, device)
 
 
 class VisionTower(nn.Module):
@@ -284,7 +284,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.pos_embed = M.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", vision_inv_freq(cfg), persistent=False)
