@@ -27,6 +27,7 @@ How a GDN layer's cache moves (the rollback of docs/method.md#rollback-on-a-hybr
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 
 import torch
@@ -169,7 +170,8 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     """x [..., K] @ w [N, K]^T (+ b) -> [..., N] in x's dtype, w and b kept in x's dtype or narrower (a bfloat16
     checkpoint's weights as stored under float32 arithmetic: checkpoint.load_target's `weights`). Widening a
     bfloat16 or float16 weight to float32 is exact, so every way below is the widened model's product, in float32:
-      a weight in x's dtype   F.linear as is.
+      a weight in x's dtype   F.linear as is; half precision on a CPU without its own kernels (SLOW_HALF), 2+ rows:
+                              this product over x widened, rounded back once.
       one row (decode)        the product as a multiply-sum over the kept weight (fused_product), each weight
                               widened as it is read: compiled code gets it as one loop that reads 2 bytes a weight,
                               where F.linear over a widened weight writes and reads a float32 copy first. Eager calls
@@ -188,6 +190,8 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     The multiply-sum adds the K terms in another order than F.linear's kernel, and a chunk's product may block them
     otherwise than a whole one: equal to float32 rounding."""
     if w.dtype == x.dtype:
+        if x.dtype in SLOW_HALF and x.numel() > x.shape[-1] and x.device.type == "cpu":
+            return kept_product(x.float(), w, b).to(x.dtype)        # (SLOW_HALF: the same arithmetic, widened)
         return F.linear(x, w, b)
     rows = x.numel() // x.shape[-1]
     if rows == 1 and x.dtype in (torch.float32, torch.float64):
@@ -210,6 +214,13 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     return F.linear(x, w.to(x.dtype), b)
 
 
+# Half-precision products of 2+ rows on a CPU whose torch kernels stop short of AVX-512 (an AVX2-only x86: no
+# bfloat16 or float16 products of its own; torch's fallback kernel runs 5-8x slower than float32's there): run
+# widened, x and w to float32, the float32 product, rounded back once. The same arithmetic as a half-precision
+# kernel's (each product of two such numbers is exact in float32, summed in float32, rounded once), the sum in
+# another order. One-row products stay native.
+SLOW_HALF = ((torch.bfloat16, torch.float16) if platform.machine().lower() in ("x86_64", "amd64")
+             and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2") else ())
 WIDEN_SLICE = 1 << 24       # kept weights widened for an eager many-row product at most this many elements at a time
 WIDEN_CHUNK = 1 << 18       # a few-row product over a kept weight widens this many elements (1 MB of float32) at a time
 FEW_ROWS = 64               # products of up to this many rows are few-row products

@@ -283,15 +283,14 @@ def test_every_acceptance_length_occurs(block):
 # compiled steps
 # --------------------------------------------------------------------------------------------------
 
-def test_compiled_steps_run_whole(tmp_path, monkeypatch):
+def test_compiled_steps_run_whole(monkeypatch):
     """Decode and an 8-token verify with 8 experts, top-2 (T * top_k = 16 > E: eager would loop) compile with
     fullgraph=True (a graph break is an error), do not recompile for another prompt, and give eager's tokens.
     The oracle proposer keeps the drafter out of the compile: its propose stays eager (tests/test_compile.py
     compiles drafters)."""
     import torch._dynamo
     import compiling
-    from helpers import OracleProposer
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from helpers import OracleProposer, fresh_inductor_cache
     torch._dynamo.reset()
     cfg = tiny_target_config(vocab_size=50, num_hidden_layers=1, layer_types=["full_attention"], **MOE)   # one layer: compiles fastest
     target = random_target(cfg, 11)
@@ -300,11 +299,12 @@ def test_compiled_steps_run_whole(tmp_path, monkeypatch):
     compile_step = compiling.compile_step
     monkeypatch.setattr(compiling, "compile_step",
                         lambda f, options, **kw: f if isinstance(f.__self__, OracleProposer) else compile_step(f, options, **kw))
-    for oracle in (None, OracleProposer({tuple(p): out for p, out in zip(prompts, ar)}, 50, 0, 8)):
-        compiled = engine.Engine(target, oracle, 8, 1, 128, compile_mode="default")
-        compiled.generate(prompts[0], 20)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            assert compiled.generate(prompts[1], 40).output_ids == ar[1]
+    with fresh_inductor_cache():
+        for oracle in (None, OracleProposer({tuple(p): out for p, out in zip(prompts, ar)}, 50, 0, 8)):
+            compiled = engine.Engine(target, oracle, 8, 1, 128, compile_mode="default")
+            compiled.generate(prompts[0], 20)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                assert compiled.generate(prompts[1], 40).output_ids == ar[1]
 
 
 # --------------------------------------------------------------------------------------------------
