@@ -32,7 +32,8 @@ HELDOUT = [15, 17]
 # The bound: 2 rounding steps of bfloat16 at the top logit's magnitude (eps 2^-7 times 2^floor(log2 |z|); 0.03125
 # for logits in [4, 8)). Two runs pick different tokens only where their roundings move the float32 top-2 margin m
 # across 0, so |m| is at most the larger of the two moves; over 8,192 positions of the held-out runs a bfloat16
-# forward moved m by at most 1.79 steps (median 0.29), while half the positions have margins above 21 steps.
+# forward moved m by at most 1.51 steps (median 0.29; AVX2 CPU, docs/measurements.md), while half the positions have
+# margins above 21 steps.
 BOUND = check.NEAR_TIE_STEPS
 assert BOUND == 2.0
 
