@@ -444,12 +444,13 @@ def inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
 
 def mrope_columns(mrope_section: list, n_freq: int) -> torch.Tensor:
     """Stream (0=T, 1=H, 2=W) each frequency column takes its angle from, in the interleaved layout THWTHW...
-    (docs/qwen35.md#gated-attention): H where i % 3 == 1 and i < 3*sec[1], W where i % 3 == 2 and i < 3*sec[2]."""
-    cols = torch.zeros(n_freq, dtype=torch.long)
+    (docs/qwen35.md#gated-attention): H where i % 3 == 1 and i < 3*sec[1], W where i % 3 == 2 and i < 3*sec[2].
+    Built on the CPU whatever the default device (the caller moves it)."""
+    cols = torch.zeros(n_freq, dtype=torch.long, device="cpu")
     for stream in (1, 2):
         end = min(3 * mrope_section[stream], n_freq)
         if end > stream:
-            cols[torch.arange(stream, end, 3)] = stream
+            cols[torch.arange(stream, end, 3, device="cpu")] = stream
     return cols
 
 
@@ -869,10 +870,8 @@ class Qwen35(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_buffers_(self) -> None:
-        """The RoPE tables, computed (not stored in checkpoints): again after a meta-device build. A build on the meta
-        device leaves them empty (a load calls this again; arithmetic there would import torch._dynamo, ~2 s)."""
-        if self.inv_freq.is_meta:
-            return
+        """The RoPE tables, computed (not stored in checkpoints): again after a meta-device build (which leaves
+        inv_freq empty: inv_freq)."""
         self.inv_freq = inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, self.inv_freq.device)
         self.mrope_cols = mrope_columns(self.cfg.mrope_section, self.cfg.rotary_dim // 2).to(self.mrope_cols.device)
 
