@@ -205,7 +205,8 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         return y if b is None else y + b.to(x.dtype)
     b = None if b is None else b.to(x.dtype)
     if rows <= FEW_ROWS and w.numel() > WIDEN_CHUNK and x.device.type == "cpu" and not torch.is_grad_enabled():
-        y = few_row_product(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+        product = few_row_product_op if torch.compiler.is_compiling() else few_row_product
+        y = product(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
     if w.numel() > WIDEN_SLICE and not torch.compiler.is_compiling():
         n = max(1, WIDEN_SLICE // w.shape[1])
@@ -226,12 +227,12 @@ WIDEN_CHUNK = 1 << 18       # a few-row product over a kept weight widens this m
 FEW_ROWS = 64               # products of up to this many rows are few-row products
 
 
-@torch.library.custom_op("dflash_fast::few_row_product", mutates_args=())
 def few_row_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype for a few rows M, w kept narrower: w widened WIDEN_CHUNK elements
     (whole output rows) at a time into float32, each chunk multiplied while it is in the cache, so memory sees
     w's own bytes once instead of a float32 copy written and read back (2-3x faster at the 2B shapes on a CPU,
-    docs/measurements.md). A custom op: compiled code calls it as it is, one op, not one node per chunk."""
+    docs/measurements.md). Compiled code calls it through few_row_product_op, as one op, not one node per chunk;
+    eager code calls it directly (a custom op's first eager call imports torch._dynamo: 1.5 s and more)."""
     n = max(1, WIDEN_CHUNK // w.shape[1])
     y = x.new_empty(x.shape[0], w.shape[0])
     for i in range(0, w.shape[0], n):
@@ -239,7 +240,13 @@ def few_row_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@few_row_product.register_fake
+@torch.library.custom_op("dflash_fast::few_row_product", mutates_args=())
+def few_row_product_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """few_row_product as one opaque op of a compiled graph."""
+    return few_row_product(x, w)
+
+
+@few_row_product_op.register_fake
 def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 

@@ -254,9 +254,11 @@ class AllReduce(nn.Module):
 
     def forward(self, *args):
         y = self.inner(*args)
-        if not torch.compiler.is_compiling():
-            self.comm.bytes += y.numel() * y.element_size()
-        return funcol.all_reduce(y, "sum", self.group)
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(y, "sum", self.group)      # traced: the compiled step holds the collective
+        self.comm.bytes += y.numel() * y.element_size()
+        dist.all_reduce(y, group=self.group)    # eager: the same sum, in place on the fresh partial sum (funcol's
+        return y                                # first eager call would import torch._dynamo: seconds per process)
 
 
 def shard_config(cfg, world: int):

@@ -19,7 +19,7 @@ import dflash
 import generate
 import options
 import model as M
-from helpers import edit_json, save_hf_causal_lm, save_zlab_drafter
+from helpers import HAS_EMBEDDED_PAIR, edit_json, in_own_process, save_hf_causal_lm, save_zlab_drafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [5, 17, 42, 8, 91, 23, 60, 3]
@@ -395,3 +395,22 @@ def test_chat_offline_with_a_template_file(capsys):
     assert text.startswith("<|im_start|>user\nHi")
     assert generate.cli(["--chat-template", "missing.jinja", "--prompt", "Hi"]) == 2
     assert "--chat-template missing.jinja: no such file" in capsys.readouterr().err
+
+
+def eager_run_imports() -> tuple:
+    """generate.py's command line in a fresh interpreter (helpers.in_own_process), eager, on the embedded pair with
+    plain few-row products over its bfloat16 weights (model.few_row_product) -> (its exit code, the compiler's
+    modules it imported)."""
+    import contextlib
+    import io
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = generate.cli(["--prompt", "def f():", "--max-new-tokens", "24", "--products", "plain", "--no-adaptive"])
+    return rc, sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+
+
+@pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
+def test_an_eager_run_never_imports_the_compiler():
+    """An eager run pays nothing for torch.compile: importing torch._dynamo costs 1.5 s and more per process (the
+    meta-device build that counts the model's bytes, a custom op called eagerly and functional collectives would
+    each import it)."""
+    assert in_own_process(eager_run_imports) == (0, [])

@@ -8,6 +8,7 @@
 - The refusals. (The command lines under torchrun: test_torchrun.py.)"""
 import datetime
 import re
+import sys
 
 import pytest
 import torch
@@ -361,6 +362,7 @@ def rank_main(rank: int, world: int, store: str) -> None:
         target, drafter = build("dense", world)         # a tree verify: GDN per node on each rank's heads
         tp.Parallel(rank, world, dist.group.WORLD, "cpu", shard_drafter=True).shard(target, engine.DrafterProposer(drafter, target))
         out["tree"] = tree_run(target, drafter)
+    out["compiler_imported"] = "torch._dynamo" in sys.modules       # every call so far was eager
     if world == 2:      # compile on each rank: the all-reduces traced into the compiled decode step
         target, _ = build("dense", world)
         tp.Parallel(rank, world, dist.group.WORLD, "cpu").shard(target, None)
@@ -416,6 +418,13 @@ def test_ranks_equal_one_process(ranks, name):
         H, L, size = target.cfg.hidden_size, target.cfg.num_hidden_layers, 8
         assert got["sent"] == [tp.allreduce_bytes(target.cfg, T, size) for T in (9, 6, 1, 1)] == \
                [2 * L * T * H * size for T in (9, 6, 1, 1)]
+
+
+def test_eager_ranks_never_import_the_compiler(ranks):
+    """Eager all-reduces go through torch.distributed itself: functional collectives' first eager call would import
+    torch._dynamo (1.5 s and more in each rank's process)."""
+    world, results = ranks
+    assert not any(r["compiler_imported"] for r in results)
 
 
 def test_every_rank_takes_rank_0s_decisions_and_seed(ranks):
