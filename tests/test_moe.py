@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint as ckpt
 import engine
 import model as M
-from helpers import edit_json, random_target, randomize_hf_norms_, tiny_target_config
+from helpers import Early, edit_json, random_target, randomize_hf_norms_, tiny_target_config
 from test_spec_equals_ar import check_spec_equals_ar
 
 TOL = 1e-4
@@ -283,28 +283,42 @@ def test_every_acceptance_length_occurs(block):
 # compiled steps
 # --------------------------------------------------------------------------------------------------
 
-def test_compiled_steps_run_whole(monkeypatch):
-    """Decode and an 8-token verify with 8 experts, top-2 (T * top_k = 16 > E: eager would loop) compile with
-    fullgraph=True (a graph break is an error), do not recompile for another prompt, and give eager's tokens.
-    The oracle proposer keeps the drafter out of the compile: its propose stays eager (tests/test_compile.py
-    compiles drafters)."""
+def compiled_steps() -> list:
+    """The work of the test below, in a process of its own (helpers.Early), with a fresh inductor cache: with no
+    proposer, then with the oracle, an Engine compiled with fullgraph=True generates for one prompt, then with
+    recompiles raising for another -> per proposer (that second run's tokens, AR's eager tokens for it)."""
     import torch._dynamo
     import compiling
     from helpers import OracleProposer, fresh_inductor_cache
-    torch._dynamo.reset()
     cfg = tiny_target_config(vocab_size=50, num_hidden_layers=1, layer_types=["full_attention"], **MOE)   # one layer: compiles fastest
     target = random_target(cfg, 11)
     prompts = [list(range(3, 40)), [7, 1, 30, 2, 9] * 5]
     ar = [engine.run(target, p, 40).output_ids for p in prompts]
-    compile_step = compiling.compile_step
-    monkeypatch.setattr(compiling, "compile_step",
-                        lambda f, options, **kw: f if isinstance(f.__self__, OracleProposer) else compile_step(f, options, **kw))
+    compile_step = compiling.compile_step          # (this process's own: the oracle's propose stays eager)
+    compiling.compile_step = lambda f, options, **kw: f if isinstance(f.__self__, OracleProposer) else compile_step(f, options, **kw)
+    runs = []
     with fresh_inductor_cache():
         for oracle in (None, OracleProposer({tuple(p): out for p, out in zip(prompts, ar)}, 50, 0, 8)):
             compiled = engine.Engine(target, oracle, 8, 1, 128, compile_mode="default")
             compiled.generate(prompts[0], 20)
             with torch._dynamo.config.patch(error_on_recompile=True):
-                assert compiled.generate(prompts[1], 40).output_ids == ar[1]
+                runs.append((compiled.generate(prompts[1], 40).output_ids, ar[1]))
+    return runs
+
+
+# started with the suite, in a process of its own
+COMPILED_STEPS = Early(compiled_steps, process=True, used_by=["test_compiled_steps_run_whole"])
+
+
+def test_compiled_steps_run_whole():
+    """Decode and an 8-token verify with 8 experts, top-2 (T * top_k = 16 > E: eager would loop) compile with
+    fullgraph=True (a graph break is an error), do not recompile for another prompt (a recompile raises), and give
+    eager's tokens, with no proposer and with the oracle. The oracle proposer keeps the drafter out of the compile:
+    its propose stays eager (tests/test_compile.py compiles drafters)."""
+    runs = COMPILED_STEPS.result()
+    assert len(runs) == 2
+    for got, want in runs:
+        assert got == want
 
 
 # --------------------------------------------------------------------------------------------------
