@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers import Early
 from speed import packed
 
 pytestmark = pytest.mark.skipif(not packed.KINDS, reason="this torch build has neither MKL's nor oneDNN's packed linear")
@@ -232,56 +233,86 @@ def test_swap_refuses_what_it_cannot_serve(case, kind, monkeypatch):
         packed.PackedLinear.sharing(nn.Linear(4, 4), "blas")
 
 
-@pytest.mark.parametrize("kind, cpp_wrapper", [("mkl", True), ("mkl", False), ("onednn", True)])
-def test_compiled_products_call_the_kernels_directly(kind, cpp_wrapper, tmp_path, monkeypatch):
+COMPILED_KINDS = [("mkl", True), ("mkl", False), ("onednn", True)]      # (kind, the C++ wrapper?)
+
+
+def compiled_products() -> dict:
+    """The work of the test below, in a process of its own (helpers.Early), for each (kind, cpp_wrapper) of
+    COMPILED_KINDS whose kernel this torch has, as in a fresh process (the lowering not registered yet, no graph
+    compiled before it, recompiled for each input): a small model of PackedLinears compiled over 2-D, 3-D, 4-D and
+    non-contiguous rows -> per input (the generated code, whether a packed copy serves those rows, the compiled
+    result, the float64 reference); whether lowering again is idempotent; after a weight edit and refresh_, how many
+    copies were refreshed and the compiled result beside the reference."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.utils import run_and_get_code
+    from helpers import fresh_inductor_cache
+    out = {}
+    for kind, cpp_wrapper in COMPILED_KINDS:
+        if not packed.AVAILABLE[kind]:
+            continue
+        packed._LOWERED = False                                        # not registered yet
+        lowerings.pop(torch.ops.dflash_fast.packed_linear.default, None)
+        m = nn.Sequential(random_linear(48, 200, True), nn.ReLU(), random_linear(200, 32, False, seed=4))
+        assert packed.swap_linears_(m, kind, 16) > 0
+        with_bias, no_bias = m[0], m[2]
+
+        def f(x):
+            return no_bias(torch.relu(with_bias(x)) * 2.0)
+
+        def ref(x):
+            x64 = x.double()
+            return F.linear(torch.relu(reference(with_bias, x64)) * 2.0, no_bias.weight.double())
+
+        g = torch.Generator().manual_seed(5)
+        inputs = [torch.randn(16, 48, generator=g), torch.randn(1, 15, 48, generator=g),
+                  torch.randn(2, 2, 4, 48, generator=g), torch.randn(1, 48, 16, generator=g).transpose(1, 2)]
+        rows = []
+        with fresh_inductor_cache():                                   # no graph compiled before the lowering
+            for x in inputs:
+                torch._dynamo.reset()
+                compiled = torch.compile(f, fullgraph=True, dynamic=False)
+                with torch.inference_mode(), inductor_config.patch(cpp_wrapper=cpp_wrapper, fx_graph_cache=False):
+                    got, code = run_and_get_code(compiled, x)
+                rows.append(("\n".join(code), packed.applies(kind, x.numel() // 48, 16), got, ref(x)))
+            idempotent = packed.lower_linear_op() and packed.lower_linear_op()
+            with torch.no_grad():
+                no_bias.weight.mul_(-1.0)
+            refreshed = packed.refresh_(m)
+            with torch.inference_mode():
+                after = (compiled(inputs[-1]), ref(inputs[-1]))
+        out[kind, cpp_wrapper] = dict(rows=rows, idempotent=idempotent, refreshed=refreshed, after=after)
+    return out
+
+
+# started with the suite, in a process of its own
+COMPILED_PRODUCTS = Early(compiled_products, process=True, used_by=["test_compiled_products_call_the_kernels_directly"])
+
+
+@pytest.mark.parametrize("kind, cpp_wrapper", COMPILED_KINDS)
+def test_compiled_products_call_the_kernels_directly(kind, cpp_wrapper):
     """Compiled code over PackedLinears calls the MKL or oneDNN kernel itself (packed.lower_linear_op, registered
     by the first trace: nothing calls it here), never the custom op through the dispatcher, for 2-D, 3-D, 4-D and
     non-contiguous rows, with and without bias; rows a copy does not serve (MKL's: 15 of a copy for 16) are
     F.linear's; the results are F.linear's up to float32 rounding, and refresh_ reaches the compiled code."""
     if not packed.AVAILABLE[kind]:
         pytest.skip(f"no {kind} packed linear in this torch")
-    import torch._inductor.config as inductor_config
-    from torch._inductor.lowering import lowerings
-    from torch._inductor.utils import run_and_get_code
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # no graph compiled before the lowering
-    monkeypatch.setattr(packed, "_LOWERED", False)                  # as in a fresh process: not registered yet
-    monkeypatch.delitem(lowerings, torch.ops.dflash_fast.packed_linear.default, raising=False)
-    m = nn.Sequential(random_linear(48, 200, True), nn.ReLU(), random_linear(200, 32, False, seed=4))
-    assert packed.swap_linears_(m, kind, 16) > 0
-    with_bias, no_bias = m[0], m[2]
+    r = COMPILED_PRODUCTS.result()[kind, cpp_wrapper]
     kernel = r"_mkl_linear(\.default)?\(" if kind == "mkl" else r"_linear_pointwise(\.default)?\("
-
-    def f(x):
-        return no_bias(torch.relu(with_bias(x)) * 2.0)
-
-    def ref(x):
-        x64 = x.double()
-        return F.linear(torch.relu(reference(with_bias, x64)) * 2.0, no_bias.weight.double())
 
     def close(got, want):
         assert got.shape == want.shape
         assert (got.double() - want).abs().max() < 1e-3 * want.abs().max()
 
-    g = torch.Generator().manual_seed(5)
-    inputs = [torch.randn(16, 48, generator=g), torch.randn(1, 15, 48, generator=g),
-              torch.randn(2, 2, 4, 48, generator=g), torch.randn(1, 48, 16, generator=g).transpose(1, 2)]
-    for x in inputs:
-        torch._dynamo.reset()
-        compiled = torch.compile(f, fullgraph=True, dynamic=False)
-        with torch.inference_mode(), inductor_config.patch(cpp_wrapper=cpp_wrapper, fx_graph_cache=False):
-            got, code = run_and_get_code(compiled, x)
-        text = "\n".join(code)
-        served = packed.applies(kind, x.numel() // 48, 16)
+    assert len(r["rows"]) == 4
+    for text, served, got, want in r["rows"]:
         assert bool(re.search(kernel, text)) == served                        # the kernel called directly,
         assert 'call_dispatcher("dflash_fast' not in text                      # not the custom op (C++ wrapper)
         assert not re.search(r"dflash_fast\.\w+\.default\(", text)             # (Python wrapper)
-        close(got, ref(x))
-    assert packed.lower_linear_op() and packed.lower_linear_op()                # idempotent
-    with torch.no_grad():
-        no_bias.weight.mul_(-1.0)
-    assert packed.refresh_(m) > 0
-    with torch.inference_mode():
-        close(compiled(inputs[-1]), ref(inputs[-1]))                           # the refreshed copy is used
+        close(got, want)
+    assert r["idempotent"]
+    assert r["refreshed"] > 0
+    close(*r["after"])                                                         # the refreshed copy is used
 
 
 def test_swapped_target_logits_equal_unswapped(kind, spy):
