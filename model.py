@@ -166,7 +166,7 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, opaque: bool = False) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T (+ b) -> [..., N] in x's dtype, w and b kept in x's dtype or narrower (a bfloat16
     checkpoint's weights as stored under float32 arithmetic: checkpoint.load_target's `weights`). Widening a
     bfloat16 or float16 weight to float32 is exact, so every way below is the widened model's product, in float32:
@@ -188,7 +188,9 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                               rows at a time, so the float32 copy alive at once stays near WIDEN_SLICE x 4 bytes,
                               not 4 GB (each output is the same K-term product).
     The multiply-sum adds the K terms in another order than F.linear's kernel, and a chunk's product may block them
-    otherwise than a whole one: equal to float32 rounding."""
+    otherwise than a whole one: equal to float32 rounding. opaque: a few-row product goes through its custom op
+    (few_row_product_op) outside compiled code too, as a compiled step calls it, dispatch and all (about 50 us a
+    call on a CPU): speed/packed.measure times plain products so."""
     if w.dtype == x.dtype:
         if x.dtype in SLOW_HALF and x.numel() > x.shape[-1] and x.device.type == "cpu":
             return kept_product(x.float(), w, b).to(x.dtype)        # (SLOW_HALF: the same arithmetic, widened)
@@ -205,7 +207,7 @@ def kept_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         return y if b is None else y + b.to(x.dtype)
     b = None if b is None else b.to(x.dtype)
     if rows <= FEW_ROWS and w.numel() > WIDEN_CHUNK and x.device.type == "cpu" and not torch.is_grad_enabled():
-        product = few_row_product_op if torch.compiler.is_compiling() else few_row_product
+        product = few_row_product_op if opaque or torch.compiler.is_compiling() else few_row_product
         y = product(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
     if w.numel() > WIDEN_SLICE and not torch.compiler.is_compiling():

@@ -60,10 +60,11 @@ KINDS = tuple(k for k, ok in AVAILABLE.items() if ok)
 FEW_ROWS = M.FEW_ROWS      # the products of 2..FEW_ROWS rows are few-row products; longer prefills stay F.linear
 PACK_ROWS = 16           # the default row count weights are packed for (the verify block)
 MARGIN = 0.1             # `choose` wants a packed kind at least this much faster than plain: near a tie, plain
-KEPT_MARGIN = 0.0        # the same where weights are kept narrower (NARROW): `measure` times eager passes, and
-#                          compiled steps over kept weights gain more from the packed float32 copies than those show
-#                          (an AVX2 EPYC: oneDNN's pass 0.91x plain's, its rounds 1.5-1.8x faster end to end:
-#                          docs/measurements.md#packed-products-by-cpu), so there any packed kind that is not slower wins
+KEPT_MARGIN = -0.15      # the same where weights are kept narrower (NARROW): `measure` times eager passes, and
+#                          compiled steps over kept weights gain far more from the packed float32 copies than those
+#                          show (an AVX2 EPYC: oneDNN's pass 0.91-1.12x plain's from run to run, its compiled verify
+#                          1.2-2.2x and draft 1.5-3x faster: docs/measurements.md#packed-products-by-cpu), so there
+#                          a packed kind wins unless its pass is more than 15% slower than plain's
 NARROW = (torch.bfloat16, torch.float16)   # weights kept narrower than float32 arithmetic (model.kept_product):
 #                                            packed as widened float32 copies, by the kinds in KEPT_KINDS only
 KEPT_KINDS = ("onednn", "mkl")   # mkl keeps a widened float32 weight beside its packed copy (two copies)
@@ -539,8 +540,9 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
     that inverts the verdict. One warm-up pass per kind, then `trials` rounds of the kinds in turn (so all see the
     same moments of a noisy machine), each timing passes for about `batch_seconds`; the median round. Random rows,
     the layers' own weights (copies packed for the measurement, dropped afterwards). Where weights are kept narrower
-    than the float32 arithmetic, plain is model.kept_product (each weight widened at the call), and the kinds timed are
-    those `_weighed` admits.
+    than the float32 arithmetic, plain is model.kept_product (each weight widened at the call, a product over a large
+    weight through the custom op compiled steps call, `opaque`: eager calls skip its dispatch, about 50 us a call),
+    and the kinds timed are those `_weighed` admits.
     -> {kind: seconds}, all 0 when nothing is swappable."""
     lins = _pass_layers(_linears(modules))
     kinds = ["plain"] + _weighed(modules, rows)
@@ -553,7 +555,7 @@ def measure(modules, rows: int, trials: int = 9, batch_seconds: float = 2e-3) ->
     def one_pass(kind):
         if kind == "plain":
             for lin, x in zip(lins, xs):
-                M.kept_product(x, lin.weight, lin.bias)
+                M.kept_product(x, lin.weight, lin.bias, opaque=True)        # as a compiled step calls it
         else:
             for lin, x, copy, w in zip(lins, xs, copies[kind], wides[kind]):
                 linear(x, copy, lin.weight if w is None else w, _wide(lin.bias), kind, rows)

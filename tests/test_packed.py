@@ -429,12 +429,30 @@ def test_measure_bounds_the_weights_a_pass_packs(monkeypatch):
     assert packed._pass_layers(packed._linears([m])) == [*shape_a, last]
 
 
-def test_kept_weights_take_a_packed_kind_that_is_not_slower(monkeypatch, tmp_path):
-    """Where weights are kept narrower than the arithmetic, choose takes the fastest packed kind as soon as it is not
-    slower than plain (KEPT_MARGIN), where float32 weights want MARGIN; a cached measurement is judged by that rule
-    too (a verdict cached by the old rule does not stick)."""
+def test_measure_times_plain_products_as_compiled_steps_call_them(monkeypatch):
+    """Over a kept weight large enough for model.few_row_product, measure's plain pass calls it through its custom op
+    (few_row_product_op), as a compiled step does, dispatch included; an eager product calls it directly."""
+    import model as M
+    calls = []
+    real = M.few_row_product_op
+    monkeypatch.setattr(M, "few_row_product_op", lambda x, w: calls.append(1) or real(x, w))
+    kept = random_linear(256, M.WIDEN_CHUNK // 256 + 8, False, dtype=torch.bfloat16)
+    kept.dtype = torch.float32                          # the arithmetic (a model's `dtype`, as model.Qwen35's)
+    packed.measure([kept], rows=4, trials=1, batch_seconds=0)
+    assert calls
+    n = len(calls)
+    y = M.kept_product(torch.randn(4, 256), kept.weight)
+    assert len(calls) == n and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("near", [1.0 - packed.MARGIN / 2, 1.0 - packed.KEPT_MARGIN / 2])
+def test_kept_weights_take_a_packed_kind_unless_clearly_slower(monkeypatch, tmp_path, near):
+    """Where weights are kept narrower than the arithmetic, choose takes the fastest packed kind unless its eager pass
+    is more than -KEPT_MARGIN slower than plain's, where float32 weights want a packed kind MARGIN faster; a cached
+    measurement is judged by that rule too (a verdict cached by an older rule does not stick). near: a kind faster
+    than plain within MARGIN, and one slower within -KEPT_MARGIN."""
+    assert packed.KEPT_MARGIN < 0
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    near = 1.0 - packed.MARGIN / 2                      # faster than plain, within the margin
     monkeypatch.setattr(packed, "measure", lambda modules, rows: {"plain": 1.0, **dict.fromkeys(packed.KINDS, near)})
     wide, kept = random_linear(32, 48, False), random_linear(32, 48, False, dtype=torch.bfloat16)
     kept.dtype = torch.float32                          # the arithmetic (a model's `dtype`, as model.Qwen35's)
@@ -450,6 +468,8 @@ def test_kept_weights_take_a_packed_kind_that_is_not_slower(monkeypatch, tmp_pat
     with open(packed.cache_path(), "w") as f:
         json.dump(saved, f)
     assert packed.choose([kept], 16)[:3:2] == (kind, True)
+    slow = 1.0 - packed.KEPT_MARGIN + 0.01              # clearly slower: plain
+    assert packed.verdict(dict.fromkeys(packed.KINDS, slow), narrow=True) == "plain"
 
 
 def test_choose_wants_a_margin_and_caches_its_verdict(monkeypatch, tmp_path):
