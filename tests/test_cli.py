@@ -412,5 +412,6 @@ def eager_run_imports() -> tuple:
 def test_an_eager_run_never_imports_the_compiler():
     """An eager run pays nothing for torch.compile: importing torch._dynamo costs 1.5 s and more per process (the
     meta-device build that counts the model's bytes, a custom op called eagerly and functional collectives would
-    each import it)."""
+    each import it). (With `--products auto`, the first run on a machine times plain products through their custom
+    op once, as compiled steps call them: speed/packed.measure; later runs read its cached verdict.)"""
     assert in_own_process(eager_run_imports) == (0, [])
