@@ -75,7 +75,7 @@ def in_own_process(fn):
     the suite's hypothesis profile, in force before fn's module is imported and its @settings are made), -> its
     value (or its exception raised again here). The process is forked from multiprocessing's fork server, a fresh
     single-threaded interpreter that has imported conftest.py (torch, pytest, hypothesis) and nothing else: each job
-    starts from that state instead of paying the imports again (about 2.5 s a process), and nothing of this
+    starts from that state instead of paying the imports again (about 3 s a process here), and nothing of this
     process's (its threads, compiled graphs, registered lowerings) reaches it. The process is a daemon: a session
     that ends before it does (a failure under -x) ends it instead of waiting for it."""
     import multiprocessing
