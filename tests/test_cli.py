@@ -19,7 +19,7 @@ import dflash
 import generate
 import options
 import model as M
-from helpers import HAS_EMBEDDED_PAIR, edit_json, in_own_process, save_hf_causal_lm, save_zlab_drafter
+from helpers import HAS_EMBEDDED_PAIR, Early, edit_json, save_hf_causal_lm, save_zlab_drafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [5, 17, 42, 8, 91, 23, 60, 3]
@@ -397,15 +397,21 @@ def test_chat_offline_with_a_template_file(capsys):
     assert "--chat-template missing.jinja: no such file" in capsys.readouterr().err
 
 
-def eager_run_imports() -> tuple:
-    """generate.py's command line in a fresh interpreter (helpers.in_own_process), eager, on the embedded pair with
-    plain few-row products over its bfloat16 weights (model.few_row_product) -> (its exit code, the compiler's
-    modules it imported)."""
+def eager_run_imports() -> tuple | None:
+    """The work of the test below, in a process of its own (helpers.Early): generate.py's command line, eager, on
+    the embedded pair with plain few-row products over its bfloat16 weights (model.few_row_product) -> (its exit
+    code, the compiler's modules it imported)."""
     import contextlib
     import io
+    if not HAS_EMBEDDED_PAIR:
+        return None
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = generate.cli(["--prompt", "def f():", "--max-new-tokens", "24", "--products", "plain", "--no-adaptive"])
     return rc, sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+
+
+# started with the suite, in a process of its own
+EAGER_IMPORTS = Early(eager_run_imports, process=True, used_by=["test_an_eager_run_never_imports_the_compiler"])
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -414,4 +420,4 @@ def test_an_eager_run_never_imports_the_compiler():
     meta-device build that counts the model's bytes, a custom op called eagerly and functional collectives would
     each import it). (With `--products auto`, the first run on a machine times plain products through their custom
     op once, as compiled steps call them: speed/packed.measure; later runs read its cached verdict.)"""
-    assert in_own_process(eager_run_imports) == (0, [])
+    assert EAGER_IMPORTS.result() == (0, [])
