@@ -37,6 +37,7 @@ the drafter's context fed (engine.Pending), so a round can follow any step. Why:
     Policy     the decisions: speculate() -> 0 (a plain step) or k, shadow() -> 0 or the block of a shadow draft;
                admit / observe_round / observe_plain / observe_shadow; its per-run counts of rounds, plain steps,
                shadow drafts and switches by reason (`counts`)
+    Scripted   the protocol an Engine calls a policy by, every observation ignored (a base for scripted policies)
     Alternate  a cycle through every step kind (Engine.warm_up: compiles them all, then times them: `medians`)
     PerRun     a fresh policy for every run (a benchmark's single requests, each as its own generate.py run)
 """
@@ -352,7 +353,33 @@ class Policy:
         self.ahead = 0
 
 
-class Alternate:
+class Scripted:
+    """The protocol an Engine calls its policy by, each observation ignored: a policy whose steps follow a script of
+    its own, not what it observes. A subclass gives `blocks` (the verify blocks it may take, longest first) and
+    speculate() (0 or the block of a round), and overrides the observations it reads. Optional, looked up by the
+    Engine: shadow() and observe_shadow() (shadow drafts), calibrate() (the cached step costs), counts."""
+    blocks: tuple = ()
+
+    def reset(self) -> None:
+        """A run starts."""
+
+    def speculate(self) -> int:
+        raise NotImplementedError
+
+    def admit(self, b: int) -> None:
+        """A request admitted into slot b."""
+
+    def leave(self, b: int) -> None:
+        """Slot b's request finished."""
+
+    def observe_round(self, committed: list, k: int, seconds: float) -> None:
+        """A round of k took `seconds`; committed[b]: the tokens slot b committed (None: a free slot)."""
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain step took `seconds`."""
+
+
+class Alternate(Scripted):
     """A plain step and a round of each block in `blocks`, in turn: a warm-up that compiles every step kind a Policy
     may take, and times them (medians: {k: seconds}, 0 a plain step; the first plain step after a round is no plain
     step's sample, as in Policy, and charges nothing: the rounds here mostly follow rounds)."""
@@ -365,12 +392,6 @@ class Alternate:
 
     def reset(self) -> None:
         self.steps = 0
-
-    def admit(self, b: int) -> None:
-        pass
-
-    def leave(self, b: int) -> None:
-        pass
 
     def speculate(self) -> int:
         self.steps += 1

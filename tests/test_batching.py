@@ -12,7 +12,7 @@ import engine
 from engine import Sampling
 import mtp
 from helpers import Early, OracleProposer, property_cases, raise_case, kind_draft_config, random_drafter, random_target, randomize_, tiny_target_config
-from policy import Alternate
+from policy import Alternate, Scripted
 from test_spec_equals_ar import first_divergence_is_near_tie, target_configs
 
 pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one thread (conftest.py)
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")      # tiny eager models: one
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20)
 
 
-class Pattern:
-    """A stand-in policy (the protocol: policy.Policy's) that cycles through a fixed pattern of rounds (True: the
+class Pattern(Scripted):
+    """A stand-in policy (policy.Scripted) that cycles through a fixed pattern of rounds (True: the
     whole block; k: a round that verifies min(k, block) tokens) and plain steps (False)."""
 
     def __init__(self, pattern, block):
@@ -31,24 +31,9 @@ class Pattern:
     def k(self, x) -> int:
         return self.block if x is True else min(int(x), self.block)
 
-    def reset(self):
-        pass
-
     def speculate(self):
         self.i += 1
         return self.k(self.pattern[(self.i - 1) % len(self.pattern)])
-
-    def observe_round(self, committed, k, seconds):
-        pass
-
-    def observe_plain(self, seconds):
-        pass
-
-    def admit(self, b):
-        pass
-
-    def leave(self, b):
-        pass
 
 
 class RandomPattern(Pattern):

@@ -13,6 +13,7 @@ import compiling
 from speed import cppwrapper
 import dflash
 import engine
+import policy
 from helpers import HAS_EMBEDDED_PAIR, ROOT, Early, embedded_pair, fresh_inductor_cache
 
 
@@ -80,7 +81,7 @@ def test_each_distinct_layer_compiles_once():
     assert got == eager == kept_eager
 
 
-class Cycle:
+class Cycle(policy.Scripted):
     """A policy stand-in: the steps of `kinds` in turn (0: a plain step, k: a round verifying k), every plain step feeding
     the drafter's context."""
 
@@ -93,18 +94,6 @@ class Cycle:
     def speculate(self) -> int:
         self.i += 1
         return self.kinds[(self.i - 1) % len(self.kinds)]
-
-    def observe_round(self, committed, k, seconds):
-        pass
-
-    def observe_plain(self, seconds):
-        pass
-
-    def admit(self, b):
-        pass
-
-    def leave(self, b):
-        pass
 
 
 def compiled_sampling() -> dict:

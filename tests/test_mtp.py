@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import dflash
 import engine
+import policy
 import model as M
 import mtp
 from helpers import OracleProposer, randomize_, random_target, tiny_target_config
@@ -71,30 +72,15 @@ class OracleMTP(OracleProposer):
         return super().propose(last, start, feats, feat_pos, n, next_ids, rows, temperature)
 
 
-class Coin:
+class Coin(policy.Scripted):
     """A policy stand-in: a round of a random verify block (1 .. block) or a plain step by a seeded coin, every plain
     step feeding the head's context."""
 
     def __init__(self, seed: int, block: int):
         self.rng, self.block, self.blocks = random.Random(seed), block, tuple(range(block, 0, -1))
 
-    def reset(self):
-        pass
-
     def speculate(self) -> int:
         return self.rng.randint(1, self.block) if self.rng.random() < 0.6 else 0
-
-    def observe_round(self, committed, k, seconds):
-        pass
-
-    def observe_plain(self, seconds):
-        pass
-
-    def admit(self, b):
-        pass
-
-    def leave(self, b):
-        pass
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -233,7 +233,7 @@ def test_policy_plain_steps_and_rounds_are_both_exact(slots):
     assert {"plain", "verify"} <= {k for got in res for k in got.step_kinds}
 
 
-class Scripted:
+class Shadowing(policy.Scripted):
     """A policy for the Engine that takes plain steps, asks for a shadow draft of k at every hand-over of the drafter's
     context (recording the row's position then), and takes one round of k when the row stands at position `round_at`
     (recording what it committed)."""
@@ -256,10 +256,6 @@ class Scripted:
     def observe_round(self, committed, k, seconds):
         self.rounds.append(committed[0])
 
-    def reset(self): pass
-    def admit(self, b): pass
-    def leave(self, b): pass
-    def observe_plain(self, seconds): pass
 
 
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
@@ -272,13 +268,13 @@ def test_a_shadow_draft_is_judged_as_a_round_there_would_commit(sampled):
     target, drafter, p1, _ = embedded_pair()
     req = engine.Request(p1, 60, (), sampling.Sampling(0.3) if sampled else sampling.Sampling(), 11 if sampled else None)
     eng = engine.Engine(target, engine.DrafterProposer(drafter, target), 16, 1, 200)
-    eng.policy = shadowed = Scripted(eng, 8)
+    eng.policy = shadowed = Shadowing(eng, 8)
     got = eng.run([req])[0]
     ar = engine.Engine(target, None, 1, 1, 200).run([req])[0]
     assert got.output_ids == ar.output_ids and set(got.step_kinds) == {"plain"}
     assert len(shadowed.judged) >= 3 and max(c for _, c in shadowed.judged) > 1       # (some proposals accepted)
     for at, (k, committed) in zip(shadowed.shadows, shadowed.judged):
-        eng.policy = one = Scripted(eng, 8, round_at=at)
+        eng.policy = one = Shadowing(eng, 8, round_at=at)
         eng.run([req])
         if k == 8:
             assert one.rounds[0] == committed, (at, one.rounds, committed)
