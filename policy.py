@@ -201,6 +201,12 @@ class Policy:
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first
         if self.blocks[-1] < 1 or self.blocks[0] > block:
             raise GenerationError(f"policy blocks {self.blocks} must lie in 1..{block}")
+        for name, value, ok, rule in (("keep", keep, 0 <= keep <= 1, "in 0..1"), ("budget", budget, budget > 0, "> 0"),
+                                      ("prior_p", prior_p, 0 < prior_p <= 1, "in (0, 1]"),
+                                      ("prior_weight", prior_weight, prior_weight >= 0, ">= 0"),
+                                      ("prior_floor", prior_floor, prior_floor >= 0, ">= 0"), ("window", window, window >= 1, ">= 1")):
+            if not ok:
+                raise GenerationError(f"policy setting {name} must be {rule}, got {value}")
         self.params, self.budget = (keep, prior_p, prior_weight, prior_floor), budget
         self.window = window
         self.calibrate(calibration)

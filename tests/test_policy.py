@@ -444,3 +444,20 @@ def test_policy_sim_reads_each_blocks_own_acceptance():
     del worse["s"][0]["A"]["16"]          # (the policy of one slot rounds the whole block: policy.engine_blocks)
     with pytest.raises(ValueError, match=r"verify blocks \[16\]"):
         policy_sim.replay(worse, costs, {})
+
+
+@pytest.mark.parametrize("setting, value", [("budget", 0.0), ("budget", -0.1), ("keep", 1.5), ("keep", -0.1),
+                                            ("prior_p", 0.0), ("prior_weight", -1.0), ("window", 0)])
+def test_a_setting_out_of_range_is_refused_in_one_line(setting, value, capsys):
+    """A Policy setting outside its range is refused by name (a budget of 0 divided by zero at the first plain step
+    before: the aging's rate over the probe's loss); tools/policy_sim.py says so in one line and exits 2."""
+    with pytest.raises(dflash.GenerationError, match=setting):
+        Policy(**{setting: value})
+    from tools import policy_sim
+    flag = {"budget": "--budget", "keep": "--keep", "prior_weight": "--prior-weight"}.get(setting)
+    if flag:
+        with pytest.raises(SystemExit) as e:
+            policy_sim.main(["replay", "maps.json", flag, str(value)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert setting in err[-1] and "Traceback" not in "".join(err)

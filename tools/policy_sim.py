@@ -38,7 +38,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import policy as policy_module   # noqa: E402
-from policy import Policy   # noqa: E402
+from policy import GenerationError, Policy   # noqa: E402
 
 DRAWN_COSTS = "{0: 1.0, 16: 3.0, 8: 2.1, 4: 1.8, 2: 1.6}"
 
@@ -215,6 +215,10 @@ def main(argv=None) -> None:
         p.error(f"--costs {args.costs!r} is not a dict such as {DRAWN_COSTS}")
     if args.mode == "drawn" and "ar" in costs:
         p.error("--costs: 'ar' applies to replay only (drawn acceptance's AR step costs a plain step, the key 0)")
+    try:
+        one_slot_policy(16, None, params)
+    except GenerationError as e:
+        p.error(str(e))
     if args.mode == "maps":
         import options
         args.target, args.draft = args.target or options.DEFAULT_TARGET, args.draft or options.DEFAULT_DRAFT
