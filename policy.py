@@ -195,7 +195,7 @@ class Policy:
     the step timings are kept (they depend on N, which an Engine fixes)."""
 
     def __init__(self, block: int = 16, blocks: tuple | None = None, calibration: dict | None = None,
-                 keep: float = 0.3, budget: float = 0.1, prior_p: float = 0.9, prior_weight: float = 2.0,
+                 keep: float = 0.9, budget: float = 0.1, prior_p: float = 0.9, prior_weight: float = 2.0,
                  prior_floor: float = 0.5,
                  window: int = 8):
         self.blocks = tuple(sorted(set(blocks or verify_blocks(block)), reverse=True))     # longest first

@@ -69,8 +69,7 @@ def test_policy_turns_to_plain_steps_when_acceptance_falls_and_probes_as_evidenc
     assert p.counts["to_plain_costs"] == 0
     gaps = [len(g) for g in hard.strip("R").split("R") if g]
     assert gaps[1] < gaps[2] < gaps[3]     # each losing probe (a round of 2 for 1 token: 1 plain step lost) halves
-    assert min(gaps[3:-1]) >= 40           # the budget; at budget / 8 the evidence (about 1.4 rounds' weight at keep
-    #                                        0.3) ages to the prior's in about 45 plain steps: a probe's lost step in 40
+    assert min(gaps[3:-1]) >= 50           # the budget; at budget / 8 the weight falls by e every 80 plain steps
     assert p.rate == p.budget / 8
     easy = drive(p, 200, round_s=CALIBRATED.get, tokens=12)
     assert easy.find("R") <= max(gaps) and easy.count("R") > 150 and p.rate == p.budget
@@ -108,8 +107,7 @@ def test_a_plain_decision_plans_the_plain_steps_after_it(monkeypatch):
     drive(p, 300, round_s=CALIBRATED.get, tokens=1)                 # rounds lose: long runs of plain steps
     decided = decisions(p)
     steps = drive(p, 170, round_s=CALIBRATED.get, tokens=1)
-    # about one decision per PLAN plain steps, and two per probe (its round, and the plain step that starts a plan)
-    assert steps.count(".") >= 160 and sum(decided) <= 170 // planning + 2 * steps.count("R"), (steps, sum(decided))
+    assert steps.count(".") >= 160 and sum(decided) <= 170 // planning + 4, (steps, sum(decided))
     while p.ahead == 0:                                              # into the middle of a plan
         drive(p, 1, round_s=CALIBRATED.get, tokens=1)
     p.admit(1)                                                       # a new request: its prior pays a round
