@@ -257,7 +257,6 @@ class Shadowing(policy.Scripted):
         self.rounds.append(committed[0])
 
 
-
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_shadow_draft_is_judged_as_a_round_there_would_commit(sampled):
