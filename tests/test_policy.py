@@ -446,14 +446,15 @@ def test_policy_sim_reads_each_blocks_own_acceptance():
 
 
 @pytest.mark.parametrize("setting, value", [("budget", 0.0), ("budget", -0.1), ("keep", 1.5), ("keep", -0.1),
-                                            ("prior_p", 0.0), ("prior_weight", -1.0), ("window", 0)])
+                                            ("prior_p", 0.0), ("prior_weight", -1.0), ("prior_floor", -0.5),
+                                            ("window", 0)])
 def test_a_setting_out_of_range_is_refused_in_one_line(setting, value, capsys):
     """A Policy setting outside its range is refused by name (a budget of 0 divided by zero at the first plain step
     before: the aging's rate over the probe's loss); tools/policy_sim.py says so in one line and exits 2."""
     with pytest.raises(dflash.GenerationError, match=setting):
         Policy(**{setting: value})
     from tools import policy_sim
-    flag = {"budget": "--budget", "keep": "--keep", "prior_weight": "--prior-weight"}.get(setting)
+    flag = {"budget": "--budget", "keep": "--keep", "prior_weight": "--prior-weight", "prior_floor": "--prior-floor"}.get(setting)
     if flag:
         with pytest.raises(SystemExit) as e:
             policy_sim.main(["replay", "maps.json", flag, str(value)])

@@ -5,7 +5,7 @@ seconds (docs/method.md#adaptive-speculation).
     python tools/policy_sim.py                                  # drawn acceptance; a round of 16: 3 plain steps
     python tools/policy_sim.py --costs "{0: 1, 16: 5, 8: 3.5, 4: 2.7, 2: 2.2}"     # rounds dear (many rows, a slow CPU)
     python tools/policy_sim.py maps MAPS.json --heldout 16      # the embedded pair's acceptance maps, every prompt set
-    python tools/policy_sim.py replay MAPS.json --costs "{...}" [--budget 0.15 --keep 0.9 --prior-weight 0.5]
+    python tools/policy_sim.py replay MAPS.json --costs "{...}" [--budget 0.15 --keep 0.9 --prior-weight 0.5 --prior-floor 0.5]
     python tools/policy_sim.py replay MAPS.json --costs "{..., 'shadow': 0.9}" --shadow-every 0   # no shadow drafts
 
 Drawn: a round commits its whole block one time in `p`, else 1-3 tokens (uniformly), one request of 128 tokens at a
@@ -196,6 +196,7 @@ def main(argv=None) -> None:
     p.add_argument("--keep", type=float, default=None)
     p.add_argument("--budget", type=float, default=None)
     p.add_argument("--prior-weight", type=float, default=None)
+    p.add_argument("--prior-floor", type=float, default=None)
     p.add_argument("--target", default=None, help="maps: the target (default: the embedded one)")
     p.add_argument("--draft", default=None, help="maps: the drafter (default: the embedded one)")
     p.add_argument("--heldout", type=int, default=16, help="maps: prompts per set")
@@ -203,7 +204,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.mode != "drawn" and not args.file:
         p.error(f"{args.mode} needs a file: python tools/policy_sim.py {args.mode} MAPS.json")
-    params = {k: v for k, v in (("keep", args.keep), ("budget", args.budget), ("prior_weight", args.prior_weight)) if v is not None}
+    params = {k: v for k, v in (("keep", args.keep), ("budget", args.budget), ("prior_weight", args.prior_weight),
+                                ("prior_floor", args.prior_floor)) if v is not None}
     if args.shadow_every is not None:
         if args.shadow_every < 0:
             p.error(f"--shadow-every must be >= 0, got {args.shadow_every}")
