@@ -461,3 +461,15 @@ def test_a_setting_out_of_range_is_refused_in_one_line(setting, value, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert setting in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_policy_sim_memory_forecasts_each_round_from_the_last():
+    """tools/policy_sim.py memory: the rounds pure rounds take on a map (each where the last one's tokens end), the
+    correlation of consecutive rounds' tokens and each decay's forecast error. A map on which they commit 4, 4, 1, 1
+    (worked by hand): pairs (4, 4), (4, 1), (1, 1) correlate 0.5; the last round alone (keep 0) misses by 0, 3, 0;
+    keep 0.5 forecasts 4, 6 / 1.5 = 4 and 4 / 1.75, missing by 0, 3 and 9/7."""
+    from tools import policy_sim
+    maps = {"s": [{"tokens": 11, "block": 16, "A": [4, 1, 1, 1, 4, 1, 1, 1, 1, 1]}]}
+    got = policy_sim.memory(maps, keeps=(0.0, 0.5))["s"]
+    assert got["correlation"] == pytest.approx(0.5)
+    assert got["error"][0.0] == pytest.approx(1.0) and got["error"][0.5] == pytest.approx((3 + 9 / 7) / 3)

@@ -7,6 +7,7 @@ seconds (docs/method.md#adaptive-speculation).
     python tools/policy_sim.py maps MAPS.json --heldout 16      # the embedded pair's acceptance maps, every prompt set
     python tools/policy_sim.py replay MAPS.json --costs "{...}" [--budget 0.15 --keep 0.9 --prior-weight 0.5 --prior-floor 0.5]
     python tools/policy_sim.py replay MAPS.json --costs "{..., 'shadow': 0.9}" --shadow-every 0   # no shadow drafts
+    python tools/policy_sim.py memory MAPS.json                 # how well a row's past rounds foretell its next
 
 Drawn: a round commits its whole block one time in `p`, else 1-3 tokens (uniformly), one request of 128 tokens at a
 time, 200 requests per p; printed per p: the policy's tokens per second over pure rounds' and over AR's.
@@ -24,6 +25,10 @@ Replay: the policy of an Engine of one slot (one_slot_policy) decides on each ma
 decode step `ar`, default equal to a plain step, what a shadow draft adds to its plain step `shadow`, default a
 plain step), every decision's seconds reported to it, shadow drafts judged as the engine judges them (run); per set, the medians over
 prompts of policy / pure rounds and policy / AR. Tune on some sets and judge on prompts.UNTUNED.
+Memory: per set, the rounds pure rounds of the whole block take on each map (each where the last one's tokens end):
+the correlation of consecutive rounds' tokens, and for each MEMORY_KEEPS the mean absolute error of a decayed
+average of a row's past rounds (weight `keep` per round, as policy.Rows keeps them, without the prior) as the
+forecast of its next round's tokens.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ import policy as policy_module   # noqa: E402
 from policy import GenerationError, Policy   # noqa: E402
 
 DRAWN_COSTS = "{0: 1.0, 16: 3.0, 8: 2.1, 4: 1.8, 2: 1.6}"
+MEMORY_KEEPS = (0.0, 0.3, 0.5, 0.7, 0.9)       # the decays `memory` compares
 
 
 def run(commits, costs: dict, policy: Policy | None, tokens: int, block: int = 16) -> float:
@@ -131,6 +137,41 @@ def replay(maps: dict, costs: dict, params: dict) -> dict:
     return table
 
 
+def memory(maps: dict, keeps=MEMORY_KEEPS) -> dict:
+    """maps as replay reads them -> {set: {"correlation": of consecutive pure rounds' tokens, "error": {keep: mean
+    absolute error of the decayed average's forecast of the next round}}} (module docstring), printed per set."""
+    table = {}
+    for name, prompts in maps.items():
+        pairs, errors = [], {keep: [] for keep in keeps}
+        for m in prompts:
+            commits, n, block = committer(m["A"]), m["tokens"], m["block"]
+            tokens, got = [], 1
+            while got < n:                              # pure rounds of the whole block, as run() takes them
+                tokens.append(min(commits(got - 1, block), block, n - got))
+                got += tokens[-1]
+            pairs += list(zip(tokens, tokens[1:]))
+            for keep in keeps:
+                s = w = 0.0
+                for t in tokens:
+                    if w:
+                        errors[keep].append(abs(s / w - t))
+                    s, w = keep * s + t, keep * w + 1
+        table[name] = {"correlation": correlation(pairs), "error": {k: statistics.mean(e) if e else None
+                                                                       for k, e in errors.items()}}
+        print(f"{name:12s} consecutive rounds' tokens correlate {table[name]['correlation']:.2f}; forecast error by keep: "
+              + ", ".join(f"{k} {e:.2f}" for k, e in table[name]["error"].items() if e is not None))
+    return table
+
+
+def correlation(pairs: list) -> float:
+    """Pearson's correlation of the pairs' two members (nan where either is constant)."""
+    xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
+
+
 def committer(A):
     """A map's A -> commits(j, k): the tokens a round of k commits at output position j. A: {k: [..]} (each verify
     block's own acceptance, as acceptance_maps writes it; JSON keys as strings), or one list for the whole block,
@@ -188,8 +229,8 @@ def acceptance_maps(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", choices=("drawn", "maps", "replay"), default="drawn")
-    p.add_argument("file", nargs="?", help="maps: where to write the maps; replay: the maps to replay")
+    p.add_argument("mode", nargs="?", choices=("drawn", "maps", "replay", "memory"), default="drawn")
+    p.add_argument("file", nargs="?", help="maps: where to write the maps; replay, memory: the maps to read")
     p.add_argument("--costs", default=None, help="{k: seconds} (0: a plain step; 'ar': AR's decode step, replay only; "
                    "'shadow': what a shadow draft adds to its plain step, default a plain step's)")
     p.add_argument("--shadow-every", type=int, default=None, help="policy.SHADOW_EVERY (0: no shadow drafts)")
@@ -226,11 +267,11 @@ def main(argv=None) -> None:
         args.target, args.draft = args.target or options.DEFAULT_TARGET, args.draft or options.DEFAULT_DRAFT
         with open(args.file, "w") as f:
             json.dump(acceptance_maps(args), f)
-    elif args.mode == "replay":
+    elif args.mode in ("replay", "memory"):
         with open(args.file) as f:
             maps = json.load(f)
         try:
-            print(json.dumps(replay(maps, costs, params)))
+            print(json.dumps(replay(maps, costs, params) if args.mode == "replay" else memory(maps)))
         except ValueError as e:
             p.error(str(e))
     else:
