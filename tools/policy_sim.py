@@ -26,8 +26,8 @@ decode step `ar`, default equal to a plain step, what a shadow draft adds to its
 plain step), every decision's seconds reported to it, shadow drafts judged as the engine judges them (run); per set, the medians over
 prompts of policy / pure rounds and policy / AR. Tune on some sets and judge on prompts.UNTUNED.
 Memory: per set, the rounds pure rounds of the whole block take on each map (each where the last one's tokens end):
-the correlation of consecutive rounds' tokens, and for each MEMORY_KEEPS the mean absolute error of a decayed
-average of a row's past rounds (weight `keep` per round, as policy.Rows keeps them, without the prior) as the
+the correlation of consecutive rounds' tokens, and for each MEMORY_KEEPS the mean absolute error of a row's
+estimate (policy.Rows: a decayed average of its past rounds, weight `keep` per round; here without the prior) as the
 forecast of its next round's tokens.
 """
 from __future__ import annotations
@@ -150,26 +150,22 @@ def memory(maps: dict, keeps=MEMORY_KEEPS) -> dict:
                 tokens.append(min(commits(got - 1, block), block, n - got))
                 got += tokens[-1]
             pairs += list(zip(tokens, tokens[1:]))
-            for keep in keeps:
-                s = w = 0.0
+            for keep in keeps:               # the policy's own estimate of a row (policy.Rows), without its prior
+                rows = policy_module.Rows((block,), keep, prior_p=1.0, prior_weight=0.0, prior_floor=0.0)
+                rows.admit(0)
                 for t in tokens:
-                    if w:
-                        errors[keep].append(abs(s / w - t))
-                    s, w = keep * s + t, keep * w + 1
-        table[name] = {"correlation": correlation(pairs), "error": {k: statistics.mean(e) if e else None
-                                                                       for k, e in errors.items()}}
+                    if rows.weights[0][block]:
+                        errors[keep].append(abs(rows.summed([0])[block] - t))
+                    rows.add_round(0, block, t)
+        xs, ys = zip(*pairs) if pairs else ((), ())
+        try:
+            r = statistics.correlation(xs, ys)
+        except statistics.StatisticsError:                  # fewer than two pairs, or either member constant
+            r = float("nan")
+        table[name] = {"correlation": r, "error": {k: statistics.mean(e) if e else None for k, e in errors.items()}}
         print(f"{name:12s} consecutive rounds' tokens correlate {table[name]['correlation']:.2f}; forecast error by keep: "
               + ", ".join(f"{k} {e:.2f}" for k, e in table[name]["error"].items() if e is not None))
     return table
-
-
-def correlation(pairs: list) -> float:
-    """Pearson's correlation of the pairs' two members (nan where either is constant)."""
-    xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in pairs)
-    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
 
 
 def committer(A):
