@@ -43,18 +43,19 @@ MIN_ITEMS = 40                      # fewer tests than this run in one process
 UNLISTED_SECONDS = 1.0              # the weight of each test of a module WEIGHTS does not list
 POLL_SECONDS = 0.2                  # how often the main process looks for the second's events once its own are done
 
-# Each module's seconds in a one-process run of the suite (pytest --durations=0, summed per file; AMD EPYC, 2 cores,
-# 2026-12-07). Only the balance of the two shares depends on them: a stale figure costs time, never a result.
+# Each module's seconds: its tests' in a one-process run of the suite (pytest --durations=0, summed per file) plus
+# its background work (helpers.Early), timed alone (AMD EPYC, 2 cores, 2026-12-07). Only the balance of the two
+# shares depends on them: a stale figure costs time, never a result.
 WEIGHTS = {
-    "test_sampling.py": 125, "test_batching.py": 74, "test_mtp.py": 73, "test_check_faults.py": 57,
-    "test_check_server.py": 54, "test_moe.py": 53, "test_spec_equals_ar.py": 50, "test_check.py": 44,
-    "test_bench_preset.py": 42, "test_flex.py": 41, "test_eagle3.py": 38, "test_policy.py": 28,
-    "test_bench_turns.py": 26, "test_cli.py": 26, "test_published_kinds.py": 25, "test_chat.py": 18,
-    "test_user_errors.py": 15, "test_compile.py": 15, "test_tp.py": 12, "test_tables.py": 12, "test_near_ties.py": 12,
-    "test_tree.py": 12, "test_embedded.py": 10, "test_vision.py": 10, "test_reference.py": 8,
-    "test_weight_dtype.py": 8, "test_load_memory.py": 8, "test_packed.py": 6, "test_early.py": 6, "test_kernels.py": 4,
+    "test_compile.py": 154, "test_batching.py": 147, "test_sampling.py": 144, "test_flex.py": 103, "test_moe.py": 73,
+    "test_mtp.py": 73, "test_bench_preset.py": 64, "test_check_faults.py": 57, "test_check_server.py": 54,
+    "test_tp.py": 53, "test_spec_equals_ar.py": 50, "test_check.py": 44, "test_eagle3.py": 38, "test_packed.py": 30,
+    "test_cli.py": 28, "test_policy.py": 28, "test_bench_turns.py": 26, "test_published_kinds.py": 25,
+    "test_torchrun.py": 23, "test_split.py": 25, "test_chat.py": 18, "test_user_errors.py": 15, "test_tables.py": 12,
+    "test_near_ties.py": 12, "test_tree.py": 12, "test_embedded.py": 10, "test_vision.py": 10, "test_reference.py": 8,
+    "test_weight_dtype.py": 8, "test_load_memory.py": 8, "test_early.py": 6, "test_kernels.py": 4,
     "test_repository.py": 4, "test_hf_parity.py": 3, "test_zlab_parity.py": 3, "test_train.py": 3,
-    "test_loading.py": 3, "test_torchrun.py": 2, "test_side_by_side.py": 0.3,
+    "test_loading.py": 3, "test_side_by_side.py": 0.3,
 }
 
 
@@ -169,8 +170,9 @@ class Split:
 
     def __init__(self, config):
         self.config, self.second_items, self.second = config, [], None
-        self.share = os.environ.get(SHARE)
-        self.events = open(os.environ[EVENTS], "a") if os.environ.get(EVENTS) else None
+        self.share = os.environ.pop(SHARE, None)             # (popped: a pytest that a test runs is not the second)
+        events = os.environ.pop(EVENTS, None)
+        self.events = open(events, "a") if events else None
 
     def enabled(self, items: list) -> bool:
         option = self.config.option

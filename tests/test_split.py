@@ -38,6 +38,7 @@ def mark(name):
 
 def test_{m}_passes():
     mark("{m}_passes")
+    assert "DFLASH_TESTS_SHARE" not in os.environ and "DFLASH_TESTS_EVENTS" not in os.environ   # (not for pytests it runs)
 
 def test_{m}_skips():
     mark("{m}_skips")
