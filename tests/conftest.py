@@ -47,7 +47,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that wait for background work (helpers.Early's used_by) run last: by then that work has had the
+    """First the split (split.py): a second pytest process takes its share of the modules off this session's items.
+    Then the tests that wait for background work (helpers.Early's used_by) run last: by then that work has had the
     whole suite's time on the other core. They run in the reverse of the background's order (Early.start_for runs
     the jobs in the registry's order), so that this core takes the jobs the background has not reached yet (a test
     whose job has not started runs it itself, Early.result) while the background finishes the one in hand: the two

@@ -9,9 +9,9 @@ How, in the process the user started (the main one):
     less work so far (WEIGHTS: each module's seconds in a one-process run; a module not listed weighs
     UNLISTED_SECONDS a test). The main one drops the second's items from its own session, so the background work
     of helpers.Early starts only for its own modules.
-  - at the start of the test loop (Split.pytest_runtestloop): the second process starts, `python -m pytest` on the
-    module files it was dealt, told by environment variables (SHARE, EVENTS) which node ids to keep and where to
-    write its events.
+  - at the start of the test loop (Split.pytest_runtestloop): the second process starts, `python -m pytest` with
+    the same command line (so the same options and the same selection), told by environment variables (SHARE,
+    EVENTS) which node ids of that selection to keep and where to write its events.
   - while both run, and after the main one's own tests until the second ends: each event the second wrote (a test's
     start, each of its reports, its finish, a warning) is replayed through this session's hooks, so its dots, its
     failures, the final counts and the exit status are this session's own. A test of the second process that never
@@ -19,15 +19,15 @@ How, in the process the user started (the main one):
   - -x, a keyboard interrupt or any other early end of the main one ends the second.
 
 One process runs everything (no split) with DFLASH_TESTS_SPLIT=0, under --collect-only or --pdb, and when the run
-has fewer than MIN_ITEMS tests or a single module. The second process takes none of the command line's options
-(only the node ids the main one chose): options that change how tests run (-p, -W, hypothesis's) apply to the main
-one's modules alone; use DFLASH_TESTS_SPLIT=0 with them.
+has fewer than MIN_ITEMS tests or a single module. Both processes write what the command line asks for (a junit
+file, the cache of last failures) and the main one writes last, with every test's report.
 """
 from __future__ import annotations
 
 import builtins
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,13 +91,12 @@ class Second:
         open(self.events, "w").close()
         self.finished, self.pending, self.offset, self.replaying = set(), "", 0, False
         env = {**os.environ, SHARE: self.share, EVENTS: self.events, SPLIT: "0"}
-        files = sorted({module_of(item) for item in items})
-        rootdir = str(config.rootpath)
+        args = [*config.invocation_params.args, "--rootdir", str(config.rootpath)]     # (its node ids as ours)
+        if config.option.basetemp:                  # (each pytest empties its basetemp when it starts)
+            args += ["--basetemp", os.path.join(self.folder, "basetemp")]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", rootdir,
-                 *(os.path.join(rootdir, f) for f in files)],
-                cwd=str(config.invocation_params.dir), env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=str(config.invocation_params.dir),
+                                         env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def replay(self) -> None:
         """Replay the events written since the last call (complete lines only)."""
@@ -159,9 +158,11 @@ class Second:
                 self.config.hook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
     def stop(self) -> None:
+        """End the second process if it still runs, and remove its files."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class Split:

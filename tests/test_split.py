@@ -126,3 +126,12 @@ def test_exit_first_ends_both(tmp_path):
     out, _ = run_suite(tmp_path, extra, args=("-x",))
     assert out.returncode == 1, out.stdout
     assert "1 failed" in out.stdout and "test_beta_sleeps" not in out.stdout.split("short test summary")[-1]
+
+
+def test_the_second_process_runs_the_command_lines_options(tmp_path):
+    """-W error::UserWarning turns each module's two warnings into failures, in both processes."""
+    out, pids = run_suite(tmp_path, args=("-W", "error::UserWarning"))
+    assert out.returncode == 1, out.stdout
+    assert "4 failed, 2 passed, 2 skipped" in out.stdout, out.stdout
+    assert len(set(pids.values())) == 2
+
