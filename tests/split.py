@@ -5,10 +5,11 @@ Why: most tests run one torch thread (conftest.py), so one pytest process keeps 
 work of helpers.Early fills the other only part of the time. Splitting the modules between two processes uses both.
 
 How, in the process the user started (the main one):
-  - after collection (share): the modules are dealt to the two processes, the heaviest first, each to the one with
-    less work so far (WEIGHTS: each module's seconds in a one-process run; a module not listed weighs
-    UNLISTED_SECONDS a test). The main one drops the second's items from its own session, so the background work
-    of helpers.Early starts only for its own modules.
+  - after collection (Split.apply, called by conftest.py's pytest_collection_modifyitems): the modules are dealt
+    to the two processes, the heaviest first, each to the one with less work so far (`deal`; WEIGHTS: each module's
+    seconds, its tests' and its background work's; a module not listed weighs UNLISTED_SECONDS a test). The main
+    one drops the second's items from its own session, so the background work of helpers.Early starts only for its
+    own modules.
   - at the start of the test loop (Split.pytest_runtestloop): the second process starts, `python -m pytest` with
     the same command line (so the same options and the same selection), told by environment variables (SHARE,
     EVENTS) which node ids of that selection to keep and where to write its events.
