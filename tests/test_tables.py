@@ -204,6 +204,15 @@ def test_tau_and_speedup_are_the_zlab_scripts():
     assert dd.histogram(16) == [1, 2, 1, 0, 0, 0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 2]
 
 
+def test_tau_leaves_out_prompts_without_a_round():
+    """A prompt the adaptive policy ran in plain steps only has no acceptance lengths: tau is the mean over the
+    prompts that had rounds, 0.0 when none had; the histogram counts rounds only."""
+    some = tables.Cell([tables.Turn(20, 0.4, [4, 2]), tables.Turn(20, 0.3, []), tables.Turn(20, 0.2, [1])])
+    assert some.tau() == 2.0 and some.histogram(4) == [1, 1, 0, 1]
+    none = tables.Cell([tables.Turn(20, 0.4, []), tables.Turn(20, 0.3, [])])
+    assert none.tau() == 0.0 and none.histogram(4) == [0, 0, 0, 0]
+
+
 def test_markdown_has_the_seeds_shape():
     out = {"sets": ["gsm8k", "humaneval"], "methods": {
         "dflash": {"block_size": 16, "tau": 6.5, "speedup": 3.0, "sets": {"gsm8k": {"tau": 6.0, "speedup": 2.5},
@@ -224,14 +233,16 @@ def test_plots_are_skipped_without_matplotlib(monkeypatch, tmp_path):
 @pytest.mark.skipif(not HAS_EMBEDDED_PAIR, reason="embedded pair not present")
 def test_table_run_writes_the_table_json_and_plots(tmp_path, capsys):
     """The embedded pair on a local set (a one-turn and a two-turn sample) and HumanEval's first samples, with DFlash
-    and the MTP head: the printed table, results.json (every turn run, every output AR's), and PNGs that open."""
+    and the MTP head: the printed table, results.json (every turn run, every output AR's), and PNGs that open.
+    Pure rounds (--no-adaptive): the default policy may take plain steps only on a machine where rounds lose (then
+    a prompt has no acceptance lengths: test_tau_leaves_out_prompts_without_a_round)."""
     from PIL import Image
     f = tmp_path / "mine.jsonl"
     f.write_text(json.dumps({"prompt": "import os\n\ndef main(argv):"}) + "\n"
                  + json.dumps({"turns": ["class Stack:", "def push(self, x):"]}) + "\n")
     out_dir = tmp_path / "out"
     res = bench.main(["--dataset", f"{f},humaneval", "--limit", "2", "--methods", "dflash,mtp3", "--max-new-tokens", "24",
-                      "--threads", "1", "--out", str(out_dir)])
+                      "--threads", "1", "--no-adaptive", "--out", str(out_dir)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(res))
     assert res["sets"] == ["mine", "humaneval"] and set(res["methods"]) == {"dflash", "mtp3"}
