@@ -31,12 +31,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def pytest_configure(config):
-    """The suite on both cores: part of its modules in a second pytest process (split.py)."""
-    import split
-    config.pluginmanager.register(split.Split(config), "dflash-split")
-
-
 def pytest_collection_finish(session):
     """Start the slow work the collected modules declared (helpers.Early) in the background (not for --collect-only)."""
     from helpers import Early
@@ -47,14 +41,12 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """First the split (split.py): a second pytest process takes its share of the modules off this session's items.
-    Then the tests that wait for background work (helpers.Early's used_by) run last: by then that work has had the
+    """The tests that wait for background work (helpers.Early's used_by) run last: by then that work has had the
     whole suite's time on the other core. They run in the reverse of the background's order (Early.start_for runs
     the jobs in the registry's order), so that this core takes the jobs the background has not reached yet (a test
     whose job has not started runs it itself, Early.result) while the background finishes the one in hand: the two
     cores end together, not one idling while the other works through the queue."""
     from helpers import Early
-    config.pluginmanager.get_plugin("dflash-split").apply(items)     # (first: it drops the second process's items)
     order = {(j.module, t): i for i, j in enumerate(Early.registry) for t in j.used_by}
 
     def key(item):
