@@ -671,4 +671,4 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    tp.exit_process(cli())

@@ -490,6 +490,19 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def exit_process(code: int) -> None:
+    """End the process with exit status `code`: sys.exit in a single process; a torchrun rank (WORLD_SIZE > 1, its
+    process group closed) flushes its output and ends at once (os._exit), skipping the interpreter's teardown. There
+    a rank aborted now and then after its output was complete (SIGABRT, "terminate called without an active
+    exception", no Python frame left: a C++ thread of torch's still joinable when static objects are destroyed),
+    and torchrun then failed the whole run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def allreduce_bytes(cfg, tokens: int, itemsize: int, draft_layers: int = 0, draft_tokens: int = 0) -> int:
     """The payload all-reduced by one call of the sharded target over `tokens` tokens: two [tokens, H] sums per layer
     (mixer, MLP); plus, with a sharded drafter, two [draft_tokens, H] per drafter layer."""

@@ -5,9 +5,11 @@
 - Several processes on gloo (torch.multiprocessing): dense and MoE targets with drafters, replicated and cut, at
   degrees 2 and 4 == one process (logits within 1e-10 in float64, the same bits on every rank, greedy and sampled
   outputs identical, every acceptance length), the bytes all-reduced, compiled steps, the policies' shared times.
-- The refusals. (The command lines under torchrun: test_torchrun.py.)"""
+- The refusals; a rank's end (tp.exit_process). (The command lines under torchrun: test_torchrun.py.)"""
 import datetime
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -179,6 +181,17 @@ def test_a_backend_that_does_not_serve_the_device(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(M.GenerationError, match="the nccl backend does not serve cpu tensors; use --tp-backend gloo"):
         tp.launch("cpu", "nccl")
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_process_ends_with_its_status_and_its_output(world):
+    """tp.exit_process: a torchrun rank (WORLD_SIZE 2) skips the interpreter's teardown (an atexit handler does not
+    run) yet ends with the status asked and its buffered output written; a single process ends as sys.exit does."""
+    code = ("import atexit, sys, tp; atexit.register(print, 'teardown'); print('out', end=''); "
+            "print('err', end='', file=sys.stderr); tp.exit_process(3)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(tp.__file__), capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "WORLD_SIZE": world})
+    assert (p.returncode, p.stdout, p.stderr) == (3, "out" if world == "2" else "outteardown\n", "err")
 
 
 def test_the_cli_refuses_tp_flags_in_one_process(capsys):

@@ -1018,4 +1018,4 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    tp.exit_process(cli())
