@@ -453,12 +453,17 @@ class Synced:
         self.policy.observe_plain(seconds)
 
 
+def world_size() -> int:
+    """The number of processes torchrun started (its WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def launch(device: str | None, backend: str | None = None, expert_parallel: bool = False,
            shard_drafter: bool = False) -> tuple:
     """Under torchrun (WORLD_SIZE > 1): the process group up on the device's backend, this rank's device chosen (CUDA:
     its LOCAL_RANK's GPU), stdout and stderr of ranks other than 0 silenced (every rank computes the same; rank 0
     prints). -> (Parallel, device); (None, device) for one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world == 1:
         if expert_parallel or shard_drafter or backend:
             raise GenerationError("--expert-parallel, --tp-drafter and --tp-backend apply to runs of several processes: "
@@ -496,7 +501,7 @@ def exit_process(code: int) -> None:
     a rank aborted now and then after its output was complete (SIGABRT, "terminate called without an active
     exception", no Python frame left: a C++ thread of torch's still joinable when static objects are destroyed),
     and torchrun then failed the whole run."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size() > 1:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)
